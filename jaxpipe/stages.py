@@ -1,0 +1,305 @@
+"""Split a traced loss into stage functions with forward, backward and split (I/W) backward.
+
+Stage ``k`` runs the equations between cut ``k-1`` and cut ``k``. Its inputs are the
+parameter leaves and microbatch leaves it reads plus the *carry*: every value defined
+in an earlier stage and used by this or any later stage (so a skip connection that jumps
+over a stage is passed through it). Its outputs are the carry for the next stage; the
+last stage outputs the scalar loss.
+
+Every stage is turned into closed jaxprs once, here, so the runtimes only evaluate them:
+
+- ``fwd``: (params, batch, carry_in) -> (carry_out, stored residuals)
+- ``bwd``: (params, batch, stored residuals, ct_out) -> (ct_params, ct_carry_in)
+- ``bwd_i``: same inputs -> (ct_carry_in, w_residuals)   (backward w.r.t. inputs only)
+- ``bwd_w``: (params, batch, stored residuals, ct_out, w_residuals) -> ct_params
+
+Residuals that are just a parameter or a microbatch leaf are not stored: the backward
+re-reads them (parameters are resident on the device anyway). Only inexact (float)
+parameters and carries are differentiated; integer values (token ids, masks) flow
+through as non-differentiable inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from jaxpipe.errors import PipelineError
+from jaxpipe.trace import Traced, segments
+
+__all__ = ["StageFn", "split", "is_float"]
+
+
+def is_float(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+@dataclass
+class StageFn:
+    """One pipeline stage as closed jaxprs plus the bookkeeping the runtimes need."""
+
+    index: int
+    eqn_range: tuple[int, int]
+    param_ids: tuple[int, ...]  # param leaves read (indices into the flat params)
+    batch_ids: tuple[int, ...]  # microbatch leaves read
+    in_avals: list  # carry received from the previous stage
+    out_avals: list  # carry sent to the next stage (last stage: [loss])
+    residual_avals: list  # residuals stored per microbatch between F and B/W
+    w_residual_avals: list  # values the I half hands to the W half
+    fwd: jcore.ClosedJaxpr
+    bwd: jcore.ClosedJaxpr
+    bwd_i: jcore.ClosedJaxpr
+    bwd_w: jcore.ClosedJaxpr
+    diff_param_mask: tuple[bool, ...] = field(default=())  # per param_ids: differentiated?
+    diff_in_mask: tuple[bool, ...] = field(default=())  # per in_avals
+    diff_out_mask: tuple[bool, ...] = field(default=())  # per out_avals
+    names: tuple[str, ...] = ()
+    is_last: bool = False
+
+    def ct_in_avals(self) -> list:
+        """Cotangents this stage's backward sends to the previous stage."""
+        return [a for a, d in zip(self.in_avals, self.diff_in_mask, strict=True) if d]
+
+    def ct_out_avals(self) -> list:
+        """Cotangents this stage's backward receives from the next stage."""
+        return [a for a, d in zip(self.out_avals, self.diff_out_mask, strict=True) if d]
+
+
+def _eval_eqns(eqns, env: dict) -> None:
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in eqns:
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(
+                *[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
+            )
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+
+
+def _sds(aval):
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+def split(traced: Traced, cuts: Sequence[int]) -> list[StageFn]:
+    """Cut ``traced`` after the markers at positions ``cuts`` (indices into ``traced.markers``).
+
+    Returns ``len(cuts) + 1`` stages. Raises :class:`PipelineError` for cut positions that are
+    out of range, unsorted or repeated.
+    """
+    cuts = list(cuts)
+    n_markers = len(traced.markers)
+    if sorted(set(cuts)) != cuts or any(c < 0 or c >= n_markers for c in cuts):
+        raise PipelineError(
+            f"cut positions {cuts} must be strictly increasing indices into the {n_markers} "
+            f"markers (0..{n_markers - 1}); each cut ends a stage right after that marker."
+        )
+    jaxpr = traced.jaxpr
+    eqns = jaxpr.eqns
+    n_p = traced.num_params
+    segs = segments(traced)
+    bounds = [0, *(segs[c][1] for c in cuts), len(eqns)]
+    ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
+    n_stages = len(ranges)
+
+    param_index = {v: i for i, v in enumerate(jaxpr.invars[:n_p])}
+    batch_index = {v: i for i, v in enumerate(jaxpr.invars[n_p:])}
+    const_vals = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
+
+    # Which stage defines each intermediate value, and the last stage that reads it.
+    defined: dict = {}
+    last_use: dict = {}
+    order: dict = {}  # definition order, for deterministic carry layout
+    for s, (a, b) in enumerate(ranges):
+        for eqn in eqns[a:b]:
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var):
+                    last_use[v] = max(last_use.get(v, -1), s)
+            for v in eqn.outvars:
+                defined[v] = s
+                order[v] = len(order)
+    loss_var = jaxpr.outvars[0]
+    if isinstance(loss_var, jcore.Var):
+        last_use[loss_var] = n_stages  # "used" by the output after the last stage
+
+    def carry_after(s: int) -> list:
+        # values defined at or before stage s that some later stage (or the output) reads
+        live = [v for v, d in defined.items() if d <= s and last_use.get(v, -1) > s]
+        return sorted(live, key=order.__getitem__)
+
+    names = [n for n in traced.marker_names]
+    stages = []
+    for s, (a, b) in enumerate(ranges):
+        carry_in = carry_after(s - 1) if s > 0 else []
+        is_last = s == n_stages - 1
+        carry_out = [loss_var] if is_last else carry_after(s)
+        used = [v for e in eqns[a:b] for v in e.invars if isinstance(v, jcore.Var)]
+        if is_last and isinstance(loss_var, jcore.Var):
+            used.append(loss_var)
+        used = set(used) | set(carry_out)
+        p_ids = tuple(sorted(param_index[v] for v in used if v in param_index))
+        b_ids = tuple(sorted(batch_index[v] for v in used if v in batch_index))
+        seg_names = tuple(
+            str(names[i]) if names[i] is not None else f"marker{i}"
+            for i, m in enumerate(traced.markers)
+            if a <= m < b
+        )
+        stages.append(
+            _build_stage(
+                s, (a, b), eqns[a:b], jaxpr, n_p, p_ids, b_ids, carry_in, carry_out,
+                const_vals, is_last, seg_names,
+            )
+        )
+    return stages
+
+
+def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, const_vals,
+                 is_last, names) -> StageFn:
+    p_vars = [jaxpr.invars[i] for i in p_ids]
+    b_vars = [jaxpr.invars[n_p + i] for i in b_ids]
+    p_avals = [v.aval for v in p_vars]
+    b_avals = [v.aval for v in b_vars]
+    in_avals = [v.aval for v in carry_in]
+    out_avals = [v.aval if isinstance(v, jcore.Var) else jcore.get_aval(v.val) for v in carry_out]
+    dp = tuple(is_float(a) for a in p_avals)
+    di = tuple(is_float(a) for a in in_avals)
+    do = tuple(is_float(a) for a in out_avals)
+    if is_last and not do[0]:
+        raise PipelineError("the loss must be a floating-point scalar.")
+
+    def run(params, batch, carry):
+        env = dict(const_vals)
+        env.update(zip(p_vars, params, strict=True))
+        env.update(zip(b_vars, batch, strict=True))
+        env.update(zip(carry_in, carry, strict=True))
+        _eval_eqns(eqns, env)
+        return [v.val if isinstance(v, jcore.Literal) else env[v] for v in carry_out]
+
+    def pick(xs, mask, keep):
+        return [x for x, m in zip(xs, mask, strict=True) if m == keep]
+
+    def merge(diff, nondiff, mask):
+        it_d, it_n = iter(diff), iter(nondiff)
+        return [next(it_d) if m else next(it_n) for m in mask]
+
+    res_tree: list = []
+
+    def fwd(params, batch, carry):
+        def f(diff):
+            dpar, dcar = diff
+            outs = run(merge(dpar, pick(params, dp, False), dp), batch,
+                       merge(dcar, pick(carry, di, False), di))
+            return pick(outs, do, True), pick(outs, do, False)
+
+        diff = (pick(params, dp, True), pick(carry, di, True))
+        outs_f, vjp_fn, outs_n = jax.vjp(f, diff, has_aux=True)
+        leaves, tree = jax.tree.flatten(vjp_fn)
+        res_tree.append(tree)
+        return merge(outs_f, outs_n, do), leaves
+
+    fwd_raw = jax.make_jaxpr(fwd)(
+        [_sds(a) for a in p_avals], [_sds(a) for a in b_avals], [_sds(a) for a in in_avals]
+    )
+    n_out = len(out_avals)
+    # Residual leaves that are parameters or microbatch leaves are re-read, not stored.
+    fj = fwd_raw.jaxpr
+    in_pos = {v: i for i, v in enumerate(fj.invars)}
+    n_pi, n_bi = len(p_avals), len(b_avals)
+    res_src = []  # per residual leaf: ("param", i) | ("batch", i) | ("stored", j) | ("lit", val)
+    stored_vars: list = []
+    for v in fj.outvars[n_out:]:
+        if isinstance(v, jcore.Literal):
+            res_src.append(("lit", v.val))
+        elif v in in_pos and in_pos[v] < n_pi:
+            res_src.append(("param", in_pos[v]))
+        elif v in in_pos and in_pos[v] < n_pi + n_bi:
+            res_src.append(("batch", in_pos[v] - n_pi))
+        else:
+            if v not in stored_vars:
+                stored_vars.append(v)
+            res_src.append(("stored", stored_vars.index(v)))
+    fwd_jaxpr = jcore.ClosedJaxpr(
+        fj.replace(outvars=fj.outvars[:n_out] + stored_vars), fwd_raw.consts
+    )
+    residual_avals = [v.aval for v in stored_vars]
+    tree = res_tree[0]
+
+    def rebuild(params, batch, stored):
+        out = []
+        for kind, x in res_src:
+            if kind == "param":
+                out.append(params[x])
+            elif kind == "batch":
+                out.append(batch[x])
+            elif kind == "stored":
+                out.append(stored[x])
+            else:
+                out.append(x)
+        return jax.tree.unflatten(tree, out)
+
+    def bwd(params, batch, stored, ct_out):
+        ((ct_par, ct_car),) = rebuild(params, batch, stored)(list(ct_out))
+        return list(ct_par), list(ct_car)
+
+    ct_out_avals = [a for a, d in zip(out_avals, do, strict=True) if d]
+    bwd_jaxpr = jax.make_jaxpr(bwd)(
+        [_sds(a) for a in p_avals], [_sds(a) for a in b_avals],
+        [_sds(a) for a in residual_avals], [_sds(a) for a in ct_out_avals],
+    )
+    n_ctp = sum(dp)
+    bwd_i, bwd_w, w_avals = _split_backward(bwd_jaxpr, n_ctp)
+    return StageFn(
+        index=s, eqn_range=rng, param_ids=p_ids, batch_ids=b_ids, in_avals=in_avals,
+        out_avals=out_avals, residual_avals=residual_avals, w_residual_avals=w_avals,
+        fwd=fwd_jaxpr, bwd=bwd_jaxpr, bwd_i=bwd_i, bwd_w=bwd_w, diff_param_mask=dp,
+        diff_in_mask=di, diff_out_mask=do, names=names, is_last=is_last,
+    )
+
+
+def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int):
+    """Split the backward into I (input cotangents) and W (parameter cotangents).
+
+    I keeps every equation the input cotangents need. W keeps the remaining equations the
+    parameter cotangents need; values it would otherwise recompute from I's equations are
+    handed over as ``w_residuals`` (I's extra outputs), so no work is done twice.
+    """
+    j = bwd.jaxpr
+    ct_p, ct_c = j.outvars[:n_ctp], j.outvars[n_ctp:]
+
+    def needed(roots, skip=frozenset()):
+        live = {v for v in roots if isinstance(v, jcore.Var)}
+        keep = []
+        for idx in range(len(j.eqns) - 1, -1, -1):
+            e = j.eqns[idx]
+            if idx in skip or not any(v in live for v in e.outvars):
+                continue
+            keep.append(idx)
+            live.update(v for v in e.invars if isinstance(v, jcore.Var))
+        return sorted(keep)
+
+    i_idx = needed(ct_c)
+    i_set = set(i_idx)
+    w_idx = needed(ct_p, skip=frozenset(i_set))
+    i_defined = {v for k in i_idx for v in j.eqns[k].outvars}
+    w_reads = [v for k in w_idx for v in j.eqns[k].invars if isinstance(v, jcore.Var)]
+    w_reads += [v for v in ct_p if isinstance(v, jcore.Var)]
+    handoff = []
+    for v in w_reads:
+        if v in i_defined and v not in handoff:
+            handoff.append(v)
+    eqns_i = [j.eqns[k] for k in i_idx]
+    eqns_w = [j.eqns[k] for k in w_idx]
+    jaxpr_i = j.replace(eqns=eqns_i, outvars=list(ct_c) + handoff)
+    jaxpr_w = j.replace(invars=list(j.invars) + handoff, eqns=eqns_w, outvars=list(ct_p))
+    return (
+        jcore.ClosedJaxpr(jaxpr_i, bwd.consts),
+        jcore.ClosedJaxpr(jaxpr_w, bwd.consts),
+        [v.aval for v in handoff],
+    )
