@@ -11,7 +11,7 @@ Every stage is turned into closed jaxprs once, here, so the runtimes only evalua
 - ``fwd``: (params, batch, carry_in) -> (carry_out, stored residuals)
 - ``bwd``: (params, batch, stored residuals, ct_out) -> (ct_params, ct_carry_in)
 - ``bwd_i``: same inputs -> (ct_carry_in, w_residuals)   (backward w.r.t. inputs only)
-- ``bwd_w``: (params, batch, stored residuals, ct_out, w_residuals) -> ct_params
+- ``bwd_w``: (params, batch, stored residuals, w_residuals) -> ct_params
 
 Residuals that are just a parameter or a microbatch leaf are not stored: the backward
 re-reads them (parameters are resident on the device anyway). Only inexact (float)
@@ -254,7 +254,7 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
         [_sds(a) for a in residual_avals], [_sds(a) for a in ct_out_avals],
     )
     n_ctp = sum(dp)
-    bwd_i, bwd_w, w_avals = _split_backward(bwd_jaxpr, n_ctp)
+    bwd_i, bwd_w, w_avals = _split_backward(bwd_jaxpr, n_ctp, len(ct_out_avals))
     return StageFn(
         index=s, eqn_range=rng, param_ids=p_ids, batch_ids=b_ids, in_avals=in_avals,
         out_avals=out_avals, residual_avals=residual_avals, w_residual_avals=w_avals,
@@ -263,12 +263,14 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
     )
 
 
-def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int):
+def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_ct_out: int):
     """Split the backward into I (input cotangents) and W (parameter cotangents).
 
     I keeps every equation the input cotangents need. W keeps the remaining equations the
     parameter cotangents need; values it would otherwise recompute from I's equations are
-    handed over as ``w_residuals`` (I's extra outputs), so no work is done twice.
+    handed over as ``w_residuals`` (I's extra outputs), so no work is done twice. The
+    incoming cotangents W needs are handed over the same way, so the message buffer is
+    free once I has run.
     """
     j = bwd.jaxpr
     ct_p, ct_c = j.outvars[:n_ctp], j.outvars[n_ctp:]
@@ -287,7 +289,8 @@ def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int):
     i_idx = needed(ct_c)
     i_set = set(i_idx)
     w_idx = needed(ct_p, skip=frozenset(i_set))
-    i_defined = {v for k in i_idx for v in j.eqns[k].outvars}
+    ct_in = j.invars[len(j.invars) - n_ct_out:]
+    i_defined = {v for k in i_idx for v in j.eqns[k].outvars} | set(ct_in)
     w_reads = [v for k in w_idx for v in j.eqns[k].invars if isinstance(v, jcore.Var)]
     w_reads += [v for v in ct_p if isinstance(v, jcore.Var)]
     handoff = []
@@ -297,7 +300,8 @@ def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int):
     eqns_i = [j.eqns[k] for k in i_idx]
     eqns_w = [j.eqns[k] for k in w_idx]
     jaxpr_i = j.replace(eqns=eqns_i, outvars=list(ct_c) + handoff)
-    jaxpr_w = j.replace(invars=list(j.invars) + handoff, eqns=eqns_w, outvars=list(ct_p))
+    jaxpr_w = j.replace(invars=list(j.invars[: len(j.invars) - n_ct_out]) + handoff,
+                        eqns=eqns_w, outvars=list(ct_p))
     return (
         jcore.ClosedJaxpr(jaxpr_i, bwd.consts),
         jcore.ClosedJaxpr(jaxpr_w, bwd.consts),

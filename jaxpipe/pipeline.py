@@ -1,0 +1,322 @@
+"""``jp.pipeline``: trace, cut, split, lower and compile a loss for pipelined execution."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe.errors import PipelineError
+from jaxpipe.lower import Lowered, lower
+from jaxpipe.runtime.reference import run_reference
+from jaxpipe.runtime.spmd import StageLayouts, build_step, place
+from jaxpipe.schedule import Schedule
+from jaxpipe.stages import StageFn, split
+from jaxpipe.trace import Traced, microbatch_like, trace
+
+__all__ = ["Pipeline", "pipeline"]
+
+
+def _check_mesh(mesh: Mesh, axis: str, schedule: Schedule) -> tuple[str, ...]:
+    if not isinstance(mesh, Mesh):
+        raise PipelineError(
+            f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
+            f"jax.make_mesh(({schedule.num_devices},), ('{axis}',))."
+        )
+    if axis not in mesh.axis_names:
+        raise PipelineError(
+            f"the mesh has axes {tuple(mesh.axis_names)} but no '{axis}' axis to pipeline "
+            f"over; build it with jax.make_mesh(({schedule.num_devices},), ('{axis}',)) or pass "
+            "axis=<name of your pipeline axis>."
+        )
+    if mesh.shape[axis] != schedule.num_devices:
+        raise PipelineError(
+            f"mesh axis '{axis}' has size {mesh.shape[axis]} but the schedule has "
+            f"num_devices={schedule.num_devices}; make them equal."
+        )
+    return tuple(a for a in mesh.axis_names if a != axis)
+
+
+def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any) -> tuple[list[int], Any]:
+    """Marker positions after which a new stage starts, plus the cutter's report if any."""
+    S = schedule.num_stages
+    n_seg = len(traced.markers) + 1
+    if S > n_seg:
+        raise PipelineError(
+            f"the schedule needs {S} stages but the loss has only {n_seg} cuttable segments "
+            f"({len(traced.markers)} markers); add jaxpipe.boundary / @jaxpipe.layer markers "
+            "or use fewer stages."
+        )
+    if cut == "markers":
+        # Group segments evenly: segment boundaries at round(i * n_seg / S).
+        return [round(i * n_seg / S) - 1 for i in range(1, S)], None
+    from jaxpipe import cut as cutmod
+
+    if cut == "auto":
+        cut = cutmod.Cut()
+    if isinstance(cut, cutmod.Cut):
+        if cut.indices is not None:
+            idx = list(cut.indices)
+            if len(idx) != S - 1:
+                raise PipelineError(
+                    f"Cut(indices={idx}) gives {len(idx) + 1} stages but the schedule has "
+                    f"{S}; pass {S - 1} marker indices."
+                )
+            return idx, None
+        from jaxpipe.cost import segment_costs
+
+        result = cutmod.choose_cuts(segment_costs(traced), schedule, cut)
+        return list(result.cuts), result
+    raise PipelineError(
+        f"cut must be 'auto', 'markers' or a jaxpipe.Cut, got {cut!r}."
+    )
+
+
+class Pipeline:
+    """A loss function compiled for pipelined execution under one schedule.
+
+    Build it with :func:`pipeline`. ``value_and_grad(params, batch)`` returns the mean loss
+    over microbatches and its gradient, equal to ``jax.value_and_grad`` of the unpipelined
+    mean loss. ``shard``/``unshard`` move parameters into and out of the per-device stage
+    layout; ``init``/``train_step`` train with optax keeping parameters resident.
+    """
+
+    def __init__(self, loss_fn, params, batch, *, mesh, schedule, cut="auto", axis="pipe",
+                 runtime="spmd"):
+        if not isinstance(schedule, Schedule):
+            raise PipelineError(
+                f"schedule must be a jaxpipe.Schedule instance, got {type(schedule).__name__};"
+                " e.g. jp.OneFOneB(num_devices=4, num_microbatches=8)."
+            )
+        if runtime not in ("spmd", "reference"):
+            raise PipelineError(f"runtime must be 'spmd' or 'reference', got {runtime!r}.")
+        schedule.validate()
+        self.loss_fn = loss_fn
+        self.schedule = schedule
+        self.mesh = mesh
+        self.axis = axis
+        self.runtime = runtime
+        self.data_axes = _check_mesh(mesh, axis, schedule)
+        self.num_microbatches = schedule.num_microbatches
+        mb = microbatch_like(batch, self.num_microbatches)
+        self._check_data_split(mb)
+        self.traced = trace(loss_fn, params, mb)
+        self._param_avals = [v.aval for v in self.traced.jaxpr.invars[: self.traced.num_params]]
+        self.cuts, self.cut_report = _resolve_cuts(self.traced, schedule, cut)
+        self.stages: list[StageFn] = split(self.traced, self.cuts)
+        self.layouts = StageLayouts.build(self.stages, self._param_avals)
+        self.lowered: Lowered = lower(
+            schedule,
+            [lay.sizes for lay in self.layouts.res],
+            [lay.sizes for lay in self.layouts.wres],
+        )
+        self._spd = max(len(schedule.device_stages(d)) for d in range(schedule.num_devices))
+        self._batch_ndims = [len(a.shape) for a in jax.tree.leaves(mb)]
+        self._step = build_step(
+            self.stages, self.layouts, self.lowered, mesh, axis, self.data_axes,
+            self.num_microbatches, self._batch_ndims,
+        )
+        self._vg = jax.jit(self._value_and_grad)
+        self._shard_jit = jax.jit(
+            lambda leaves: self._pack(leaves, self.layouts.params),
+            out_shardings=NamedSharding(mesh, P(axis)),
+        )
+        self._plan = None
+
+    # ---------------------------------------------------------------- checks
+    def _check_data_split(self, mb) -> None:
+        n = int(np.prod([self.mesh.shape[a] for a in self.data_axes])) if self.data_axes else 1
+        for leaf in jax.tree.leaves(mb):
+            if leaf.shape[0] % n:
+                raise PipelineError(
+                    f"microbatch size {leaf.shape[0]} is not divisible by the {n} devices of "
+                    f"the data axes {self.data_axes}; use a batch size divisible by "
+                    f"{n * self.num_microbatches}."
+                )
+
+    def _check_params(self, params) -> list:
+        leaves, tree = jax.tree.flatten(params)
+        if tree != self.traced.params_treedef:
+            raise PipelineError(
+                "params do not have the structure the pipeline was built with:\n"
+                f"  expected {self.traced.params_treedef}\n  got      {tree}\n"
+                "pass the same parameter pytree (or rebuild the pipeline)."
+            )
+        for i, (x, a) in enumerate(zip(leaves, self._param_avals, strict=True)):
+            if jnp.shape(x) != a.shape or jnp.result_type(x) != a.dtype:
+                raise PipelineError(
+                    f"parameter leaf {i} has shape {jnp.shape(x)} dtype {jnp.result_type(x)}, "
+                    f"but the pipeline was traced with {a.shape} {a.dtype}."
+                )
+        return leaves
+
+    def _microbatches(self, batch) -> list:
+        m = self.num_microbatches
+        mb = microbatch_like(batch, m)
+        leaves, tree = jax.tree.flatten(batch)
+        if tree != self.traced.batch_treedef:
+            raise PipelineError(
+                f"batch structure {tree} differs from the traced {self.traced.batch_treedef}."
+            )
+        want = jax.tree.leaves(mb)
+        n_traced = len(self.traced.jaxpr.invars) - self.traced.num_params
+        traced_avals = [v.aval for v in self.traced.jaxpr.invars[-n_traced:]] if n_traced else []
+        for w, a in zip(want, traced_avals, strict=True):
+            if w.shape != a.shape:
+                raise PipelineError(
+                    f"microbatch leaf shape {w.shape} differs from the traced {a.shape}; "
+                    "rebuild the pipeline for a new batch size."
+                )
+        return [jnp.reshape(x, (m, -1, *jnp.shape(x)[1:])) for x in leaves]
+
+    # ---------------------------------------------------------------- layout
+    def shard(self, params) -> dict[str, jax.Array]:
+        """Pack ``params`` into the per-device stage layout (sharded over the pipe axis).
+
+        Returns ``{dtype: array[devices, stages_per_device, width]}``; tied parameters are
+        copied onto every stage that reads them.
+        """
+        leaves = self._check_params(params)
+        return self._shard_jit(leaves)
+
+    def _pack(self, leaves, layouts) -> dict:
+        sched = self.schedule
+        width = self.layouts.param_width
+        rows = []
+        for d in range(sched.num_devices):
+            stages = sched.device_stages(d)
+            per_k = []
+            for k in range(self._spd):
+                if k < len(stages):
+                    st = self.stages[stages[k]]
+                    per_k.append(layouts[st.index].pack([leaves[i] for i in st.param_ids],
+                                                         width))
+                else:
+                    per_k.append({dt: jnp.zeros((w,), dt) for dt, w in width.items()})
+            rows.append(per_k)
+        return {dt: jnp.stack([jnp.stack([r[k][dt] for k in range(self._spd)]) for r in rows])
+                for dt in width}
+
+    def _per_stage(self, staged) -> list[list]:
+        # Gather to replicated first: user pytrees are replicated, and Explicit-axis meshes
+        # do not allow slicing a pipe-sharded dimension down to one device's row.
+        staged = {dt: place(v, self.mesh, P()) for dt, v in staged.items()}
+        out = []
+        for st in self.stages:
+            d = self.schedule.placement(st.index)
+            k = self.lowered.local_index[st.index]
+            out.append(self.layouts.params[st.index].unpack({dt: v[d, k]
+                                                             for dt, v in staged.items()}))
+        return out
+
+    def unshard(self, staged) -> Any:
+        """Inverse of :meth:`shard`: the user's parameter pytree (first copy of tied leaves)."""
+        leaves: list = [None] * self.traced.num_params
+        for st, vals in zip(self.stages, self._per_stage(staged), strict=True):
+            for pid, x in zip(st.param_ids, vals, strict=True):
+                if leaves[pid] is None:
+                    leaves[pid] = x
+        leaves = [jnp.zeros(a.shape, a.dtype) if x is None else x
+                  for x, a in zip(leaves, self._param_avals, strict=True)]
+        return jax.tree.unflatten(self.traced.params_treedef, leaves)
+
+    def _sum_grads(self, gstaged) -> list:
+        """Per-leaf gradients: the sum over every stage that read the leaf."""
+        grads = [jnp.zeros(a.shape, a.dtype) for a in self._param_avals]
+        for st, vals in zip(self.stages, self._per_stage(gstaged), strict=True):
+            for pid, g in zip(st.param_ids, vals, strict=True):
+                grads[pid] = grads[pid] + g
+        return grads
+
+    # ---------------------------------------------------------------- compute
+    def _value_and_grad(self, params, batch):
+        pbuf = self._pack(self._check_params(params), self.layouts.params)
+        gbuf, loss = self._step(pbuf, self._microbatches(batch))
+        grads = self._sum_grads(gbuf)
+        return loss, jax.tree.unflatten(self.traced.params_treedef, grads)
+
+    def value_and_grad(self, params, batch) -> tuple[jax.Array, Any]:
+        """Mean loss over microbatches and its gradient w.r.t. ``params`` (same pytree)."""
+        if self.runtime == "reference":
+            return self.reference_value_and_grad(params, batch)
+        return self._vg(params, batch)
+
+    def reference_value_and_grad(self, params, batch) -> tuple[jax.Array, Any]:
+        """Same as :meth:`value_and_grad`, run by the sequential reference executor."""
+        leaves = self._check_params(params)
+        loss, grads, _ = run_reference(self.stages, self.schedule, leaves,
+                                       self._microbatches(batch))
+        return loss, jax.tree.unflatten(self.traced.params_treedef, grads)
+
+    def lower_step(self, params, batch):
+        """``jax.jit(...).lower`` of the value-and-grad step (for memory/cost inspection)."""
+        return self._vg.lower(params, batch)
+
+    # ---------------------------------------------------------------- training
+    def init(self, params, optimizer):
+        """Optimizer state for :meth:`train_step`, with parameters in the stage layout."""
+        from jaxpipe.train import init_state
+
+        return init_state(self, params, optimizer)
+
+    def train_step(self, state, batch):
+        """One optimizer step: ``(state, batch) -> (state, metrics)``; jitted, state donated."""
+        from jaxpipe.train import train_step
+
+        return train_step(self, state, batch)
+
+    def params(self, state) -> Any:
+        """The user parameter pytree held by a train state."""
+        return self.unshard(state.params)
+
+    @property
+    def plan(self):
+        """Per-stage layers, FLOPs, bytes, in-flight counts and predicted memory/bubble."""
+        if self._plan is None:
+            from jaxpipe.plan import Plan
+
+            self._plan = Plan.build(self)
+        return self._plan
+
+
+def pipeline(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batch: Any,
+    *,
+    mesh: Mesh,
+    schedule: Schedule,
+    cut: Any = "auto",
+    axis: str = "pipe",
+    runtime: str = "spmd",
+) -> Pipeline:
+    """Compile ``loss_fn`` for pipelined execution under ``schedule`` on ``mesh``.
+
+    Args:
+      loss_fn: ``loss_fn(params, microbatch) -> scalar``, the per-microbatch loss. Mark
+        candidate cuts with :func:`jaxpipe.boundary` or :func:`jaxpipe.layer`.
+      params: parameter pytree (arrays or ``jax.ShapeDtypeStruct``) to trace with.
+      batch: a full batch pytree (arrays or ``ShapeDtypeStruct``); every leaf is split
+        into ``schedule.num_microbatches`` along axis 0.
+      mesh: a mesh with a pipeline axis of size ``schedule.num_devices``. Other axes are
+        data-parallel: the batch is sharded over them and gradients averaged.
+      schedule: any validated :class:`jaxpipe.Schedule`.
+      cut: ``"auto"`` (memory-aware cutter), ``"markers"`` (markers grouped evenly into
+        ``num_stages`` stages), or a :class:`jaxpipe.Cut`.
+      axis: name of the pipeline mesh axis.
+      runtime: ``"spmd"`` (one jit(shard_map) program) or ``"reference"`` (sequential).
+
+    Example::
+
+        mesh = jax.make_mesh((4,), ("pipe",))
+        pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh,
+                           schedule=jp.OneFOneB(4, 8), cut="markers")
+        loss, grads = pipe.value_and_grad(params, batch)
+    """
+    return Pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut=cut, axis=axis,
+                    runtime=runtime)

@@ -1,0 +1,1 @@
+"""Runtimes: ``spmd`` (one jit(shard_map) program) and ``reference`` (sequential, for tests)."""
