@@ -103,7 +103,8 @@ def lower(
     """
     schedule.validate()
     S, D = schedule.num_stages, schedule.num_devices
-    spd = schedule.stages_per_device
+    # SPMD buffers need one shape: size by the device holding the most stages.
+    spd = max(len(schedule.device_stages(d)) for d in range(D))
     wres_sizes = wres_sizes or [{} for _ in range(S)]
     timeline = schedule.simulate(costs=UNIT_COSTS)
     when: dict[Action, tuple[int, int]] = {}

@@ -115,7 +115,7 @@ class Pipeline:
             [lay.sizes for lay in self.layouts.res],
             [lay.sizes for lay in self.layouts.wres],
         )
-        self._spd = max(len(schedule.device_stages(d)) for d in range(schedule.num_devices))
+        self._spd = self.lowered.stages_per_device
         self._batch_ndims = [len(a.shape) for a in jax.tree.leaves(mb)]
         self._step = build_step(
             self.stages, self.layouts, self.lowered, mesh, axis, self.data_axes,

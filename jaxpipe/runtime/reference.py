@@ -25,7 +25,6 @@ def run_reference(
     Returns ``(mean loss, gradient per param leaf, peak live residual sets per device)``.
     """
     m = schedule.num_microbatches
-    S = schedule.num_stages
     timeline = schedule.simulate(costs={"F": 1, "B": 1, "I": 1, "W": 1})
     order = sorted(timeline.events, key=lambda e: (e.start, e.device))
     fns = {
@@ -85,5 +84,4 @@ def run_reference(
             del res[key]
             live[d] -= 1
     assert not res and not acts and not cts, "schedule left work undone"
-    del S
     return loss, grads, peak

@@ -90,7 +90,7 @@ def build_step(
     ``pbuf``/``gbuf``: dict dtype -> ``[devices, stages_per_device, width]`` sharded over
     ``axis``. ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``.
     """
-    S, spd, m = low.num_stages, low.stages_per_device, num_microbatches
+    spd, m = low.stages_per_device, num_microbatches
     L = layouts
     col = low.columns
     res_keys, wres_keys = list(low.res_pool), list(low.wres_pool)
