@@ -1,0 +1,149 @@
+"""The ``jaxpipe`` command.
+
+Subcommands are registered in :data:`SUBCOMMANDS`: each entry is a function
+``add_<name>_parser(subparsers)`` that adds its parser and sets ``func`` (a callable
+``args -> int`` exit code) with ``parser.set_defaults(func=...)``. To add a
+subcommand, write such a function and append it to :data:`SUBCOMMANDS`.
+
+Errors (bad arguments, invalid schedules) print one line to stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import NoReturn
+
+
+class CLIError(Exception):
+    """A user error: printed as ``jaxpipe: error: <message>``, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def parse_costs(text: str) -> dict[str, Fraction]:
+    """Parse ``"F=1,B=2,I=1,W=1"`` into exact costs (missing kinds keep defaults)."""
+    from jaxpipe.schedule import ACTION_KINDS
+
+    costs: dict[str, Fraction] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, sep, value = item.partition("=")
+        kind = kind.strip().upper()
+        if not sep or kind not in ACTION_KINDS:
+            raise argparse.ArgumentTypeError(
+                f"bad cost {item!r}: expected KIND=NUMBER with KIND in {', '.join(ACTION_KINDS)}"
+            )
+        try:
+            cost = Fraction(value.strip())
+        except (ValueError, ZeroDivisionError):
+            raise argparse.ArgumentTypeError(
+                f"bad cost {item!r}: {value!r} is not a number"
+            ) from None
+        if cost < 0:
+            raise argparse.ArgumentTypeError(f"bad cost {item!r}: costs must be >= 0")
+        costs[kind] = cost
+    return costs
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from jaxpipe.schedule import load_schedule
+
+    cls = load_schedule(args.schedule)
+    kwargs = {} if args.v is None else {"stages_per_device": args.v}
+    try:
+        schedule = cls(args.p, args.m, **kwargs)
+    except TypeError as err:
+        raise CLIError(f"cannot construct {cls.__name__}(p={args.p}, m={args.m}): {err}") from err
+    timeline = schedule.simulate(args.costs)
+
+    print(timeline.to_ascii(width=args.width))
+    print()
+    print(f"schedule        {schedule!r}")
+    print(f"makespan        {_num(timeline.makespan)}")
+    print(f"bubble fraction {timeline.bubble_fraction:.4f}")
+    print("device  stages          peak in-flight  busy")
+    for d in range(schedule.num_devices):
+        stages = ",".join(map(str, schedule.device_stages(d)))
+        print(f"{d:<7} {stages:<15} {timeline.peak_in_flight[d]:<15} {_num(timeline.busy_time[d])}")
+    if args.trace:
+        print(f"wrote chrome trace {timeline.to_chrome_trace(args.trace)}")
+    if args.plot:
+        print(f"wrote plot {timeline.plot(args.plot)}")
+    return 0
+
+
+def _num(x: object) -> str:
+    if isinstance(x, Fraction):
+        return str(x.numerator) if x.denominator == 1 else f"{float(x):.6g}"
+    return str(x) if isinstance(x, int) else f"{float(x):.6g}"  # type: ignore[arg-type]
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
+    """``jaxpipe simulate SCHEDULE -p P -m M [-v V] [--costs ...] [--plot ...] [--trace ...]``."""
+    parser = subparsers.add_parser(
+        "simulate",
+        help="simulate a schedule: ASCII timeline, bubble fraction, peak in-flight",
+        description="Validate and simulate a pipeline schedule; print its timeline, "
+        "makespan, bubble fraction and per-device peak in-flight microbatches.",
+    )
+    parser.add_argument(
+        "schedule",
+        help="built-in name (gpipe, 1f1b, interleaved) or path/to/file.py:ClassName",
+    )
+    parser.add_argument("-p", "--devices", dest="p", type=int, required=True,
+                        help="number of pipeline devices")
+    parser.add_argument("-m", "--microbatches", dest="m", type=int, required=True,
+                        help="number of microbatches")
+    parser.add_argument("-v", "--stages-per-device", dest="v", type=int, default=None,
+                        help="stages (model chunks) per device; default: the schedule's")
+    parser.add_argument("--costs", type=parse_costs, default=None, metavar="F=1,B=2,I=1,W=1",
+                        help="action costs (default F=1,B=2,I=1,W=1)")
+    parser.add_argument("--width", type=int, default=None,
+                        help="cap the ASCII timeline width in characters")
+    parser.add_argument("--plot", metavar="OUT.png", help="save a Gantt chart (PNG/SVG)")
+    parser.add_argument("--trace", metavar="OUT.json",
+                        help="save a Chrome/Perfetto trace (open in ui.perfetto.dev)")
+    parser.set_defaults(func=_run_simulate)
+
+
+#: Subcommand registry: each adds one parser to the ``subparsers`` action.
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_simulate_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level ``jaxpipe`` parser with every registered subcommand."""
+    parser = _Parser(
+        prog="jaxpipe",
+        description="jaxpipe: pipeline parallelism for JAX with user-defined schedules.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    subparsers.required = True
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``jaxpipe`` command; returns the exit code (0 ok, 2 user error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error (2), already printed
+        return exit_.code if isinstance(exit_.code, int) else 2
+    try:
+        return int(args.func(args))
+    except (CLIError, ValueError, OSError) as err:  # ScheduleError is a ValueError
+        message = " ".join(str(err).split())  # one line, whatever the exception held
+        print(f"jaxpipe {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

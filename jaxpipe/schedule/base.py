@@ -1,0 +1,123 @@
+"""The ``Schedule`` base class: what a pipeline schedule is, and what you implement.
+
+A schedule splits the model into ``num_stages = num_devices * stages_per_device``
+stages, places each stage on a device (:meth:`Schedule.placement`), and says, for
+every device, the order in which it runs its actions
+(:meth:`Schedule.device_actions`). Everything else (validation, simulation,
+lowering to one SPMD program) is derived from those two methods.
+
+A minimal custom schedule::
+
+    class AllForwardThenBackward(Schedule):
+        name = "afab"
+
+        def device_actions(self, device):
+            (stage,) = self.device_stages(device)
+            mbs = range(self.num_microbatches)
+            return [Action("F", stage, mb) for mb in mbs] + [
+                Action("B", stage, mb) for mb in mbs
+            ]
+
+``device_actions`` must be deterministic: jaxpipe calls it more than once.
+"""
+
+from __future__ import annotations
+
+import abc
+import numbers
+from typing import ClassVar
+
+from .action import Action, ScheduleError
+from .simulate import Costs, Timeline, simulate_schedule
+from .validate import validate_schedule
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ScheduleError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class Schedule(abc.ABC):
+    """Base class of every pipeline schedule (built-in or user-defined).
+
+    Args:
+        num_devices: devices on the ``pipe`` mesh axis (``p``).
+        num_microbatches: microbatches per step (``m``).
+        stages_per_device: model chunks per device (``v``); ``num_stages = p * v``.
+
+    Subclasses implement :meth:`device_actions` and may override :meth:`placement`
+    (default: the "loop" placement ``stage % num_devices``). They may set a class
+    attribute ``name`` (e.g. ``"1f1b"``) used by the CLI and in reports.
+    """
+
+    name: ClassVar[str | None] = None
+
+    def __init__(self, num_devices: int, num_microbatches: int, stages_per_device: int = 1):
+        self.num_devices = _positive_int("num_devices", num_devices)
+        self.num_microbatches = _positive_int("num_microbatches", num_microbatches)
+        self.stages_per_device = _positive_int("stages_per_device", stages_per_device)
+
+    @property
+    def num_stages(self) -> int:
+        """Total number of pipeline stages, ``num_devices * stages_per_device``."""
+        return self.num_devices * self.stages_per_device
+
+    def placement(self, stage: int) -> int:
+        """The device that holds ``stage``. Default: loop placement ``stage % num_devices``
+        (device ``d`` holds stages ``d, d+p, d+2p, ...``). V-shaped schedules override it."""
+        return stage % self.num_devices
+
+    def device_stages(self, device: int) -> list[int]:
+        """The stages placed on ``device``, ascending."""
+        if not 0 <= device < self.num_devices:
+            raise ScheduleError(
+                f"device {device} out of range: there are {self.num_devices} devices"
+            )
+        return [s for s in range(self.num_stages) if self.placement(s) == device]
+
+    @abc.abstractmethod
+    def device_actions(self, device: int) -> list[Action]:
+        """The actions ``device`` runs, in the order it runs them."""
+
+    def actions(self) -> dict[int, list[Action]]:
+        """``{device: device_actions(device)}`` for every device."""
+        return {d: list(self.device_actions(d)) for d in range(self.num_devices)}
+
+    def uses_split_backward(self, stage: int, microbatch: int) -> bool:
+        """True if (stage, microbatch) runs its backward as ``I`` + ``W`` instead of ``B``.
+
+        Computed once from :meth:`actions` and cached on the instance.
+        """
+        split = self.__dict__.get("_jaxpipe_split_units")
+        if split is None:
+            split = frozenset(
+                (a.stage, a.microbatch)
+                for acts in self.actions().values()
+                for a in acts
+                if isinstance(a, Action) and a.kind == "I"
+            )
+            self.__dict__["_jaxpipe_split_units"] = split
+        return (stage, microbatch) in split
+
+    def validate(self) -> None:
+        """Raise :class:`ScheduleError` naming device, action and rule if the schedule is
+        invalid: wrong placement, index out of range, missing/duplicate actions, B mixed
+        with I/W, backward before forward, W before I, or a cross-device deadlock."""
+        validate_schedule(self)
+
+    def simulate(self, costs: Costs = None) -> Timeline:
+        """Validate, then simulate with ``costs`` and return the :class:`Timeline`.
+
+        ``costs``: ``None`` (F=1, B=2, I=1, W=1), a dict ``{kind: cost}`` (missing kinds
+        take the defaults), or a callable ``action -> cost`` (e.g. per-stage costs).
+        """
+        return simulate_schedule(self, costs)
+
+    def __repr__(self) -> str:
+        v = self.stages_per_device
+        extra = f", stages_per_device={v}" if v > 1 else ""
+        return (
+            f"{type(self).__name__}(num_devices={self.num_devices}, "
+            f"num_microbatches={self.num_microbatches}{extra})"
+        )

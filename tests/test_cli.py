@@ -1,0 +1,87 @@
+"""The jaxpipe command: console entry point, main() and its error handling."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jaxpipe.cli import main, parse_costs
+
+
+def _check_1f1b_output(out):
+    assert "dev 0 |0F0 0F1 0F2 0F3 " in out
+    assert "makespan        33" in out
+    assert "bubble fraction 0.2727" in out
+    table = out[out.index("peak in-flight  busy"):].splitlines()[1:5]
+    assert [row.split()[:3] for row in table] == [
+        ["0", "0", "4"], ["1", "1", "3"], ["2", "2", "2"], ["3", "3", "1"],
+    ]
+
+
+def test_module_entry_point():
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpipe.cli", "simulate", "1f1b", "-p", "4", "-m", "8"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    _check_1f1b_output(proc.stdout)
+
+
+def test_console_script():
+    exe = shutil.which("jaxpipe")
+    if exe is None:
+        pytest.skip("console script not installed (pip install -e .)")
+    proc = subprocess.run([exe, "simulate", "1f1b", "-p", "4", "-m", "8"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    _check_1f1b_output(proc.stdout)
+
+
+def test_main_direct_with_outputs(tmp_path, capsys):
+    plot, trace = tmp_path / "t.png", tmp_path / "t.json"
+    rc = main(["simulate", "interleaved", "-p", "2", "-m", "4", "-v", "2",
+               "--costs", "F=1,B=1", "--plot", str(plot), "--trace", str(trace)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "stages_per_device=2" in out and "bubble fraction 0.1111" in out  # 1/9
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert len([e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]) == 32
+
+
+def test_user_file_schedule(tmp_path, capsys):
+    f = tmp_path / "s.py"
+    f.write_text("from jaxpipe.schedule import GPipe\nclass Mine(GPipe):\n    name = 'mine'\n")
+    assert main(["simulate", f"{f}:Mine", "-p", "2", "-m", "2"]) == 0
+    assert "Mine(num_devices=2, num_microbatches=2)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["simulate", "nope", "-p", "2", "-m", "2"], "unknown schedule 'nope'"),
+        (["simulate", "interleaved", "-p", "4", "-m", "6"], "multiple of num_devices"),
+        (["simulate", "1f1b", "-p", "0", "-m", "2"], "num_devices must be a positive int"),
+        (["simulate", "1f1b", "-p", "x", "-m", "2"], "invalid int value"),
+        (["simulate", "1f1b", "-m", "2"], "required"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--costs", "Q=1"], "bad cost 'Q=1'"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_errors_are_one_line_exit_2(argv, words, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0] and words in lines[0]
+
+
+def test_help_exits_zero(capsys):
+    assert main(["simulate", "--help"]) == 0
+    assert "--costs" in capsys.readouterr().out
+
+
+def test_parse_costs():
+    assert parse_costs("F=1, b=2.5,W=1/3") == {"F": 1, "B": 2.5, "W": pytest.approx(1 / 3)}
