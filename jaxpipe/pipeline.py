@@ -119,7 +119,7 @@ class Pipeline:
         self._batch_ndims = [len(a.shape) for a in jax.tree.leaves(mb)]
         self._step = build_step(
             self.stages, self.layouts, self.lowered, mesh, axis, self.data_axes,
-            self.num_microbatches, self._batch_ndims,
+            self.num_microbatches, len(self._batch_ndims),
         )
         self._vg = jax.jit(self._value_and_grad)
         self._shard_jit = jax.jit(

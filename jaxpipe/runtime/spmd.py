@@ -83,12 +83,19 @@ def build_step(
     axis: str,
     data_axes: tuple[str, ...],
     num_microbatches: int,
-    batch_ndims: list[int],
+    num_batch_leaves: int,
+    epilogue=None,
+    extra_in_specs: tuple = (),
+    epilogue_out_specs=None,
 ):
-    """Return ``step(pbuf, batch_mb) -> (gbuf, loss)`` as a shard_map'ed function.
+    """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss)`` as a shard_map'ed function.
 
     ``pbuf``/``gbuf``: dict dtype -> ``[devices, stages_per_device, width]`` sharded over
     ``axis``. ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``.
+
+    With ``epilogue``, the step instead returns ``epilogue(pbuf_local, gbuf_local, loss,
+    *extra_local)`` computed on each device inside the same program (the optimizer update
+    uses this), with ``extra_in_specs`` / ``epilogue_out_specs`` as its shard_map specs.
     """
     spd, m = low.stages_per_device, num_microbatches
     L = layouts
@@ -167,7 +174,7 @@ def build_step(
         for st in stages:
             branches.append(make_branch(kind, st))
 
-    def per_device(pbuf, batch, table, active):
+    def per_device(pbuf, batch, table, active, *extra):
         pbuf = {k: v[0] for k, v in pbuf.items()}
         table = table[:, 0]
         res = {k: jnp.zeros((low.res_pool[k] + res_w[k],), k) for k in res_keys}
@@ -212,25 +219,28 @@ def build_step(
         if data_axes:
             loss = lax.pmean(loss, data_axes)
             gout = jax.tree.map(lambda x: lax.pmean(x, data_axes), gout)
+        if epilogue is not None:
+            return epilogue(pbuf, gout, loss, *extra)
         return {k: v[None] for k, v in gout.items()}, loss
 
     data_spec = data_axes if data_axes else None
-    batch_specs = [P(None, data_spec) for _ in batch_ndims]
+    batch_specs = [P(None, data_spec) for _ in range(num_batch_leaves)]
     pspec = {k: P(axis) for k in L.param_width}
+    in_specs = (pspec, batch_specs, P(None, axis), P(), *extra_in_specs)
     fn = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(pspec, batch_specs, P(None, axis), P()),
-        out_specs=(pspec, P()),
+        in_specs=in_specs,
+        out_specs=(pspec, P()) if epilogue is None else epilogue_out_specs,
         check_vma=False,
     )
     table = jnp.asarray(low.table)
     active = jnp.asarray(low.perm_active)
 
-    def step(pbuf, batch_mb):
-        args = (pbuf, list(batch_mb), table, active)
-        specs = (pspec, batch_specs, P(None, axis), P())
-        return fn(*jax.tree.map(lambda x, s: place(x, mesh, s), args, specs))
+    def step(pbuf, batch_mb, *extra):
+        args = (pbuf, list(batch_mb), table, active, *extra)
+        return fn(*jax.tree.map(lambda x, s: place(x, mesh, s), args, in_specs,
+                                is_leaf=lambda x: x is None))
 
     return step
 
