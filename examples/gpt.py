@@ -1,0 +1,370 @@
+"""Train a small character-level GPT with pipeline parallelism (the jaxpipe main job).
+
+    python examples/gpt.py                      # 4 virtual CPU devices, 1F1B, auto cut
+    python examples/gpt.py --schedule gpipe --microbatches 8
+    python examples/gpt.py --schedule schedules/zb.py:ZeroBubbleH1
+    python examples/gpt.py --plain              # same model, plain single-device JAX
+
+The model is a GPT written in flax nnx: token + position embeddings, the token
+embedding tied to the output head (``logits = h @ embed.T``), ``--layers`` decoder
+blocks (causal self-attention + MLP, pre-layernorm), each decorated with
+``@jp.layer`` so the cutter may place a stage boundary after any block. The tied
+embedding is used by the first stage (lookup) and the last (head): jaxpipe keeps a
+copy on both and sums their gradients.
+
+The corpus is the Python standard library's own source code (present on every
+machine, no download), read as characters. Files are taken in sorted order; the last
+10% of the characters (whole, different files) are held out for evaluation.
+
+The script prints the pipeline plan, the schedule's timeline, a progress bar (loss,
+tokens/s), then the final train / held-out loss next to the uniform-guess loss
+ln(vocab), and on its last line ``RESULT {json}`` for scripts and tests. ``main(argv)``
+returns the same dict.
+
+Virtual CPU devices run one after another, so tokens/s here measures the
+pipeline's overhead, not its speed-up; on real accelerators the stages overlap.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _force_cpu_devices(argv: list[str]) -> None:
+    """Ask XLA for enough virtual CPU devices; must run before jax is imported."""
+    n = 4
+    for i, a in enumerate(argv):  # a cheap pre-parse: argparse runs after jax import
+        if a == "--stages" and i + 1 < len(argv) and argv[i + 1].isdigit():
+            n = max(n, int(argv[i + 1]))
+        elif a.startswith("--stages="):
+            n = max(n, int(a.split("=", 1)[1]))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+if __name__ == "__main__":
+    _force_cpu_devices(sys.argv[1:])
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxpipe as jp  # noqa: E402
+
+# ----------------------------------------------------------------------------- data
+
+# A fixed character vocabulary (tab, newline, printable ASCII, one "unknown"), so the
+# token ids do not depend on which Python version's sources were read.
+CHARS = "\t\n" + "".join(chr(c) for c in range(32, 127))
+UNK = len(CHARS)
+VOCAB = len(CHARS) + 1
+_LOOKUP = np.full(0x110000, UNK, dtype=np.int32)
+_LOOKUP[[ord(c) for c in CHARS]] = np.arange(len(CHARS), dtype=np.int32)
+
+
+def stdlib_corpus(max_chars: int) -> str:
+    """Up to ``max_chars`` characters of the standard library's ``*.py`` files, sorted by name."""
+    root = os.path.dirname(os.__file__)
+    parts, total = [], 0
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        parts.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    return "".join(parts)[:max_chars]
+
+
+def encode(text: str) -> np.ndarray:
+    """Character ids (``int32``) under the fixed vocabulary ``CHARS`` (+ ``UNK``)."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    return _LOOKUP[codes]
+
+
+def load_data(max_chars: int, heldout_frac: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """(train ids, held-out ids): the corpus split at ``1 - heldout_frac``."""
+    ids = encode(stdlib_corpus(max_chars))
+    split = int(len(ids) * (1 - heldout_frac))
+    return ids[:split], ids[split:]
+
+
+def sample_batch(ids: np.ndarray, rng: np.random.Generator, batch: int, seq: int) -> dict:
+    """Random windows: ``x`` = ``seq`` characters, ``y`` = the same shifted by one."""
+    starts = rng.integers(0, len(ids) - seq - 1, size=batch)
+    idx = starts[:, None] + np.arange(seq + 1)[None, :]
+    windows = ids[idx]
+    return {"x": windows[:, :-1], "y": windows[:, 1:]}
+
+
+def heldout_batches(ids: np.ndarray, batch: int, seq: int, n: int) -> list[dict]:
+    """``n`` fixed, evenly spaced held-out batches (deterministic evaluation)."""
+    count = batch * n
+    starts = np.linspace(0, len(ids) - seq - 2, count).astype(np.int64)
+    idx = starts[:, None] + np.arange(seq + 1)[None, :]
+    windows = ids[idx].reshape(n, batch, seq + 1)
+    return [{"x": w[:, :-1], "y": w[:, 1:]} for w in windows]
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """GPT hyper-parameters."""
+
+    vocab: int = VOCAB
+    seq: int = 128
+    layers: int = 4
+    width: int = 128
+    heads: int = 4
+    mlp_ratio: int = 4
+
+
+def _init() -> nnx.Initializer:
+    return nnx.initializers.normal(0.02)
+
+
+def _residual_init(cfg: Config) -> nnx.Initializer:
+    # Projections back into the residual stream are scaled down with depth (GPT-2), so
+    # the stream's variance does not grow with the number of blocks.
+    return nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.layers))
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head self-attention where position t only attends to positions <= t."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.heads = cfg.heads
+        self.qkv = nnx.Linear(cfg.width, 3 * cfg.width, kernel_init=_init(), rngs=rngs)
+        self.proj = nnx.Linear(cfg.width, cfg.width, kernel_init=_residual_init(cfg), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
+        # [b, t, d] -> [b, heads, t, d/heads]
+        q, k, v = (a.reshape(b, t, self.heads, d // self.heads).transpose(0, 2, 1, 3)
+                   for a in (q, k, v))
+        scores = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(d // self.heads)
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        out = jax.nn.softmax(scores, axis=-1) @ v
+        return self.proj(out.transpose(0, 2, 1, 3).reshape(b, t, d))
+
+
+@jp.layer
+class Block(nnx.Module):
+    """A pre-layernorm decoder block; ``@jp.layer`` makes each call one cuttable unit."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        hidden = cfg.mlp_ratio * cfg.width
+        self.ln1 = nnx.LayerNorm(cfg.width, rngs=rngs)
+        self.attn = CausalSelfAttention(cfg, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(cfg.width, rngs=rngs)
+        self.fc = nnx.Linear(cfg.width, hidden, kernel_init=_init(), rngs=rngs)
+        self.out = nnx.Linear(hidden, cfg.width, kernel_init=_residual_init(cfg), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer with the token embedding tied to the output head."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab, cfg.width)))
+        self.pos = nnx.Param(nnx.initializers.normal(0.01)(rngs.params(), (cfg.seq, cfg.width)))
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.ln_f = nnx.LayerNorm(cfg.width, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``[batch, seq, vocab]`` for integer ``tokens`` ``[batch, seq]``."""
+        h = self.embed[...][tokens] + self.pos[...][: tokens.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        # Tied head: the same matrix that embedded the tokens scores the next one.
+        return self.ln_f(h) @ self.embed[...].T
+
+
+def loss_fn(model: GPT, batch: dict) -> jax.Array:
+    """Mean next-character cross-entropy (nats)."""
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def make_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
+    """AdamW, linear warm-up from lr/10, cosine decay to lr/10; no decay on norms and biases."""
+    warmup = max(1, min(100, steps // 10))
+    sched = optax.warmup_cosine_decay_schedule(lr / 10, lr, warmup, max(steps, warmup + 1), lr / 10)
+    return optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1,
+                       mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+
+
+# ----------------------------------------------------------------------------- driver
+
+DEFAULTS = dict(layers=4, width=128, heads=4, seq=128, batch=32, stages=4, microbatches=8,
+                steps=300, lr=3e-3, corpus_chars=2_000_000, eval_batches=8)
+TINY = dict(layers=4, width=32, heads=2, seq=32, batch=8, stages=4, microbatches=4,
+            steps=20, lr=1e-2, corpus_chars=200_000, eval_batches=2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, help="decoder blocks (default 4)")
+    p.add_argument("--width", type=int, help="model width (default 128)")
+    p.add_argument("--heads", type=int, help="attention heads (default 4)")
+    p.add_argument("--seq", type=int, help="context length in characters (default 128)")
+    p.add_argument("--batch", type=int, help="sequences per step (default 32)")
+    p.add_argument("--stages", type=int, help="pipeline devices (default 4)")
+    p.add_argument("--stages-per-device", type=int, default=1,
+                   help="virtual stages per device, for interleaved schedules (default 1)")
+    p.add_argument("--microbatches", type=int, help="microbatches per step (default 8)")
+    p.add_argument("--schedule", default="1f1b",
+                   help="built-in name (gpipe, 1f1b, interleaved1f1b) or file.py:Class")
+    p.add_argument("--cut", default="auto", help="auto (memory-aware) or markers")
+    p.add_argument("--steps", type=int, help="training steps (default 300)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-chars", type=int, help="characters of stdlib source to read")
+    p.add_argument("--eval-batches", type=int, help="held-out batches to evaluate")
+    p.add_argument("--tiny", action="store_true", help="a very small config (tests, smoke runs)")
+    p.add_argument("--plain", action="store_true",
+                   help="train without the pipeline (plain jax.value_and_grad, one device)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    base = TINY if args.tiny else DEFAULTS
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def make_schedule(args: argparse.Namespace) -> jp.Schedule:
+    cls = jp.load_schedule(args.schedule)
+    if args.stages_per_device > 1:
+        return cls(args.stages, args.microbatches, stages_per_device=args.stages_per_device)
+    return cls(args.stages, args.microbatches)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train and evaluate; returns the summary dict also printed as the ``RESULT`` line."""
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    cfg = Config(seq=args.seq, layers=args.layers, width=args.width, heads=args.heads)
+    train_ids, held_ids = load_data(args.corpus_chars)
+    rng = np.random.default_rng(args.seed)
+    model = GPT(cfg, rngs=nnx.Rngs(args.seed))
+    optimizer = make_optimizer(args.lr, args.steps)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"corpus: {len(train_ids):,} train / {len(held_ids):,} held-out characters of "
+          f"stdlib source; vocab {VOCAB} (uniform-guess loss ln(V) = {math.log(VOCAB):.3f})")
+    print(f"model: {cfg.layers} blocks, width {cfg.width}, {cfg.heads} heads, context "
+          f"{cfg.seq}, {n_params:,} parameters")
+
+    graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
+
+    if args.plain:
+        def pure_loss(p: Any, batch: dict) -> jax.Array:
+            return loss_fn(nnx.merge(graphdef, p, rest), batch)
+
+        @jax.jit
+        def plain_step(p: Any, opt_state: Any, batch: dict) -> tuple[Any, Any, jax.Array]:
+            loss, grads = jax.value_and_grad(pure_loss)(p, batch)
+            updates, opt_state = optimizer.update(grads, opt_state, p)
+            return optax.apply_updates(p, updates), opt_state, loss
+
+        state = (params0, optimizer.init(params0))
+        step_fn = lambda s, b: (lambda p, o, loss: ((p, o), loss))(*plain_step(*s, b))
+        final_params = lambda s: s[0]
+        print("training without a pipeline (--plain): one device, jax.value_and_grad")
+    else:
+        schedule = make_schedule(args)
+        devices = jax.devices()
+        if len(devices) < args.stages:
+            raise SystemExit(f"--stages {args.stages} needs {args.stages} devices, jax sees "
+                             f"{len(devices)}; set XLA_FLAGS=--xla_force_host_platform_"
+                             f"device_count={args.stages} before starting Python")
+        mesh = jax.sharding.Mesh(np.array(devices[: args.stages]), ("pipe",))
+        example = sample_batch(train_ids, np.random.default_rng(args.seed), args.batch, args.seq)
+        pipe = jp.flax.pipeline(model, loss_fn, example, mesh=mesh, schedule=schedule,
+                                cut=args.cut)
+        print(pipe.plan)
+        print(f"schedule {type(schedule).__name__} (p={args.stages}, m={args.microbatches}):")
+        print(schedule.simulate().to_ascii())
+        state = pipe.init(model, optimizer)
+        step_fn = lambda s, b: (lambda s2, metrics: (s2, metrics["loss"]))(*pipe.train_step(s, b))
+
+        def final_params(s: Any) -> Any:
+            pipe.update_model(model, pipe.params(s))
+            return nnx.state(model, nnx.Param)
+
+    tokens_per_step = args.batch * args.seq
+    losses: list[float] = []
+    steady_time, steady_steps = 0.0, 0
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc="train", dynamic_ncols=True, file=sys.stdout)
+    for step in range(args.steps):
+        batch = sample_batch(train_ids, rng, args.batch, args.seq)
+        t0 = time.perf_counter()
+        state, loss = step_fn(state, batch)
+        loss = float(loss)  # blocks until the step is done
+        dt = time.perf_counter() - t0
+        if step > 0:  # step 0 includes compilation
+            steady_time += dt
+            steady_steps += 1
+        losses.append(loss)
+        if bar is not None:
+            tps = tokens_per_step * steady_steps / steady_time if steady_steps else 0.0
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    # Held-out evaluation: a plain jitted forward on the (unsharded) trained parameters.
+    trained = final_params(state)
+    eval_loss = jax.jit(lambda p, b: loss_fn(nnx.merge(graphdef, p, rest), b))
+    held = heldout_batches(held_ids, args.batch, args.seq, args.eval_batches)
+    held_loss = float(np.mean([float(eval_loss(trained, b)) for b in held]))
+    tail = losses[-max(1, min(20, len(losses) // 10)):]
+    result = {
+        "mode": "plain" if args.plain else "pipeline",
+        "schedule": None if args.plain else args.schedule,
+        "config": dataclasses.asdict(cfg) | {"batch": args.batch, "stages": args.stages,
+                                             "microbatches": args.microbatches,
+                                             "steps": args.steps, "lr": args.lr},
+        "params": int(n_params),
+        "uniform_loss": math.log(VOCAB),
+        "losses": losses,
+        "train_loss": float(np.mean(tail)),
+        "heldout_loss": held_loss,
+        "tokens_per_s": tokens_per_step * steady_steps / steady_time if steady_steps else None,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    tps = result["tokens_per_s"]
+    print(f"final: train loss {result['train_loss']:.3f}  held-out loss {held_loss:.3f}  "
+          f"(uniform ln({VOCAB}) = {math.log(VOCAB):.3f})  "
+          f"{tps if tps is None else f'{tps:,.0f}'} tokens/s  wall {result['wall_s']:.1f} s")
+    print("RESULT " + json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

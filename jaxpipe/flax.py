@@ -1,0 +1,402 @@
+"""Flax integration: ``@jp.layer`` on Module classes, and pipelines over nnx / linen models.
+
+Decorating a Module class
+-------------------------
+``@jp.layer`` on a flax ``nnx.Module`` or ``linen.Module`` subclass returns a
+*subclass* (same ``__name__``, ``__qualname__``, ``__module__``, fields and
+methods) whose ``__call__`` passes its outputs through :func:`jaxpipe.boundary`.
+Every call of the module is then one cuttable unit for the pipeline cutter::
+
+    @jp.layer
+    class Block(nnx.Module):
+        def __init__(self, d, *, rngs):
+            self.linear = nnx.Linear(d, d, rngs=rngs)
+
+        def __call__(self, x):
+            return x + nnx.relu(self.linear(x))
+
+Without a pipeline the boundary is the identity, so outputs, parameter trees
+(names included) and serialization are exactly those of the undecorated class.
+A subclass rather than in-place patching is used so that ``jp.layer(nnx.Linear)``
+gives a cuttable ``Linear`` without changing flax's own ``Linear`` everywhere.
+
+Pipelining a model
+------------------
+:func:`pipeline` (nnx) and :func:`pipeline_linen` (linen) are thin adapters over
+:func:`jaxpipe.pipeline`: they pull the trainable parameters out of the model as a
+pure ``dict`` pytree, pipeline a loss over that dict (rebuilding the model inside
+the traced loss), and hand back an object with the whole ``jp.Pipeline`` API plus a
+way to write trained parameters back into the model or variables.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import jax
+
+from jaxpipe.markers import boundary
+
+__all__ = [
+    "layer_class",
+    "pipeline",
+    "pipeline_linen",
+    "NnxPipeline",
+    "LinenPipeline",
+]
+
+C = TypeVar("C", bound=type)
+
+_LAYER_ATTR = "__jaxpipe_layer__"  # label on a decorated class and on its wrapped __call__
+_INNER_ATTR = "__jaxpipe_inner__"  # the undecorated __call__ (lets a subclass be re-labelled)
+
+
+# --------------------------------------------------------------------------- markers
+
+
+def _is_linen(cls: type) -> bool:
+    try:
+        from flax import linen as nn
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return False
+    return issubclass(cls, nn.Module)
+
+
+def _is_nnx(cls: type) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover
+        return False
+    return issubclass(cls, nnx.Module)
+
+
+def layer_class(cls: C, name: str | None = None) -> C:
+    """Return a subclass of ``cls`` whose every ``__call__`` is one cuttable pipeline unit.
+
+    This is what ``@jp.layer`` does for classes. The subclass keeps the class's name,
+    qualified name, module and docstring, so flax's automatic submodule names
+    (``Block_0`` in linen), parameter trees and serialized checkpoints are unchanged;
+    ``isinstance(obj, cls)`` still holds. Only ``__call__`` is wrapped: its outputs
+    (any pytree) pass through :func:`jaxpipe.boundary`, which is the identity outside a
+    pipeline trace.
+
+    For linen modules the wrapper calls linen's own managed ``__call__`` (scope set up,
+    ``nn.compact`` honoured) and is not re-managed itself, so ``init``/``apply``,
+    ``method=``, interceptors and ``capture_intermediates`` behave as before.
+
+    Args:
+      cls: an ``nnx.Module`` or ``linen.Module`` subclass (any class with
+        ``__call__`` works the same way).
+      name: label for the plan table; default ``cls.__qualname__``.
+
+    Raises:
+      TypeError: if ``cls`` has no ``__call__`` of its own to wrap.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"layer_class expects a class, got {cls!r}")
+    # The __call__ instances use: the first class in the MRO that defines one.
+    call = next((k.__dict__["__call__"] for k in cls.__mro__ if "__call__" in k.__dict__), None)
+    if call is None:
+        raise TypeError(f"@jp.layer: class {cls.__qualname__} defines no __call__ to wrap")
+    label = name or cls.__qualname__
+    # Decorating a class that is already decorated re-labels it instead of stacking
+    # two boundaries on the same output.
+    inner = getattr(call, _INNER_ATTR, call)
+
+    # functools.wraps copies linen's ``method_handler_wrapped`` flag (and ``compact``)
+    # from ``inner``: linen then leaves this wrapper unmanaged, and the call it makes
+    # to ``inner`` does all of linen's scope handling exactly once.
+    @functools.wraps(inner)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return boundary(inner(self, *args, **kwargs), name=label)
+
+    setattr(__call__, _LAYER_ATTR, label)
+    setattr(__call__, _INNER_ATTR, inner)
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        _LAYER_ATTR: label,
+    }
+    # types.new_class runs the metaclass and __init_subclass__ like a class statement:
+    # linen re-applies its dataclass transform (fields are inherited unchanged), nnx
+    # registers the subclass as a graph node.
+    sub = types.new_class(cls.__name__, (cls,), {}, lambda ns: ns.update(namespace))
+    return sub  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _pipeline_fn() -> Callable[..., Any]:
+    # Imported late: jaxpipe.pipeline pulls in the tracer/cutter/runtime, which the
+    # markers (and models merely decorated with them) never need.
+    from jaxpipe.pipeline import pipeline as jp_pipeline
+
+    return jp_pipeline
+
+
+class _Delegating:
+    """Forward every attribute not defined here to the wrapped ``jp.Pipeline``."""
+
+    pipe: Any
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names not found normally; guard against recursion while
+        # ``pipe`` itself is not set yet (e.g. during unpickling).
+        if name == "pipe":
+            raise AttributeError(name)
+        return getattr(self.pipe, name)
+
+    @property
+    def plan(self) -> Any:
+        """The wrapped pipeline's plan (stages, layers, bytes, bubble); printable."""
+        return self.pipe.plan
+
+    def shard(self, params: Any) -> Any:
+        """Move parameters into the per-device stage layout (see ``Pipeline.shard``)."""
+        return self.pipe.shard(self._as_params(params))
+
+    def unshard(self, staged: Any) -> Any:
+        """Inverse of :meth:`shard`: the parameters as the pure-dict pytree."""
+        return self.pipe.unshard(staged)
+
+    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        """Pipelined mean loss over microbatches and its gradient (a pure dict)."""
+        return self.pipe.value_and_grad(self._as_params(params), batch)
+
+    def init(self, params: Any, optimizer: Any) -> Any:
+        """Training state for :meth:`train_step` (parameters + optax state, staged)."""
+        return self.pipe.init(self._as_params(params), optimizer)
+
+    def train_step(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+        """One jitted optimizer step; ``state`` is donated. Returns ``(state, metrics)``."""
+        return self.pipe.train_step(state, batch)
+
+    def params(self, state: Any) -> Any:
+        """The parameters (pure-dict pytree) held in a :meth:`init`/:meth:`train_step` state."""
+        return self.pipe.params(state)
+
+    def _as_params(self, params: Any) -> Any:  # pragma: no cover - overridden
+        return params
+
+
+# --------------------------------------------------------------------------- nnx
+
+
+def _nnx_pure(x: Any, wrt: Any) -> Any:
+    """Pure-dict parameters from an nnx Module, an nnx State, or a pure dict."""
+    from flax import nnx
+
+    if isinstance(x, nnx.Module):
+        x = nnx.state(x, wrt)
+    if isinstance(x, nnx.State):
+        return nnx.to_pure_dict(x)
+    return x
+
+
+class NnxPipeline(_Delegating):
+    """A ``jp.Pipeline`` over an nnx model's parameters; made by :func:`pipeline`.
+
+    Every method accepting parameters takes the model itself, an ``nnx.State`` of its
+    parameters, or the pure ``dict`` (``nnx.to_pure_dict(state)``) the pipeline works on
+    internally; gradients and :meth:`params` come back as that pure dict. All other
+    ``jp.Pipeline`` attributes are forwarded.
+
+    Attributes:
+      pipe: the underlying ``jp.Pipeline`` (loss over the pure parameter dict).
+      graphdef: the model's static structure.
+      template: an ``nnx.State`` of the parameters, used to rebuild the model.
+      rest: the model's non-parameter state, held constant inside the pipeline.
+    """
+
+    def __init__(self, pipe: Any, graphdef: Any, template: Any, rest: Any, wrt: Any):
+        self.pipe = pipe
+        self.graphdef = graphdef
+        self.template = template
+        self.rest = rest
+        self.wrt = wrt
+
+    def _as_params(self, params: Any) -> Any:
+        return _nnx_pure(params, self.wrt)
+
+    def update_model(self, model: Any, params: Any) -> Any:
+        """Write ``params`` (pure dict, ``nnx.State``, or a :meth:`init` state) into ``model``.
+
+        The model is updated in place (nnx semantics) and also returned, so
+        ``pipe.update_model(model, pipe.params(state))`` after training leaves ``model``
+        holding the trained weights.
+        """
+        from flax import nnx
+
+        if not isinstance(params, nnx.State | Mapping):
+            params = self.pipe.params(params)  # a training state from init/train_step
+        state = _state_from_pure(self.template, _nnx_pure(params, self.wrt))
+        nnx.update(model, state)
+        return model
+
+
+def _state_from_pure(template: Any, pure: Any) -> Any:
+    """A fresh ``nnx.State`` shaped like ``template`` holding the arrays of ``pure``."""
+    from flax import nnx
+
+    state = jax.tree.map(lambda v: v, template)  # new Variable objects, same metadata
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def pipeline(
+    model: Any,
+    loss_fn: Callable[[Any, Any], jax.Array],
+    batch: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    schedule: Any,
+    cut: Any = "auto",
+    axis: str = "pipe",
+    wrt: Any = None,
+    **kwargs: Any,
+) -> NnxPipeline:
+    """Pipeline an nnx model: ``loss_fn(model, microbatch) -> scalar`` over ``model``'s params.
+
+    The model is split into ``graphdef``, its parameters (filter ``wrt``, default
+    ``nnx.Param``) and the rest. The pipeline runs over the parameters as a pure
+    ``dict``; inside the traced loss the model is merged back, so ``loss_fn`` is
+    written exactly as for unpipelined code::
+
+        model = GPT(cfg, rngs=nnx.Rngs(0))
+        def loss_fn(model, mb):
+            logits = model(mb["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"]).mean()
+
+        pipe = jp.flax.pipeline(model, loss_fn, batch, mesh=mesh, schedule=jp.OneFOneB(4, 8))
+        state = pipe.init(model, optax.adamw(3e-4))
+        state, metrics = pipe.train_step(state, batch)
+        pipe.update_model(model, pipe.params(state))   # trained weights back in model
+
+    Mark cut points with ``@jp.layer`` on the block class (or ``jp.boundary`` calls).
+    Non-parameter state (RNG counters, batch statistics) is read as a constant inside
+    the pipeline; updates ``loss_fn`` makes to it are not kept.
+
+    Args:
+      model: the nnx Module (not modified).
+      loss_fn: per-microbatch loss ``loss_fn(model, microbatch) -> scalar``; the
+        pipeline's loss is the mean over microbatches.
+      batch: an example batch (pytree, leading axis split into microbatches).
+      mesh, schedule, cut, axis: as for :func:`jaxpipe.pipeline`.
+      wrt: nnx filter selecting the trained parameters (default ``nnx.Param``).
+      **kwargs: passed on to :func:`jaxpipe.pipeline` (e.g. ``runtime="reference"``).
+
+    Returns:
+      an :class:`NnxPipeline` (the ``jp.Pipeline`` API plus :meth:`NnxPipeline.update_model`).
+    """
+    from flax import nnx
+
+    wrt = nnx.Param if wrt is None else wrt
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"jp.flax.pipeline expects an nnx.Module, got {type(model).__name__}; "
+            "for linen use jp.flax.pipeline_linen(module, variables, loss_fn, batch, ...)"
+        )
+    graphdef, template, rest = nnx.split(model, wrt, ...)
+    params = nnx.to_pure_dict(template)
+
+    def pure_loss(p: Any, microbatch: Any) -> jax.Array:
+        m = nnx.merge(graphdef, _state_from_pure(template, p), rest)
+        return loss_fn(m, microbatch)
+
+    pipe = _pipeline_fn()(pure_loss, params, batch, mesh=mesh, schedule=schedule, cut=cut,
+                          axis=axis, **kwargs)
+    return NnxPipeline(pipe, graphdef, template, rest, wrt)
+
+
+# --------------------------------------------------------------------------- linen
+
+
+class LinenPipeline(_Delegating):
+    """A ``jp.Pipeline`` over a linen module's ``variables["params"]``; see :func:`pipeline_linen`.
+
+    Methods accepting parameters take either the ``params`` collection or the full
+    ``variables`` dict (its ``"params"`` entry is used). All other ``jp.Pipeline``
+    attributes are forwarded.
+    """
+
+    def __init__(self, pipe: Any, module: Any, variables: Mapping[str, Any]):
+        self.pipe = pipe
+        self.module = module
+        self.variables = variables
+
+    def _as_params(self, params: Any) -> Any:
+        if isinstance(params, Mapping) and set(params) == set(self.variables):
+            return params["params"]  # the full variables dict was passed
+        return params
+
+    def update_variables(self, variables: Mapping[str, Any], params: Any) -> dict[str, Any]:
+        """Return ``variables`` with its ``"params"`` replaced by ``params``.
+
+        ``params`` is a params pytree or a training state from :meth:`init` /
+        :meth:`train_step`. Linen variables are immutable, so a new dict is returned.
+        """
+        if not isinstance(params, Mapping):
+            params = self.pipe.params(params)
+        return {**variables, "params": params}
+
+
+def pipeline_linen(
+    module: Any,
+    variables: Mapping[str, Any],
+    loss_fn: Callable[[Any, Any, Any], jax.Array],
+    batch: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    schedule: Any,
+    cut: Any = "auto",
+    axis: str = "pipe",
+    **kwargs: Any,
+) -> LinenPipeline:
+    """Pipeline a linen module: ``loss_fn(module, variables, microbatch) -> scalar``.
+
+    ``loss_fn`` is written as for unpipelined linen code, calling
+    ``module.apply(variables, ...)``. The pipeline trains ``variables["params"]``;
+    other collections (e.g. ``batch_stats``) are passed through as constants::
+
+        model = MLP(features=(256, 256, 10))
+        variables = model.init(jax.random.key(0), x)
+        def loss_fn(module, variables, mb):
+            return jnp.mean((module.apply(variables, mb["x"]) - mb["y"]) ** 2)
+
+        pipe = jp.flax.pipeline_linen(model, variables, loss_fn, batch,
+                                      mesh=mesh, schedule=jp.GPipe(2, 4))
+        loss, grads = pipe.value_and_grad(variables["params"], batch)
+
+    Args:
+      module: the linen Module (unbound).
+      variables: the result of ``module.init``; must contain ``"params"``.
+      loss_fn: per-microbatch loss; the pipeline's loss is the mean over microbatches.
+      batch, mesh, schedule, cut, axis: as for :func:`jaxpipe.pipeline`.
+      **kwargs: passed on to :func:`jaxpipe.pipeline` (e.g. ``runtime="reference"``).
+
+    Returns:
+      a :class:`LinenPipeline` (the ``jp.Pipeline`` API plus
+      :meth:`LinenPipeline.update_variables`).
+    """
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise TypeError(
+            "jp.flax.pipeline_linen expects the variables dict returned by module.init "
+            f"(with a 'params' collection); got {type(variables).__name__}"
+        )
+    # Unfreeze once so the rebuilt variables are plain dicts like the params pytree.
+    variables = {k: v for k, v in variables.items()}
+    others = {k: v for k, v in variables.items() if k != "params"}
+
+    def params_loss(params: Any, microbatch: Any) -> jax.Array:
+        return loss_fn(module, {**others, "params": params}, microbatch)
+
+    pipe = _pipeline_fn()(params_loss, variables["params"], batch, mesh=mesh,
+                          schedule=schedule, cut=cut, axis=axis, **kwargs)
+    return LinenPipeline(pipe, module, variables)
