@@ -122,10 +122,12 @@ class Pipeline:
             self.num_microbatches, len(self._batch_ndims),
         )
         self._vg = jax.jit(self._value_and_grad)
+        self._pbuf_sharding = NamedSharding(mesh, P(axis))
         self._shard_jit = jax.jit(
             lambda leaves: self._pack(leaves, self.layouts.params),
-            out_shardings=NamedSharding(mesh, P(axis)),
+            out_shardings=self._pbuf_sharding,
         )
+        self._trainer = None
         self._plan = None
 
     # ---------------------------------------------------------------- checks
@@ -185,22 +187,22 @@ class Pipeline:
         return self._shard_jit(leaves)
 
     def _pack(self, leaves, layouts) -> dict:
+        rows = [layouts[st.index].pack([leaves[i] for i in st.param_ids], self.layouts.param_width)
+                for st in self.stages]
+        return self._stack_rows(rows, self.layouts.param_width)
+
+    def _stack_rows(self, rows: list[dict], width: dict[str, int]) -> dict:
+        """Per-stage flat rows -> ``{dtype: [devices, stages_per_device, width]}``."""
         sched = self.schedule
-        width = self.layouts.param_width
-        rows = []
-        for d in range(sched.num_devices):
-            stages = sched.device_stages(d)
-            per_k = []
-            for k in range(self._spd):
-                if k < len(stages):
-                    st = self.stages[stages[k]]
-                    per_k.append(layouts[st.index].pack([leaves[i] for i in st.param_ids],
-                                                         width))
-                else:
-                    per_k.append({dt: jnp.zeros((w,), dt) for dt, w in width.items()})
-            rows.append(per_k)
-        return {dt: jnp.stack([jnp.stack([r[k][dt] for k in range(self._spd)]) for r in rows])
-                for dt in width}
+        out = {}
+        for dt, w in width.items():
+            zero = jnp.zeros((w,), dt)
+            out[dt] = jnp.stack([
+                jnp.stack([rows[s][dt] for s in sched.device_stages(d)]
+                          + [zero] * (self._spd - len(sched.device_stages(d))))
+                for d in range(sched.num_devices)
+            ])
+        return out
 
     def _per_stage(self, staged) -> list[list]:
         # Gather to replicated first: user pytrees are replicated, and Explicit-axis meshes
@@ -258,11 +260,23 @@ class Pipeline:
         return self._vg.lower(params, batch)
 
     # ---------------------------------------------------------------- training
-    def init(self, params, optimizer):
-        """Optimizer state for :meth:`train_step`, with parameters in the stage layout."""
+    def init(self, params, optimizer, *, skip_nonfinite: bool = False,
+             clip_global_norm: float | None = None):
+        """Train state for :meth:`train_step`: parameters and per-stage optax state.
+
+        Args:
+          params: the user parameter pytree.
+          optimizer: any ``optax.GradientTransformation``; it runs per stage on that
+            stage's parameter pytree (other stages' leaves are ``None``).
+          skip_nonfinite: if the loss or gradient norm is NaN/inf, leave the state
+            unchanged for that step (``metrics["skipped"] == 1``).
+          clip_global_norm: clip gradients by their true global norm (over all stages)
+            before the optimizer.
+        """
         from jaxpipe.train import init_state
 
-        return init_state(self, params, optimizer)
+        return init_state(self, params, optimizer, skip_nonfinite=skip_nonfinite,
+                          clip_global_norm=clip_global_norm)
 
     def train_step(self, state, batch):
         """One optimizer step: ``(state, batch) -> (state, metrics)``; jitted, state donated."""
