@@ -1,0 +1,131 @@
+"""Issue 3: markers, tracing, stage splitting and the reference executor."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from models import MODELS, assert_matches, reference
+from split_schedule import DeferredW1F1B
+
+import jaxpipe as jp
+from jaxpipe.stages import split
+from jaxpipe.trace import trace
+
+
+def _with_and_without_markers(x, w):
+    def f(w, x, mark):
+        b = jp.boundary if mark else (lambda v: v)
+        h = b(jnp.tanh(x @ w))
+        h = b({"a": h * 2.0, "n": 3})["a"]
+        return jnp.sum(h**2)
+
+    return (lambda w, x: f(w, x, True)), (lambda w, x: f(w, x, False))
+
+
+def test_boundary_is_identity_under_transforms():
+    w = jax.random.normal(jax.random.key(0), (4, 4))
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    f, g = _with_and_without_markers(x, w)
+    for tf in (jax.jit, jax.grad, lambda h: jax.jit(jax.grad(h))):
+        np.testing.assert_array_equal(tf(f)(w, x), tf(g)(w, x))
+    vf = jax.vmap(f, in_axes=(None, 0))(w, x[:, None])
+    vg = jax.vmap(g, in_axes=(None, 0))(w, x[:, None])
+    np.testing.assert_array_equal(vf, vg)
+    # and it really is in the jaxpr, so the tracer can find it
+    assert "jaxpipe_boundary" in str(jax.make_jaxpr(f)(w, x))
+
+
+def test_layer_decorator_marks_each_call():
+    @jp.layer
+    def block(w, h):
+        return jnp.tanh(h @ w)
+
+    w = jnp.eye(3)
+    assert block.__name__ == "block"
+    jaxpr = jax.make_jaxpr(lambda h: block(w, block(w, h)))(jnp.ones((2, 3)))
+    assert str(jaxpr).count("jaxpipe_boundary") == 2
+    np.testing.assert_array_equal(block(w, jnp.ones((2, 3))), jnp.tanh(jnp.ones((2, 3))))
+
+
+def test_markers_inside_jit_are_inlined_and_scan_rejected():
+    loss_fn, params, batch = MODELS["mlp"](3)
+    jitted = jax.jit(loss_fn)
+    t = trace(lambda p, b: jitted(p, b), params, batch)
+    assert len(t.markers) == 3
+
+    def scanned(p, b):
+        ws = jnp.stack([layer["w"] for layer in p])
+        return jax.lax.scan(lambda h, w: (jp.boundary(h @ w), None), b["x"], ws)[0].sum()
+
+    with pytest.raises(jp.PipelineError, match="top level"):
+        trace(scanned, params, batch)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_stages_do_not_duplicate_compute(model):
+    loss_fn, params, batch = MODELS[model](4)
+    t = trace(loss_fn, params, jax.tree.map(lambda x: x[:4], batch))
+    stages = split(t, [0, 1, 2])
+    ranges = [st.eqn_range for st in stages]
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(t.jaxpr.eqns)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+    def count(jaxpr, prim):
+        return sum(e.primitive.name == prim for e in jaxpr.eqns)
+
+    for prim in ("dot_general", "tanh", "exp"):
+        orig = count(t.jaxpr, prim)
+        assert sum(count(st.fwd.jaxpr, prim) for st in stages) == orig, prim
+
+
+def test_skip_connection_is_carried_through_middle_stage():
+    loss_fn, params, batch = MODELS["skip_mlp"](4)
+    t = trace(loss_fn, params, jax.tree.map(lambda x: x[:4], batch))
+    s0, s1, s2, s3 = split(t, [0, 1, 2])
+    # stage 1 receives the first layer's output and must pass it on to stages 2 and 3
+    assert len(s1.in_avals) == 1 and len(s1.out_avals) == 2 and len(s2.out_avals) == 2
+
+
+def test_tied_embedding_is_read_by_first_and_last_stage():
+    loss_fn, params, batch = MODELS["tiny_lm"](3)
+    t = trace(loss_fn, params, jax.tree.map(lambda x: x[:4], batch))
+    stages = split(t, [0, 1])
+    embed_id = 0  # "blocks" < "embed" < "pos" in key order: find it by shape instead
+    shapes = [v.aval.shape for v in t.jaxpr.invars[: t.num_params]]
+    embed_id = shapes.index(params["embed"].shape)
+    assert embed_id in stages[0].param_ids and embed_id in stages[-1].param_ids
+    assert stages[0].batch_ids and stages[-1].batch_ids  # tokens first, targets last
+
+
+SCHEDULES = {
+    "gpipe": lambda p, m: jp.GPipe(p, m),
+    "1f1b": lambda p, m: jp.OneFOneB(p, m),
+    "interleaved": lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=2),
+    "split_iw": lambda p, m: DeferredW1F1B(p, m),
+}
+
+
+# m < p included; interleaved 1F1B needs m % p == 0 (its own tests check the error).
+CASES = [(s, model, p, m) for s in sorted(SCHEDULES) for model in sorted(MODELS)
+         for p, m in [(1, 3), (2, 1), (4, 8)]
+         if not (s == "interleaved" and m % p)]
+
+
+@pytest.mark.parametrize("sched,model,p,m", CASES)
+def test_reference_executor_matches_value_and_grad(sched, model, p, m):
+    schedule = SCHEDULES[sched](p, m)
+    loss_fn, params, batch = MODELS[model](max(schedule.num_stages, 3), batch=2 * m)
+    mesh = jax.make_mesh((p,), ("pipe",))
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut="markers",
+                       runtime="reference")
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, m))
+
+
+def test_pipeline_input_errors():
+    loss_fn, params, batch = MODELS["mlp"](2, batch=6)
+    mesh = jax.make_mesh((2,), ("pipe",))
+    with pytest.raises(jp.PipelineError, match="not divisible by num_microbatches=4"):
+        jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.GPipe(2, 4), cut="markers")
+    with pytest.raises(jp.PipelineError, match="needs 8 stages"):
+        jp.pipeline(loss_fn, params, batch, mesh=mesh,
+                    schedule=jp.Interleaved1F1B(2, 2, stages_per_device=4), cut="markers")
