@@ -1,0 +1,370 @@
+"""Cost model: per-segment FLOPs and bytes, derived from the traced jaxpr alone.
+
+A *segment* is the run of equations between two consecutive ``jaxpipe_boundary``
+markers (see :func:`jaxpipe.trace.segments`); it is the smallest unit the cutter
+(:mod:`jaxpipe.cut`) can put on a stage. For every segment this module reports
+
+* ``flops``: forward FLOPs for one microbatch. ``dot_general`` and
+  ``conv_general_dilated`` are exact (2 x multiply-accumulates); elementwise
+  primitives count one FLOP per output element (transcendentals included);
+  reductions and cumulative ops count one per input element; pure data movement
+  (reshape, transpose, slicing, gather, dtype conversion, ...) counts zero.
+  Nested jaxprs are followed: ``jit``/``remat``/``custom_jvp``/``custom_vjp`` are
+  summed, ``scan`` bodies are multiplied by ``length``, ``cond`` takes the most
+  expensive branch, and ``while`` loops count one iteration (their trip count is not
+  static).
+* The backward pass is assumed to cost **2x the forward** (one matmul for the input
+  gradient and one for the weight gradient per forward matmul; elementwise ops are
+  similar). :attr:`SegmentCost.bwd_flops` states this assumption in one place;
+  ``profile=True`` replaces both with measured times.
+* ``param_leaf_bytes``: the parameter leaves the segment reads (leaf index ->
+  bytes), so that a stage holding several segments that share a parameter (tied
+  embeddings, a shared norm) counts it once.
+* ``residual_bytes``: what the segment's forward keeps per microbatch for its
+  backward (parameters excluded: they are re-read), taken from
+  :func:`jaxpipe.stages.split` with one stage per segment, i.e. from the same
+  forward/backward split the runtime executes.
+* ``out_bytes``: bytes of the (non-parameter) values live across the marker that
+  ends the segment, i.e. what a stage boundary placed there has to send.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jcore
+
+__all__ = [
+    "SegmentCost",
+    "segment_costs",
+    "jaxpr_flops",
+    "eqn_flops",
+    "aval_bytes",
+    "profile_segments",
+]
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """Cost of one segment (the code between two consecutive cut markers).
+
+    Built by :func:`segment_costs` from a traced model, or by hand for experiments::
+
+        SegmentCost(flops=2e9, param_bytes=4 << 20, residual_bytes=1 << 20)
+
+    Attributes:
+      flops: forward FLOPs per microbatch.
+      param_bytes: bytes of all parameter leaves the segment reads.
+      residual_bytes: bytes the forward keeps per microbatch for the backward.
+      out_bytes: bytes live across the marker that ends this segment (what a cut
+        there sends forward; the cotangent sent back has the same size).
+      param_leaf_bytes: parameter leaf index -> bytes, for the leaves in
+        ``param_bytes`` that other segments may share. Leaves not listed here are
+        private to this segment: ``param_bytes - sum(param_leaf_bytes.values())``.
+      name: label for plans (the marker's name, or ``"segment{k}"``).
+      fwd_time, bwd_time: measured seconds per microbatch when profiled
+        (``jp.Cut(profile=True)``); ``None`` means "use FLOPs".
+    """
+
+    flops: float
+    param_bytes: int = 0
+    residual_bytes: int = 0
+    out_bytes: int = 0
+    param_leaf_bytes: Mapping[int, int] = field(default_factory=dict, hash=False)
+    name: str = ""
+    fwd_time: float | None = None
+    bwd_time: float | None = None
+
+    def __post_init__(self) -> None:
+        shared = sum(self.param_leaf_bytes.values())
+        if self.param_bytes < shared:
+            if self.param_bytes == 0:
+                # Only leaf sizes given: param_bytes is their sum.
+                object.__setattr__(self, "param_bytes", shared)
+            else:
+                raise ValueError(
+                    f"SegmentCost {self.name!r}: param_bytes={self.param_bytes} is smaller "
+                    f"than the sum of param_leaf_bytes ({shared})"
+                )
+        for k, what in (("flops", self.flops), ("residual_bytes", self.residual_bytes),
+                        ("out_bytes", self.out_bytes)):
+            if what < 0:
+                raise ValueError(f"SegmentCost {self.name!r}: {k} must be >= 0, got {what}")
+
+    @property
+    def param_ids(self) -> frozenset[int]:
+        """Indices (into the flat parameter leaves) of the shareable leaves read here."""
+        return frozenset(self.param_leaf_bytes)
+
+    @property
+    def private_param_bytes(self) -> int:
+        """Parameter bytes no other segment can share (not listed by leaf)."""
+        return self.param_bytes - sum(self.param_leaf_bytes.values())
+
+    @property
+    def bwd_flops(self) -> float:
+        """Backward FLOPs, assumed 2x forward (input grad + weight grad per matmul)."""
+        return 2.0 * self.flops
+
+    @property
+    def profiled(self) -> bool:
+        """True when measured forward and backward times are available."""
+        return self.fwd_time is not None and self.bwd_time is not None
+
+
+# ---------------------------------------------------------------------------
+# FLOP counting
+
+# Data movement and bookkeeping: no arithmetic.
+_FREE = frozenset({
+    "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice",
+    "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "rev",
+    "iota", "convert_element_type", "bitcast_convert_type", "copy", "copy_p",
+    "device_put", "sharding_constraint", "mesh_cast", "reshard", "stop_gradient",
+    "jaxpipe_boundary", "random_seed", "random_wrap", "random_unwrap", "random_bits",
+    "threefry2x32", "optimization_barrier", "name", "pvary", "squeeze_p", "split",
+    "select_and_gather_add", "tie_in", "with_sharding_constraint", "full_like",
+    "scatter",
+})
+# One FLOP per *input* element.
+_REDUCE = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "reduce_xor", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
+    "cumlogsumexp", "sort", "reduce_precision", "top_k",
+})
+# One FLOP per *update* element.
+_SCATTER = frozenset({"scatter_add", "scatter_sub", "scatter_mul", "scatter_min", "scatter_max"})
+
+
+def _size(aval: Any) -> int:
+    shape = getattr(aval, "shape", None)
+    return int(math.prod(shape)) if shape is not None else 0
+
+
+def aval_bytes(aval: Any) -> int:
+    """Bytes of one value of abstract type ``aval`` (0 for tokens and the like)."""
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:
+        return 0
+    try:
+        itemsize = int(np.dtype(dtype).itemsize)
+    except TypeError:  # extended dtypes (PRNG keys) know their own size
+        itemsize = int(getattr(dtype, "itemsize", 0) or 0)
+    return _size(aval) * itemsize
+
+
+def _inner(j: Any) -> Any:
+    return j.jaxpr if hasattr(j, "jaxpr") and hasattr(j, "consts") else j
+
+
+def eqn_flops(eqn: Any) -> float:
+    """Forward FLOPs of one jaxpr equation (recursing into nested jaxprs)."""
+    name = eqn.primitive.name
+    params = eqn.params
+    if name == "dot_general":
+        (lhs_contract, _), _ = params["dimension_numbers"]
+        lhs_shape = eqn.invars[0].aval.shape
+        k = math.prod(lhs_shape[d] for d in lhs_contract)
+        return 2.0 * _size(eqn.outvars[0].aval) * k
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval
+        out_feature_dim = params["dimension_numbers"].rhs_spec[0]
+        # Each output element is a dot over (input features per group x kernel window).
+        macs_per_out = _size(rhs) // max(rhs.shape[out_feature_dim], 1)
+        return 2.0 * _size(eqn.outvars[0].aval) * macs_per_out
+    if name == "scan":
+        return params["length"] * jaxpr_flops(params["jaxpr"])
+    if name == "cond":
+        return max((jaxpr_flops(b) for b in params["branches"]), default=0.0)
+    if name == "while":
+        # Trip count is dynamic: count one iteration of cond + body.
+        return jaxpr_flops(params["cond_jaxpr"]) + jaxpr_flops(params["body_jaxpr"])
+    subs = list(jcore.jaxprs_in_params(params))
+    if subs:  # jit, remat, custom_jvp/custom_vjp, closed_call, shard_map, ...
+        return float(sum(jaxpr_flops(s) for s in subs))
+    if name in _FREE:
+        return 0.0
+    if name in _REDUCE:
+        return float(sum(_size(v.aval) for v in eqn.invars))
+    if name in _SCATTER:
+        return float(_size(eqn.invars[-1].aval))
+    if name in ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window"):
+        return float(_size(eqn.outvars[0].aval) * math.prod(params["window_dimensions"]))
+    # Elementwise (and anything unknown): one per output element.
+    return float(sum(_size(v.aval) for v in eqn.outvars))
+
+
+def jaxpr_flops(jaxpr: Any) -> float:
+    """Forward FLOPs of a ``Jaxpr`` or ``ClosedJaxpr`` (see the module docstring)."""
+    return float(sum(eqn_flops(e) for e in _inner(jaxpr).eqns))
+
+
+# ---------------------------------------------------------------------------
+# Segment costs
+
+
+def _segment_ranges(traced: Any) -> list[tuple[int, int]]:
+    from jaxpipe import trace as _trace
+
+    return [tuple(r) for r in _trace.segments(traced)]  # type: ignore[misc]
+
+
+def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
+    """Cost of every segment of a traced loss function, in program order.
+
+    Args:
+      traced: the result of :func:`jaxpipe.trace.trace` (flat jaxpr whose invars
+        are the parameter leaves, then the microbatch leaves).
+      profile: also time each segment's compiled forward and backward on the
+        default device and fill ``fwd_time``/``bwd_time`` (seconds). Off by
+        default: timings are noisy and cost a compile per segment.
+
+    Returns:
+      One :class:`SegmentCost` per segment (``len(traced.markers) + 1``).
+    """
+    from jaxpipe.stages import split
+
+    closed = traced.closed_jaxpr
+    jaxpr = closed.jaxpr
+    ranges = _segment_ranges(traced)
+    param_vars = list(jaxpr.invars[: traced.num_params])
+    param_index = {v: i for i, v in enumerate(param_vars)}
+
+    flops = [0.0] * len(ranges)
+    leaf_bytes: list[dict[int, int]] = [{} for _ in ranges]
+    for k, (start, end) in enumerate(ranges):
+        for eqn in jaxpr.eqns[start:end]:
+            flops[k] += eqn_flops(eqn)
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var) and v in param_index:
+                    i = param_index[v]
+                    leaf_bytes[k][i] = aval_bytes(v.aval)
+
+    # Residuals: one stage per segment, exactly as the runtime would store them.
+    stage_fns = split(traced, list(range(len(traced.markers))))
+    residual = [sum(aval_bytes(a) for a in s.residual_avals) for s in stage_fns]
+    # What crosses each boundary: what the next stage receives (its in_avals).
+    outs = [sum(aval_bytes(a) for a in s.in_avals) for s in stage_fns[1:]] + [0]
+
+    names = list(getattr(traced, "marker_names", ()) or ())
+    times: list[tuple[float, float]] | None = profile_segments(traced) if profile else None
+    result = []
+    for k in range(len(ranges)):
+        label = names[k] if k < len(names) and names[k] else f"segment{k}"
+        result.append(
+            SegmentCost(
+                flops=flops[k],
+                param_bytes=sum(leaf_bytes[k].values()),
+                residual_bytes=int(residual[k]),
+                out_bytes=int(outs[k]),
+                param_leaf_bytes=leaf_bytes[k],
+                name=label,
+                fwd_time=times[k][0] if times else None,
+                bwd_time=times[k][1] if times else None,
+            )
+        )
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Optional profiling
+
+
+def _segment_io(jaxpr: Any, start: int, end: int) -> tuple[list[Any], list[Any]]:
+    """Free input vars and live-out vars of equations [start, end)."""
+    eqns = jaxpr.eqns[start:end]
+    defined: set[Any] = set()
+    inputs: list[Any] = []
+    seen: set[Any] = set()
+    for eqn in eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var) and v not in defined and v not in seen:
+                seen.add(v)
+                inputs.append(v)
+        defined.update(v for v in eqn.outvars if not isinstance(v, jcore.DropVar))
+    used_later: set[Any] = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    for eqn in jaxpr.eqns[end:]:
+        used_later.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    outputs = [v for eqn in eqns for v in eqn.outvars if v in defined and v in used_later]
+    return inputs, outputs
+
+
+def _run_eqns(eqns: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any],
+              args: Sequence[Any]) -> list[Any]:
+    """Evaluate equations on ``args`` (bound to ``inputs``) and return ``outputs``."""
+    env = dict(zip(inputs, args, strict=True))
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in eqns:
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*[read(v) for v in eqn.invars],
+                                      **eqn.primitive.get_bind_params(eqn.params))
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in outputs]
+
+
+def profile_segments(traced: Any, repeats: int = 5) -> list[tuple[float, float]]:
+    """Median (forward, backward) seconds per microbatch of every segment, measured.
+
+    Each segment is compiled on its own with random inputs of the traced shapes;
+    the backward is the VJP with respect to every floating-point input, minus the
+    forward it recomputes. Numbers include per-call dispatch overhead, so tiny
+    segments look slower than they are.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    jaxpr = traced.closed_jaxpr.jaxpr
+    consts = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
+    key = jax.random.key(0)
+    out: list[tuple[float, float]] = []
+    for start, end in _segment_ranges(traced):
+        ins, outs_ = _segment_io(jaxpr, start, end)
+        args = []
+        for i, v in enumerate(ins):
+            if v in consts:
+                args.append(consts[v])
+            elif jnp.issubdtype(v.aval.dtype, jnp.floating):
+                args.append(jax.random.normal(jax.random.fold_in(key, i), v.aval.shape,
+                                              v.aval.dtype))
+            else:
+                args.append(jnp.zeros(v.aval.shape, v.aval.dtype))
+        is_float = [jnp.issubdtype(v.aval.dtype, jnp.floating) for v in ins]
+
+        def fwd(*xs, _e=jaxpr.eqns[start:end], _i=ins, _o=outs_):
+            return _run_eqns(_e, _i, _o, xs)
+
+        def bwd(*xs, _fwd=fwd, _is_float=tuple(is_float)):
+            def f(*fl):
+                it = iter(fl)
+                return _fwd(*[next(it) if fl_ else x for x, fl_ in zip(xs, _is_float,
+                                                                        strict=True)])
+
+            def f_float(*fl):  # only floating outputs carry cotangents
+                return [o for o in f(*fl) if jnp.issubdtype(o.dtype, jnp.floating)]
+
+            floats = [x for x, fl_ in zip(xs, _is_float, strict=True) if fl_]
+            outs, vjp = jax.vjp(f_float, *floats)
+            return vjp([jnp.ones_like(o) for o in outs])
+
+        times = []
+        for fn in (jax.jit(fwd), jax.jit(bwd)):
+            jax.block_until_ready(fn(*args))  # compile
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                samples.append(time.perf_counter() - t0)
+            times.append(float(np.median(samples)))
+        # The VJP runs the forward again: the backward's own time is the difference.
+        out.append((times[0], max(times[1] - times[0], 0.0)))
+    return out

@@ -1,0 +1,879 @@
+"""Memory-aware cutter: choose where the pipeline's stages begin.
+
+The traced model is a chain of *segments* (code between consecutive
+``jp.boundary`` markers, costed by :mod:`jaxpipe.cost`). A cut assigns a
+contiguous run of segments to each of ``schedule.num_stages`` stages.
+
+**Time.** A stage's forward time is the sum of its segments' forward FLOPs (or
+measured seconds with ``profile=True``), its backward 2x that. The cutter
+balances the per-stage time ``F + B``; the predicted step time comes from
+``schedule.simulate`` with these per-stage costs.
+
+**Memory.** For each stage ``s`` on a device (a device may hold several:
+interleaved / V placements, via ``schedule.placement``)::
+
+    params     = bytes of the parameter leaves stage s reads (shared leaves once)
+    grads      = grad_bytes_per_param_byte      * params   (default 1.0)
+    optimizer  = optimizer_bytes_per_param_byte * params   (default 2.0: Adam m, v)
+    residuals  = in_flight(s) * residual bytes per microbatch of stage s
+    transfers  = 2 * (bytes received + bytes sent)  (activation + cotangent buffers)
+
+``in_flight(s)`` is the stage's peak number of live residual sets under the
+schedule (from the simulator; 1F1B: ``min(m, p - s)``). A device *needs* the sum
+over its stages (``CutResult.device_memory``). Two memory models turn that into
+the number to minimise (``Cut.memory_model``):
+
+* ``"spmd"`` (default): what jaxpipe's one-program SPMD runtime allocates. All
+  devices run the same program, so buffers have one shape: every device holds
+  ``stages_per_device`` parameter rows as wide as the *largest stage's*
+  parameters (same for gradients and optimizer state), and residual/message pools
+  as large as the *busiest device's*. Peak = ``(1 + grad + opt) * spd *
+  max_stage(params) + max_device(residuals + transfers)``
+  (``CutResult.padded_memory``).
+* ``"device"``: each device holds exactly its own stages' bytes
+  (``max_device(sum of its stages)``), as an MPMD runtime would.
+
+Because early 1F1B stages hold more microbatches, a compute-balanced cut
+over-fills the first devices; the ``"memory"`` objective moves layers towards
+later stages within a time slack.
+
+**Search.** Stages are contiguous, so every objective is built from min-max
+(bottleneck) problems over the ``(n+1)^2`` segment ranges, solved exactly by
+dynamic programming over stages (``O(stages * segments^2)``, vectorised; 200
+segments x 16 stages takes milliseconds). The ``"spmd"`` model has two maxima
+(parameters over stages, activations over devices); it is solved exactly by
+sweeping the parameter threshold along the Pareto front. Memory budgets bisect
+over achievable stage times. Ties are broken by a second objective (memory for
+"time", time for "memory"), then by sums of squares so non-bottleneck stages are
+balanced too. When a device holds several stages its activation memory is a sum
+over non-adjacent stages, which the stage-by-stage DP cannot express; then small
+problems are enumerated exactly and large ones use a weighted DP followed by a
+local search over cut positions (``CutResult.exact`` says which).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+
+from jaxpipe.cost import SegmentCost
+
+__all__ = ["Cut", "CutError", "CutResult", "MemoryBreakdown", "choose_cuts", "partition"]
+
+Objective = Literal["time", "memory"]
+MemoryModel = Literal["spmd", "device"]
+
+# Enumerate all cuts exactly when a device holds several stages and there are at most
+# this many candidate cuts (vectorised; tens of ms at the limit).
+_ENUM_LIMIT = 60_000
+
+
+class CutError(ValueError):
+    """The requested cut is impossible; the message says what would make it possible."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How to cut a model into pipeline stages (``jp.pipeline(..., cut=jp.Cut(...))``).
+
+    Examples::
+
+        jp.Cut()                              # balance compute (min max stage time)
+        jp.Cut(objective="memory")            # min peak device memory, <=10% slower
+        jp.Cut(memory_budget=40 * 2**30)      # fastest cut fitting 40 GiB per device
+        jp.Cut(indices=[3, 7, 11])            # new stages begin after markers 3, 7, 11
+
+    Attributes:
+      indices: explicit cut: sorted indices into the model's markers after which a
+        new stage begins (``num_stages - 1`` of them). Overrides the objective.
+      objective: ``"time"`` minimises the maximum stage time; ``"memory"``
+        minimises peak device memory among cuts whose maximum stage time is within
+        ``time_slack`` of the best possible.
+      memory_budget: bytes per device. When set, minimise the maximum stage time
+        subject to the peak device memory fitting the budget (the objective is
+        ignored). An infeasible budget raises :class:`CutError` naming the smallest
+        feasible one.
+      time_slack: allowed slow-down for ``objective="memory"`` (0.10 = 10%).
+      optimizer_bytes_per_param_byte: optimizer state per parameter byte (2.0 for
+        Adam's two moments in the parameter dtype; 0.0 for SGD; 1.0 for momentum).
+      grad_bytes_per_param_byte: gradient bytes per parameter byte (1.0).
+      memory_model: ``"spmd"`` (default; buffers padded to one shape on every
+        device, as jaxpipe's runtime allocates them) or ``"device"`` (each device
+        holds only its own stages' bytes). See the module docstring.
+      profile: time each segment's compiled forward/backward instead of counting
+        FLOPs (slower to plan, noisy on shared machines).
+
+    Memory per parameter byte is ``1 + grad_bytes_per_param_byte +
+    optimizer_bytes_per_param_byte`` (4.0 by default).
+    """
+
+    indices: Sequence[int] | None = None
+    objective: Objective = "time"
+    memory_budget: int | None = None
+    time_slack: float = 0.10
+    optimizer_bytes_per_param_byte: float = 2.0
+    grad_bytes_per_param_byte: float = 1.0
+    memory_model: MemoryModel = "spmd"
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("time", "memory"):
+            raise CutError(f"Cut.objective must be 'time' or 'memory', got {self.objective!r}")
+        if self.memory_model not in ("spmd", "device"):
+            raise CutError(
+                f"Cut.memory_model must be 'spmd' or 'device', got {self.memory_model!r}"
+            )
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise CutError(f"Cut.memory_budget must be positive bytes, got {self.memory_budget}")
+        if not self.time_slack >= 0:
+            raise CutError(f"Cut.time_slack must be >= 0, got {self.time_slack}")
+        if self.optimizer_bytes_per_param_byte < 0 or self.grad_bytes_per_param_byte < 0:
+            raise CutError("Cut: bytes per parameter byte must be >= 0")
+        if self.indices is not None:
+            idx = tuple(int(i) for i in self.indices)
+            if list(idx) != sorted(set(idx)):
+                raise CutError(f"Cut.indices must be strictly increasing, got {list(idx)}")
+            object.__setattr__(self, "indices", idx)
+
+    @property
+    def bytes_per_param_byte(self) -> float:
+        """Parameters + gradients + optimizer state, per parameter byte."""
+        return 1.0 + self.grad_bytes_per_param_byte + self.optimizer_bytes_per_param_byte
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted bytes of one stage or one device, by kind."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    residuals: float = 0.0
+    transfers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.residuals + self.transfers
+
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        return MemoryBreakdown(
+            self.params + other.params,
+            self.grads + other.grads,
+            self.optimizer + other.optimizer,
+            self.residuals + other.residuals,
+            self.transfers + other.transfers,
+        )
+
+
+@dataclass(frozen=True)
+class CutResult:
+    """The chosen cut and what it predicts.
+
+    Attributes:
+      cuts: marker indices after which a new stage begins (``num_stages - 1``).
+      stage_segments: ``[start, end)`` segment range of every stage.
+      stage_devices: device of every stage (``schedule.placement``).
+      in_flight: peak live residual sets of every stage under the schedule.
+      stage_fwd, stage_bwd: forward / backward cost of every stage (FLOPs, or
+        seconds when profiled); ``stage_time = stage_fwd + stage_bwd``.
+      stage_memory: predicted bytes of every stage, by kind.
+      device_memory: what every device needs for its own stages (sum of its
+        stages' breakdowns).
+      padded_memory: what every device allocates under the SPMD runtime (buffers
+        of one shape): parameters/grads/optimizer of ``stages_per_device`` copies of
+        the largest stage, residuals and transfers of the device with the most
+        activation bytes.
+      memory_model: which of the two the search minimised; ``peak_memory`` is it.
+      objective: what was optimised ("time", "memory", "budget" or "explicit").
+      exact: the primary objective is provably optimal (False only for the
+        local-search fallback on large problems with several stages per device).
+      time_optimum: the smallest achievable maximum stage time for this model.
+      makespan, bubble_fraction: from ``schedule.simulate`` with these stage costs
+        (``None`` when no schedule was given).
+      time_unit: ``"flops"``, or ``"s"`` when profiled.
+    """
+
+    cuts: tuple[int, ...]
+    stage_segments: tuple[tuple[int, int], ...]
+    stage_devices: tuple[int, ...]
+    in_flight: tuple[int, ...]
+    stage_fwd: tuple[float, ...]
+    stage_bwd: tuple[float, ...]
+    stage_memory: tuple[MemoryBreakdown, ...]
+    device_memory: tuple[MemoryBreakdown, ...]
+    padded_memory: MemoryBreakdown
+    memory_model: str
+    objective: str
+    exact: bool
+    time_optimum: float
+    makespan: float | None = None
+    bubble_fraction: float | None = None
+    time_unit: str = "flops"
+    segment_names: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def stage_time(self) -> tuple[float, ...]:
+        return tuple(f + b for f, b in zip(self.stage_fwd, self.stage_bwd, strict=True))
+
+    @property
+    def max_stage_time(self) -> float:
+        return max(self.stage_time)
+
+    @property
+    def max_device_memory(self) -> float:
+        """The largest per-device need (sum over the device's own stages)."""
+        return max(m.total for m in self.device_memory)
+
+    @property
+    def peak_memory(self) -> float:
+        """Predicted peak bytes per device under ``memory_model`` (what was minimised)."""
+        return self.padded_memory.total if self.memory_model == "spmd" else self.max_device_memory
+
+    def action_cost(self, action: Any) -> float:
+        """Cost of one schedule action under this cut (for ``schedule.simulate``)."""
+        s = action.stage
+        kind = action.kind
+        if kind == "F":
+            return self.stage_fwd[s]
+        if kind == "B":
+            return self.stage_bwd[s]
+        if kind in ("I", "W"):  # split backward: input and weight grads, half each
+            return 0.5 * self.stage_bwd[s]
+        raise ValueError(f"unknown action kind {kind!r}")
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+# ---------------------------------------------------------------------------
+# The problem: range matrices and partition evaluation
+
+
+class _Problem:
+    """Prefix sums and range matrices shared by all searches.
+
+    Ranges are ``[a, b)`` over segment indices, ``0 <= a < b <= n``; matrices are
+    ``(n+1, n+1)``. A *partition* is the list of ``S+1`` bounds ``0 = b_0 < ... <
+    b_S = n``; stage ``k`` holds segments ``[b_k, b_{k+1})``.
+    """
+
+    def __init__(
+        self,
+        costs: Sequence[SegmentCost],
+        placement: Sequence[int],
+        in_flight: Sequence[int],
+        cut: Cut,
+    ) -> None:
+        n, S = len(costs), len(placement)
+        self.n, self.S = n, S
+        self.cut = cut
+        self.placement = np.asarray(placement, dtype=np.int64)
+        self.D = int(self.placement.max()) + 1
+        self.onehot = np.eye(self.D)[self.placement]  # (S, D)
+        self.spd = int(np.bincount(self.placement).max())
+        self.single = self.spd == 1  # every device holds at most one stage
+        self.spmd = cut.memory_model == "spmd"
+        self.A = cut.bytes_per_param_byte
+        self.in_flight = np.asarray(in_flight, dtype=np.float64)
+
+        profiled = all(c.profiled for c in costs)
+        self.time_unit = "s" if profiled else "flops"
+        fwd = np.array([c.fwd_time if profiled else c.flops for c in costs], np.float64)
+        bwd = np.array([c.bwd_time if profiled else c.bwd_flops for c in costs], np.float64)
+        self.fwd_p = np.concatenate([[0.0], np.cumsum(fwd)])
+        self.bwd_p = np.concatenate([[0.0], np.cumsum(bwd)])
+        res_p = np.concatenate([[0.0], np.cumsum([c.residual_bytes for c in costs])])
+
+        idx = np.arange(n + 1)
+        a, b = idx[:, None], idx[None, :]
+        self.empty = a >= b
+        tot_p = self.fwd_p + self.bwd_p
+        self.time = np.where(self.empty, np.inf, tot_p[b] - tot_p[a])
+        self.residual = res_p[b] - res_p[a]
+
+        # Parameter bytes of [a, b): private bytes are additive; a leaf read by
+        # several segments counts once if any of them lies in the range.
+        private = np.array([c.private_param_bytes for c in costs], np.float64)
+        where: dict[int, list[int]] = {}
+        leaf_bytes: dict[int, int] = {}
+        for k, c in enumerate(costs):
+            for leaf, nbytes in c.param_leaf_bytes.items():
+                where.setdefault(leaf, []).append(k)
+                leaf_bytes[leaf] = nbytes
+        groups: dict[tuple[int, ...], float] = {}
+        for leaf, segs in where.items():
+            if len(segs) == 1:
+                private[segs[0]] += leaf_bytes[leaf]
+            else:  # group leaves with the same readers (e.g. all of a tied block)
+                key = tuple(segs)
+                groups[key] = groups.get(key, 0.0) + leaf_bytes[leaf]
+        priv_p = np.concatenate([[0.0], np.cumsum(private)])
+        params = priv_p[b] - priv_p[a]
+        for segs, nbytes in groups.items():
+            # first reader at or after a; the leaf is in [a, b) iff that is < b
+            nxt = np.full(n + 1, n + 1)
+            for s in reversed(segs):
+                nxt[: s + 1] = s
+            params = params + nbytes * (nxt[:, None] < b)
+        self.params = np.where(self.empty, np.inf, params)
+
+        out = [c.out_bytes for c in costs]
+        recv = np.array([0.0, *out], np.float64)  # received by a stage starting at a
+        send = np.array([0.0, *out[:-1], 0.0], np.float64)  # sent by one ending at b < n
+        # activation in + out, and their cotangents back: one buffer each
+        self.transfers = 2.0 * (recv[:, None] + send[None, :])
+
+    # -- per-stage matrices (inf on empty ranges) --------------------------
+    def act(self, k: int) -> np.ndarray:
+        """Activation bytes of stage k over each range: residuals in flight + transfers."""
+        return np.where(self.empty, np.inf,
+                        self.in_flight[k] * self.residual + self.transfers)
+
+    def mem(self, k: int) -> np.ndarray:
+        """Everything stage k needs over each range (the "device" model's stage bytes)."""
+        return self.A * self.params + self.act(k)
+
+    # -- evaluating partitions ---------------------------------------------
+    def stage_parts(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(params, activation bytes) per stage; ``bounds`` is (S+1,) or (C, S+1)."""
+        a, b = bounds[..., :-1], bounds[..., 1:]
+        return (self.params[a, b],
+                self.in_flight * self.residual[a, b] + self.transfers[a, b])
+
+    def keys(self, P: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(peak memory under the model, sum of squared device needs) for (C, S) stages."""
+        own = (self.A * P + X) @ self.onehot  # (C, D): what each device needs
+        if self.spmd:
+            peak = self.A * self.spd * P.max(axis=-1) + (X @ self.onehot).max(axis=-1)
+        else:
+            peak = own.max(axis=-1)
+        return peak, (own**2).sum(axis=-1)
+
+    def memory(self, bounds: Sequence[int]) -> float:
+        P, X = self.stage_parts(np.asarray(bounds)[None, :])
+        return float(self.keys(P, X)[0][0])
+
+    def max_time(self, bounds: Sequence[int]) -> float:
+        b = np.asarray(bounds)
+        return float(self.time[b[:-1], b[1:]].max())
+
+    # -- dynamic programs over stages ----------------------------------------
+    def minmax(self, cost: Callable[[int], np.ndarray]) -> tuple[float, list[int] | None]:
+        """Minimise max_k cost(k)[b_k, b_k+1] over partitions (inf = forbidden)."""
+        n = self.n
+        dp = np.full(n + 1, np.inf)
+        dp[0] = -np.inf
+        cols = np.arange(n + 1)
+        choices = []
+        for k in range(self.S):
+            cand = np.maximum(dp[:, None], cost(k))
+            arg = np.argmin(cand, axis=0)
+            dp = cand[arg, cols]
+            choices.append(arg)
+        return self._backtrack(float(dp[n]), choices)
+
+    def minsum(self, cost: Callable[[int], np.ndarray]) -> tuple[float, list[int] | None]:
+        """Minimise sum_k cost(k)[b_k, b_k+1] over partitions (inf = forbidden)."""
+        n = self.n
+        dp = np.full(n + 1, np.inf)
+        dp[0] = 0.0
+        cols = np.arange(n + 1)
+        choices = []
+        for k in range(self.S):
+            cand = dp[:, None] + cost(k)
+            arg = np.argmin(cand, axis=0)
+            dp = cand[arg, cols]
+            choices.append(arg)
+        return self._backtrack(float(dp[n]), choices)
+
+    def _backtrack(self, value: float, choices: list[np.ndarray]) -> tuple[float, list[int] | None]:
+        if not math.isfinite(value):
+            return math.inf, None
+        bounds = [self.n]
+        for arg in reversed(choices):
+            bounds.append(int(arg[bounds[-1]]))
+        return value, bounds[::-1]
+
+
+def _inf_unless(ok: np.ndarray, m: np.ndarray) -> np.ndarray:
+    return np.where(ok, m, np.inf)
+
+
+# ---------------------------------------------------------------------------
+# Minimum memory for a time cap
+
+
+def _min_memory(pb: _Problem, cap: float, good_enough: float = -math.inf) -> list[int]:
+    """A partition of least peak memory with every stage time <= cap (cap >= optimum).
+
+    Exact when every device holds one stage; otherwise a heuristic. May stop early
+    with any partition whose memory is <= ``good_enough``.
+    """
+    if not pb.single:
+        return _min_memory_shared(pb, cap, good_enough)
+    ok = pb.time <= cap
+    if not pb.spmd:
+        _, bounds = pb.minmax(lambda k: _inf_unless(ok, pb.mem(k)))
+        assert bounds is not None
+        return bounds
+    return min(_spmd_front(pb, ok, good_enough), key=lambda f: f[0])[3]
+
+
+def _spmd_front(
+    pb: _Problem, ok: np.ndarray, good_enough: float = -math.inf
+) -> list[tuple[float, float, float, list[int]]]:
+    """Pareto front of (max stage params, max stage activations) for single-stage devices.
+
+    The "spmd" peak has two maxima, ``A * max_s params + max_s act``. Sweep the
+    parameter threshold down: each DP minimises activations among cuts (allowed by
+    ``ok``) whose params are below the threshold; the next threshold is strictly
+    below the params that cut used. Every memory-optimal cut has the parameter
+    maximum of a visited point, so the minimum over the returned
+    ``(total, params, act, bounds)`` points is exact.
+    """
+    p_floor, _ = pb.minmax(lambda k: _inf_unless(ok, pb.params))
+    front: list[tuple[float, float, float, list[int]]] = []
+    best = math.inf
+    thr = math.inf
+    while True:
+        allowed = ok & (pb.params < thr) if math.isfinite(thr) else ok
+        act_max, bounds = pb.minmax(lambda k, allowed=allowed: _inf_unless(allowed, pb.act(k)))
+        if bounds is None:
+            break
+        p_used = float(pb.stage_parts(np.asarray(bounds))[0].max())
+        total = pb.A * p_used + act_max
+        front.append((total, p_used, act_max, bounds))
+        best = min(best, total)
+        # Later thresholds only raise act_max, and params cannot go below p_floor.
+        if best <= good_enough or pb.A * p_floor + act_max > best:
+            break
+        thr = p_used
+    return front
+
+
+def _box_mask(pb: _Problem, p_max: float, x_max: float) -> Callable[[int], np.ndarray]:
+    """Ranges whose params <= p_max and activations <= x_max (spmd memory <= A p + x)."""
+    return lambda k: (pb.params <= p_max) & (pb.act(k) <= x_max)
+
+
+def _polish_masks(pb: _Problem, bounds: Sequence[int]) -> Callable[[int], np.ndarray]:
+    """Per-stage masks under which every partition's memory is <= that of ``bounds``."""
+    P, X = pb.stage_parts(np.asarray(bounds))
+    if pb.spmd:
+        return _box_mask(pb, float(P.max()), float(X.max()))
+    m_max = pb.memory(bounds)
+    return lambda k: pb.mem(k) <= m_max
+
+
+def _search_single(pb: _Problem, t_opt: float) -> tuple[list[int], str]:
+    """Exact search when every device holds one stage."""
+    cut = pb.cut
+    time = pb.time
+    if cut.memory_budget is not None:
+        budget = float(cut.memory_budget)
+        t_b = _min_time_within_budget(pb, t_opt, budget, exact=True)
+        best = _min_memory(pb, t_b)
+        mask = _polish_masks(pb, best)
+        _, bounds = pb.minsum(lambda k: _inf_unless((time <= t_b) & mask(k), time**2))
+        objective = "budget"
+    elif cut.objective == "time":
+        best = _min_memory(pb, t_opt)
+        mask = _polish_masks(pb, best)
+        _, bounds = pb.minsum(lambda k: _inf_unless((time <= t_opt) & mask(k), time**2))
+        objective = "time"
+    else:
+        cap = (1.0 + cut.time_slack) * t_opt
+        if pb.spmd:
+            # Fastest among all memory-optimal cuts: they lie on the front's minima.
+            front = _spmd_front(pb, time <= cap)
+            m_opt = min(f[0] for f in front)
+            t_b, mask = math.inf, None
+            for total, p_max, x_max, _ in front:
+                if total > m_opt * (1 + 1e-12):
+                    continue
+                m = _box_mask(pb, p_max, x_max)
+                t, _ = pb.minmax(lambda k, m=m: _inf_unless((time <= cap) & m(k), time))
+                if t < t_b:
+                    t_b, mask = t, m
+            assert mask is not None
+        else:
+            mask = _polish_masks(pb, _min_memory(pb, cap))
+            t_b, _ = pb.minmax(lambda k: _inf_unless((time <= cap) & mask(k), time))
+        square = pb.act if pb.spmd else pb.mem
+        _, bounds = pb.minsum(
+            lambda k: _inf_unless((time <= t_b) & mask(k), square(k) ** 2))
+        objective = "memory"
+    assert bounds is not None
+    return bounds, objective
+
+
+def _min_time_within_budget(pb: _Problem, t_opt: float, budget: float, exact: bool) -> float:
+    """Smallest stage-time cap whose least-memory cut fits ``budget`` (bisection)."""
+    loosest = _min_memory(pb, math.inf)
+    smallest = pb.memory(loosest)
+    if smallest > budget:
+        raise _infeasible(pb, smallest, exact)
+    ts = np.unique(pb.time[np.isfinite(pb.time)])
+    ts = ts[(ts >= t_opt) & (ts <= pb.max_time(loosest))]
+    lo, hi = 0, len(ts) - 1  # invariant: ts[hi] is feasible
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pb.memory(_min_memory(pb, float(ts[mid]), good_enough=budget)) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(ts[hi])
+
+
+def _infeasible(pb: _Problem, smallest: float, exact: bool) -> CutError:
+    budget = pb.cut.memory_budget
+    qual = "smallest feasible" if exact else "smallest found (heuristic search)"
+    return CutError(
+        f"memory budget of {_fmt_bytes(budget)} ({budget} bytes) per device is infeasible "
+        f"for this model and schedule ({pb.cut.memory_model} memory model): the {qual} "
+        f"budget is {_fmt_bytes(smallest)} ({math.ceil(smallest)} bytes); raise "
+        f"memory_budget, use more stages, a schedule with fewer microbatches in flight, "
+        f"or less optimizer state"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Devices holding several stages
+
+
+def _search_shared(pb: _Problem, t_opt: float) -> tuple[list[int], str, bool]:
+    """Devices hold several stages: enumerate small problems, else DP + local search."""
+    cut = pb.cut
+    objective = "budget" if cut.memory_budget is not None else cut.objective
+    if math.comb(pb.n - 1, pb.S - 1) <= _ENUM_LIMIT:
+        return _enumerate(pb, t_opt), objective, True
+    if objective == "budget":
+        t_b = _min_time_within_budget(pb, t_opt, float(cut.memory_budget), exact=False)
+        return _min_memory(pb, t_b), objective, False
+    cap = (1.0 + cut.time_slack) * t_opt if objective == "memory" else t_opt
+    # Time is per stage, so the "time" objective stays exact; memory is heuristic.
+    return _min_memory(pb, cap), objective, objective == "time"
+
+
+def _min_memory_shared(pb: _Problem, cap: float, good_enough: float) -> list[int]:
+    """Heuristic min peak memory with stage times <= cap, devices holding several stages.
+
+    Give stage ``s`` a share ``w_s`` of its device (shares on a device sum to 1)
+    and minimise ``max_s q_s / w_s`` exactly by DP, where ``q_s`` is the stage's
+    device-summed bytes (everything in the "device" model, activations in "spmd"):
+    every device's sum is then at most that value, and with the optimal cut's own
+    shares this finds the optimum. Shares are re-estimated from each round's cut
+    (damped fixed-point iteration); the best cut is polished by local search. In
+    the "spmd" model this runs for a few parameter thresholds down the Pareto front.
+    """
+    ok = pb.time <= cap
+    per_device = np.bincount(pb.placement, minlength=pb.D)[pb.placement]
+    _, best = pb.minmax(lambda k: pb.time)  # the compute-balanced cut is always allowed
+    assert best is not None
+    best_key = _key(pb, best)
+    quantity = pb.act if pb.spmd else pb.mem
+    thr = math.inf
+    for _ in range(4 if pb.spmd else 1):
+        if best_key[0] <= good_enough:
+            break
+        allowed = ok & (pb.params < thr) if math.isfinite(thr) else ok
+        w = 1.0 / per_device
+        round_best, round_key = None, (math.inf, math.inf)
+        for _ in range(6):
+            _, b = pb.minmax(
+                lambda k, w=w, allowed=allowed: _inf_unless(allowed, quantity(k) / w[k]))
+            if b is None:
+                break
+            key = _key(pb, b)
+            if key[0] <= good_enough:
+                return b
+            if key < round_key:
+                round_best, round_key = b, key
+            P, X = pb.stage_parts(np.asarray(b))
+            q = X if pb.spmd else pb.A * P + X
+            share = q / np.maximum((q @ pb.onehot)[pb.placement], 1e-30)
+            share = np.maximum(share, 1e-3)
+            share /= np.bincount(pb.placement, weights=share, minlength=pb.D)[pb.placement]
+            w_next = 0.5 * w + 0.5 * share
+            if np.allclose(w_next, w, rtol=1e-6, atol=1e-9):
+                break
+            w = w_next
+        if round_best is None:
+            break
+        # Polish only each threshold's best DP cut: local search dominates the cost.
+        polished = _local_search(pb, round_best, cap)
+        key = _key(pb, polished)
+        if key < best_key:
+            best, best_key = polished, key
+        if not pb.spmd:
+            break
+        thr = float(pb.stage_parts(np.asarray(round_best))[0].max())
+    if best_key[0] > good_enough:  # also polish the compute-balanced cut
+        polished = _local_search(pb, pb.minmax(lambda k: pb.time)[1], cap)
+        if _key(pb, polished) < best_key:
+            best = polished
+    return best
+
+
+def _key(pb: _Problem, bounds: Sequence[int]) -> tuple[float, float]:
+    P, X = pb.stage_parts(np.asarray(bounds)[None, :])
+    peak, sq = pb.keys(P, X)
+    return float(peak[0]), float(sq[0])
+
+
+def _local_search(pb: _Problem, bounds: Sequence[int], cap: float) -> list[int]:
+    """Improve a partition by moving cuts while (peak memory, sum of squares) drops.
+
+    Moves: one cut to any position between its neighbours; two adjacent cuts
+    together; and a block of consecutive cuts shifted by one segment (which moves a
+    segment's worth of work between two distant stages). All candidates of a move
+    type are evaluated at once; the sum of squares lets it walk along plateaus.
+    """
+    S = pb.S
+    b = np.asarray(bounds, dtype=np.int64)
+    ij = [(i, j) for i in range(1, S) for j in range(i, S)]
+    span = np.zeros((len(ij), S + 1), np.int64)
+    for r, (i, j) in enumerate(ij):
+        span[r, i : j + 1] = 1
+    shifts = np.concatenate([span, -span])
+    best = _key(pb, b)
+
+    def try_candidates(cands: np.ndarray) -> bool:
+        nonlocal b, best
+        if not len(cands):
+            return False
+        ok = np.all(cands[:, 1:] > cands[:, :-1], axis=1)
+        cands = np.where(ok[:, None], cands, b[None, :])
+        ok &= pb.time[cands[:, :-1], cands[:, 1:]].max(axis=1) <= cap
+        if not ok.any():
+            return False
+        peak, sq = pb.keys(*pb.stage_parts(cands))
+        order = np.lexsort((np.where(ok, sq, np.inf), np.where(ok, peak, np.inf)))
+        j = order[0]
+        if (float(peak[j]), float(sq[j])) < best:
+            b, best = cands[j], (float(peak[j]), float(sq[j]))
+            return True
+        return False
+
+    improved = True
+    while improved:
+        improved = False
+        for i in range(1, S):  # one cut anywhere between its neighbours
+            pos = np.arange(b[i - 1] + 1, b[i + 1])
+            cands = np.repeat(b[None, :], len(pos), axis=0)
+            cands[:, i] = pos
+            improved |= try_candidates(cands)
+        for i in range(1, S - 1):  # two adjacent cuts
+            pos = np.arange(b[i - 1] + 1, b[i + 2])
+            p, q = np.meshgrid(pos, pos, indexing="ij")
+            keep = p < q
+            cands = np.repeat(b[None, :], int(keep.sum()), axis=0)
+            cands[:, i], cands[:, i + 1] = p[keep], q[keep]
+            improved |= try_candidates(cands)
+        if S > 1:  # a block of cuts by one segment
+            improved |= try_candidates(b[None, :] + shifts)
+    return [int(x) for x in b]
+
+
+def _enumerate(pb: _Problem, t_opt: float) -> list[int]:
+    """Exact search over every cut (small problems with several stages per device)."""
+    cut, n, S = pb.cut, pb.n, pb.S
+    inner = np.array(list(itertools.combinations(range(1, n), S - 1)), dtype=np.int64)
+    inner = inner.reshape(-1, S - 1)
+    K = inner.shape[0]
+    bounds = np.concatenate([np.zeros((K, 1), np.int64), inner, np.full((K, 1), n)], axis=1)
+    times = pb.time[bounds[:, :-1], bounds[:, 1:]]
+    max_t = times.max(axis=1)
+    peak, sq = pb.keys(*pb.stage_parts(bounds))
+    if cut.memory_budget is not None:
+        ok = peak <= cut.memory_budget
+        if not ok.any():
+            raise _infeasible(pb, float(peak.min()), exact=True)
+        order = np.lexsort(((times**2).sum(1), peak, max_t, ~ok))
+    elif cut.objective == "time":
+        ok = max_t <= t_opt
+        order = np.lexsort(((times**2).sum(1), peak, ~ok))
+    else:
+        ok = max_t <= (1.0 + cut.time_slack) * t_opt
+        order = np.lexsort((sq, max_t, peak, ~ok))
+    return [int(x) for x in bounds[order[0]]]
+
+
+# ---------------------------------------------------------------------------
+# Public entry points
+
+
+def _check_inputs(n: int, S: int, placement: Sequence[int], in_flight: Sequence[int]) -> None:
+    if S < 1:
+        raise CutError("the schedule has no stages")
+    if n < S:
+        raise CutError(
+            f"the schedule has {S} stages but the model has only {n} cuttable segment"
+            f"{'s' if n != 1 else ''} ({n - 1} marker{'s' if n != 2 else ''}); add at least "
+            f"{S - 1} markers (jp.boundary or @jp.layer) or use fewer stages"
+        )
+    if len(in_flight) != S:
+        raise CutError(f"in_flight has {len(in_flight)} entries for {S} stages")
+    if any(int(d) < 0 for d in placement):
+        raise CutError(f"placement has a negative device: {list(placement)}")
+
+
+def _explicit_bounds(indices: Sequence[int], n: int, S: int) -> list[int]:
+    if len(indices) != S - 1:
+        raise CutError(
+            f"Cut.indices has {len(indices)} entries but {S} stages need exactly {S - 1}"
+        )
+    if indices and (indices[0] < 0 or indices[-1] > n - 2):
+        raise CutError(
+            f"Cut.indices must lie in [0, {n - 2}] (the model has {n - 1} markers), "
+            f"got {list(indices)}"
+        )
+    return [0] + [i + 1 for i in indices] + [n]
+
+
+def partition(
+    costs: Sequence[SegmentCost],
+    placement: Sequence[int],
+    in_flight: Sequence[int],
+    cut: Cut | None = None,
+) -> CutResult:
+    """Choose contiguous stages for ``costs`` given the stage placement and in-flight counts.
+
+    This is the schedule-independent core of :func:`choose_cuts`: ``placement[s]``
+    is the device of stage ``s`` and ``in_flight[s]`` its peak number of live
+    residual sets. ``len(placement)`` is the number of stages.
+
+    Raises:
+      CutError: more stages than segments, a bad explicit cut, or an infeasible
+        memory budget (the message names the smallest feasible budget).
+    """
+    cut = cut or Cut()
+    costs = list(costs)
+    placement = [int(d) for d in placement]
+    n, S = len(costs), len(placement)
+    _check_inputs(n, S, placement, in_flight)
+    pb = _Problem(costs, placement, in_flight, cut)
+    t_opt, _ = pb.minmax(lambda k: pb.time)
+
+    if cut.indices is not None:
+        bounds = _explicit_bounds(cut.indices, n, S)
+        objective, exact = "explicit", True
+        if cut.memory_budget is not None and pb.memory(bounds) > cut.memory_budget:
+            raise CutError(
+                f"the explicit cut {list(cut.indices)} needs {_fmt_bytes(pb.memory(bounds))} "
+                f"per device ({cut.memory_model} memory model), over the memory budget of "
+                f"{_fmt_bytes(cut.memory_budget)}"
+            )
+    elif pb.single:
+        bounds, objective = _search_single(pb, t_opt)
+        exact = True
+    else:
+        bounds, objective, exact = _search_shared(pb, t_opt)
+    return _result(pb, costs, bounds, objective, exact, t_opt)
+
+
+def _result(
+    pb: _Problem,
+    costs: Sequence[SegmentCost],
+    bounds: Sequence[int],
+    objective: str,
+    exact: bool,
+    t_opt: float,
+) -> CutResult:
+    cut = pb.cut
+    stage_mem = []
+    for k in range(pb.S):
+        a, b = bounds[k], bounds[k + 1]
+        p = float(pb.params[a, b])
+        stage_mem.append(
+            MemoryBreakdown(
+                params=p,
+                grads=cut.grad_bytes_per_param_byte * p,
+                optimizer=cut.optimizer_bytes_per_param_byte * p,
+                residuals=float(pb.in_flight[k] * pb.residual[a, b]),
+                transfers=float(pb.transfers[a, b]),
+            )
+        )
+    device_mem = [MemoryBreakdown() for _ in range(pb.D)]
+    for k, d in enumerate(pb.placement):
+        device_mem[d] = device_mem[d] + stage_mem[k]
+    p_pad = pb.spd * max(m.params for m in stage_mem)
+    busiest = max(device_mem, key=lambda m: m.residuals + m.transfers)
+    padded = MemoryBreakdown(
+        params=p_pad,
+        grads=cut.grad_bytes_per_param_byte * p_pad,
+        optimizer=cut.optimizer_bytes_per_param_byte * p_pad,
+        residuals=busiest.residuals,
+        transfers=busiest.transfers,
+    )
+    return CutResult(
+        cuts=tuple(int(b) - 1 for b in bounds[1:-1]),
+        stage_segments=tuple((int(bounds[k]), int(bounds[k + 1])) for k in range(pb.S)),
+        stage_devices=tuple(int(d) for d in pb.placement),
+        in_flight=tuple(int(c) for c in pb.in_flight),
+        stage_fwd=tuple(float(pb.fwd_p[bounds[k + 1]] - pb.fwd_p[bounds[k]])
+                        for k in range(pb.S)),
+        stage_bwd=tuple(float(pb.bwd_p[bounds[k + 1]] - pb.bwd_p[bounds[k]])
+                        for k in range(pb.S)),
+        stage_memory=tuple(stage_mem),
+        device_memory=tuple(device_mem),
+        padded_memory=padded,
+        memory_model=cut.memory_model,
+        objective=objective,
+        exact=exact,
+        time_optimum=float(t_opt),
+        time_unit=pb.time_unit,
+        segment_names=tuple(c.name for c in costs),
+    )
+
+
+def choose_cuts(
+    costs: Sequence[SegmentCost],
+    schedule: Any,
+    cut: Cut | None = None,
+    *,
+    in_flight: Sequence[int] | None = None,
+) -> CutResult:
+    """Choose the stages of a pipeline for ``schedule`` (what ``cut="auto"`` runs).
+
+    Args:
+      costs: one :class:`~jaxpipe.cost.SegmentCost` per segment, in program order
+        (:func:`jaxpipe.cost.segment_costs`).
+      schedule: a ``jp.Schedule``; supplies ``num_stages``, ``placement(stage)``,
+        and, through ``simulate()``, every stage's peak in-flight microbatches.
+      cut: options (objective, memory budget, explicit indices); default
+        ``Cut()`` balances compute.
+      in_flight: override the simulator's per-stage peak in-flight counts.
+
+    Returns:
+      A :class:`CutResult` whose ``makespan`` / ``bubble_fraction`` come from
+      simulating the schedule with the chosen stage costs.
+    """
+    S = schedule.num_stages
+    placement = [int(schedule.placement(s)) for s in range(S)]
+    if in_flight is None:
+        peaks = schedule.simulate(costs=None).stage_peak_in_flight
+        counts = [int(peaks[s]) for s in range(S)]
+    else:
+        counts = list(in_flight)
+    result = partition(costs, placement, counts, cut)
+    timeline = schedule.simulate(costs=result.action_cost)
+    if in_flight is None:
+        # In-flight counts follow from each device's action order, not from timing,
+        # but a simulator is free to differ: re-cut once if the chosen costs change them.
+        peaks = timeline.stage_peak_in_flight
+        if [int(peaks[s]) for s in range(S)] != counts:
+            counts = [int(peaks[s]) for s in range(S)]
+            result = partition(costs, placement, counts, cut)
+            timeline = schedule.simulate(costs=result.action_cost)
+    return replace(result, makespan=float(timeline.makespan),
+                   bubble_fraction=float(timeline.bubble_fraction))
