@@ -1,0 +1,312 @@
+"""Checkpoint and resume pipeline training with orbax-checkpoint.
+
+Two forms, for two purposes:
+
+``save(path, state)`` / ``restore(path, pipe, like=state)``
+    The :class:`~jaxpipe.train.TrainState` exactly as it lives on the devices: parameters
+    and optimizer state in the per-stage layout ``{dtype: [devices, stages_per_device,
+    width]}``, sharded over the pipe axis, plus the step counter. Each process writes and
+    reads only its own shards. Restoring into a pipeline with the *same* layout (same
+    schedule placement, cut, parameter shapes and optimizer) resumes bit-for-bit: the
+    next steps are identical to never having stopped.
+
+``save_params(path, pipe, state)`` / ``restore_params(path, pipe=..., like=...)``
+    The plain, unsharded parameter pytree (the user's ``params``). Use it to change
+    the pipeline layout (other ``p``, schedule or cut), to evaluate without a pipeline,
+    or to hand the weights to other code. The optimizer state is not in this form:
+    after ``restore_params`` call ``pipe.init(params, optimizer)`` for a fresh one.
+
+Every path is a directory; with several processes it must be on a filesystem that all
+of them see, and every process must make the same call (orbax coordinates the writes).
+
+Example::
+
+    from jaxpipe import checkpoint as jpc
+
+    jpc.save("/ckpt/step_400", state, pipe=pipe)        # per-stage layout
+    jpc.save_params("/ckpt/params_400", pipe, state)    # unsharded
+
+    state = jpc.restore("/ckpt/step_400", pipe, like=pipe.init(params, tx))
+    params = jpc.restore_params("/ckpt/params_400", pipe=other_pipe)
+    state = other_pipe.init(params, tx)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpipe.errors import PipelineError
+
+__all__ = ["restore", "restore_params", "save", "save_params"]
+
+_FORMAT = 1
+_KIND_STATE = "jaxpipe.train_state"
+_KIND_PARAMS = "jaxpipe.params"
+
+
+def _ocp():
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+def _checkpointer():
+    ocp = _ocp()
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+        state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()))
+
+
+def _abspath(path: str | os.PathLike) -> Path:
+    # orbax needs absolute paths.
+    return Path(path).expanduser().absolute()
+
+
+def _layout_summary(pipe) -> dict[str, Any]:
+    sched = pipe.schedule
+    return {
+        "schedule": type(sched).__qualname__,
+        "num_devices": sched.num_devices,
+        "num_microbatches": sched.num_microbatches,
+        "stages_per_device": sched.stages_per_device,
+        "cuts": [int(c) for c in pipe.cuts],
+    }
+
+
+def _save(path: Path, tree: Any, meta: dict, overwrite: bool) -> None:
+    ocp = _ocp()
+    if path.exists() and not overwrite:
+        raise PipelineError(
+            f"checkpoint directory {str(path)!r} already exists; pass overwrite=True to "
+            "replace it or choose a new path (e.g. one directory per step)."
+        )
+    _checkpointer().save(
+        path,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                meta=ocp.args.JsonSave(meta)),
+        force=overwrite,
+    )
+
+
+def _read_meta(path: Path, want_kind: str) -> tuple[dict, Any]:
+    """The checkpoint's json metadata and its array-tree metadata; clear errors if not ours."""
+    if not path.is_dir():
+        raise PipelineError(f"no checkpoint at {str(path)!r} (not a directory).")
+    ocp = _ocp()
+    ckptr = _checkpointer()
+    try:
+        meta = ckptr.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        tree_meta = ckptr.metadata(path).item_metadata["state"].tree
+    except (FileNotFoundError, KeyError, ValueError, AttributeError, TypeError) as err:
+        raise PipelineError(
+            f"{str(path)!r} is not a jaxpipe checkpoint (written by jaxpipe.checkpoint.save or "
+            f"save_params): {err}"
+        ) from err
+    kind = (meta or {}).get("kind")
+    if kind != want_kind:
+        other = {_KIND_STATE: "restore", _KIND_PARAMS: "restore_params"}.get(kind, "?")
+        raise PipelineError(
+            f"{str(path)!r} holds a {kind!r} checkpoint, not {want_kind!r}; read it with "
+            f"jaxpipe.checkpoint.{other}."
+        )
+    return meta, tree_meta
+
+
+# ----------------------------------------------------------------------- train state
+def save(path: str | os.PathLike, state, *, pipe=None, overwrite: bool = False) -> None:
+    """Save a :class:`~jaxpipe.train.TrainState` in its per-stage layout.
+
+    Args:
+      path: a new directory (``overwrite=True`` replaces an existing one).
+      state: the state from ``pipe.init`` / ``pipe.train_step``.
+      pipe: optional; records the pipeline layout (schedule, p, m, cut) so that
+        restoring into a different layout names the difference.
+      overwrite: replace ``path`` if it exists.
+    """
+    from jaxpipe.distributed import fetch
+    from jaxpipe.train import TrainState
+
+    if not isinstance(state, TrainState):
+        raise PipelineError(
+            f"save needs the TrainState from pipe.init/train_step, got {type(state).__name__};"
+            " for a parameter pytree use jaxpipe.checkpoint.save_params."
+        )
+    tree = {"params": state.params, "opt_state": state.opt_state,
+            "step": np.asarray(fetch(state.step), np.int32)}
+    meta = {"kind": _KIND_STATE, "format": _FORMAT,
+            "layout": _layout_summary(pipe) if pipe is not None else None}
+    _save(_abspath(path), tree, meta, overwrite)
+
+
+def _shape_map(tree: Any) -> dict[str, tuple]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in leaves}
+
+
+def restore(path: str | os.PathLike, pipe, like=None):
+    """Restore a :class:`~jaxpipe.train.TrainState` saved by :func:`save`.
+
+    Args:
+      path: the checkpoint directory.
+      pipe: the pipeline to resume with; it must have the layout the state was saved
+        in (same placement, cut, parameter shapes and optimizer state structure).
+      like: a state of the right structure and sharding, e.g. ``pipe.init(params,
+        optimizer)``; its values are ignored. Default: built from ``pipe`` after
+        ``pipe.init`` was called once (the optimizer's state layout comes from it).
+
+    Returns:
+      The TrainState, sharded like ``like`` (over the pipe axis), ready for
+      ``pipe.train_step``.
+
+    Raises:
+      PipelineError: not a train-state checkpoint, or saved in another layout (then
+        restore the unsharded parameters with :func:`restore_params` instead).
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpipe.train import TrainState
+
+    path = _abspath(path)
+    meta, tree_meta = _read_meta(path, _KIND_STATE)
+    if like is None:
+        like = _abstract_state(pipe)
+    if not isinstance(like, TrainState):
+        raise PipelineError(f"like must be a TrainState, got {type(like).__name__}.")
+
+    def abstract(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    target = {"params": jax.tree.map(abstract, like.params),
+              "opt_state": jax.tree.map(abstract, like.opt_state),
+              "step": np.zeros((), np.int32)}
+    saved_shapes = _shape_map(tree_meta)
+    want_shapes = _shape_map(target)
+    if saved_shapes != want_shapes:
+        saved_layout = meta.get("layout")
+        now = _layout_summary(pipe) if pipe is not None else None
+        raise PipelineError(
+            f"the checkpoint at {str(path)!r} was saved in another per-stage layout "
+            f"(array shapes {saved_shapes}) than this pipeline's ({want_shapes})"
+            + (f"; saved with {saved_layout}, this pipeline is {now}" if saved_layout else "")
+            + ". To change p, schedule, cut or optimizer, save the unsharded parameters "
+            "with save_params, restore them with restore_params and call pipe.init."
+        )
+    ocp = _ocp()
+    out = _checkpointer().restore(
+        path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    # The step counter goes back replicated over the pipeline's mesh (as train_step
+    # returns it); every process passes the same value.
+    step = jax.make_array_from_process_local_data(
+        NamedSharding(pipe.mesh, P()), np.asarray(out["step"], np.int32))
+    return TrainState(out["params"], out["opt_state"], step)
+
+
+def _abstract_state(pipe):
+    """A shape/sharding-only TrainState for ``pipe`` (needs ``pipe.init`` called once)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpipe.train import TrainState
+
+    tr = getattr(pipe, "_trainer", None)
+    if tr is None:
+        raise PipelineError(
+            "restore needs to know the optimizer state's layout: pass like=pipe.init(params, "
+            "optimizer) (values are ignored), or call pipe.init once before restore."
+        )
+    p, spd = pipe.schedule.num_devices, pipe.lowered.stages_per_device
+    sh = pipe._pbuf_sharding
+
+    def buf(widths):
+        return {dt: jax.ShapeDtypeStruct((p, spd, w), np.dtype(dt), sharding=sh)
+                for dt, w in widths.items()}
+
+    step = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(pipe.mesh, P()))
+    return TrainState(buf(pipe.layouts.param_width), buf(tr.opt_width), step)
+
+
+# ----------------------------------------------------------------------- parameters
+def save_params(path: str | os.PathLike, pipe, state_or_params, *,
+                overwrite: bool = False) -> None:
+    """Save the plain (unsharded) parameter pytree of a train state.
+
+    Args:
+      path: a new directory.
+      pipe: the pipeline the state belongs to (it knows the stage layout).
+      state_or_params: a :class:`~jaxpipe.train.TrainState`, a staged parameter dict
+        from ``pipe.shard``, or already the user's parameter pytree.
+      overwrite: replace ``path`` if it exists.
+    """
+    from jaxpipe.train import TrainState
+
+    if isinstance(state_or_params, TrainState):
+        params = pipe.params(state_or_params)
+    elif _is_staged(pipe, state_or_params):
+        params = pipe.unshard(state_or_params)
+    else:
+        pipe._check_params(state_or_params)
+        params = state_or_params
+    meta = {"kind": _KIND_PARAMS, "format": _FORMAT,
+            "treedef": str(jax.tree.structure(params)), "layout": _layout_summary(pipe)}
+    _save(_abspath(path), params, meta, overwrite)
+
+
+def _is_staged(pipe, x) -> bool:
+    return (isinstance(x, dict) and set(x) == set(pipe.layouts.param_width)
+            and all(getattr(v, "ndim", 0) == 3 for v in x.values())
+            and jax.tree.structure(x) != pipe.traced.params_treedef)
+
+
+def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> Any:
+    """Restore a parameter pytree saved by :func:`save_params`.
+
+    Args:
+      path: the checkpoint directory.
+      pipe: restore in this pipeline's parameter structure, replicated over its mesh
+        (global arrays; the right input for ``pipe.init`` in every process).
+      like: or: a pytree of arrays / ``jax.ShapeDtypeStruct`` giving structure, shapes,
+        dtypes and (optionally) shardings.
+
+    With neither, returns numpy arrays in the saved structure (lists and dicts).
+
+    Raises:
+      PipelineError: not a params checkpoint, or shapes/structure differ from the target.
+    """
+    path = _abspath(path)
+    meta, tree_meta = _read_meta(path, _KIND_PARAMS)
+    if like is None and pipe is not None:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        rep = NamedSharding(pipe.mesh, P())
+        like = jax.tree.unflatten(
+            pipe.traced.params_treedef,
+            [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in pipe._param_avals])
+    if like is None:
+        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree_meta)
+    else:
+        def abstract(x):
+            if isinstance(x, np.ndarray):
+                return np.zeros(x.shape, x.dtype)
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                        sharding=getattr(x, "sharding", None))
+
+        target = jax.tree.map(abstract, like)
+        saved_leaves = jax.tree.leaves(tree_meta)
+        want_leaves = jax.tree.leaves(target)
+        saved = [tuple(m.shape) for m in saved_leaves]
+        want = [tuple(np.shape(x)) for x in want_leaves]
+        if saved != want:
+            raise PipelineError(
+                f"the parameters at {str(path)!r} (structure {meta.get('treedef')}, shapes "
+                f"{saved}) do not match the target (structure {jax.tree.structure(target)}, "
+                f"shapes {want}); restore into the same model."
+            )
+    ocp = _ocp()
+    return _checkpointer().restore(
+        path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]

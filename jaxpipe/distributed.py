@@ -1,0 +1,335 @@
+"""Multi-process helpers: start ``jax.distributed``, build global inputs, check agreement.
+
+A jaxpipe pipeline is one SPMD program. With several processes (several hosts, or
+several local processes started by ``python -m jaxpipe.launch``) every process runs
+the *same* Python script, builds the *same* :class:`~jaxpipe.Pipeline` over a mesh of
+all global devices (``jax.devices()``), and calls it with *global* ``jax.Array`` inputs.
+JAX's multi-controller runtime then runs one program across all of them; the
+``ppermute`` between pipeline stages crosses processes where the mesh does.
+
+Typical script (works unchanged single-process, under the launcher and on a cluster)::
+
+    import jax
+    import jaxpipe as jp
+    from jaxpipe import distributed as jpd
+
+    jpd.initialize()                                  # before any other jax call
+    mesh = jax.make_mesh((jax.device_count(),), ("pipe",))
+    params = jpd.replicate(params, mesh)             # same values on every process
+    batch = jpd.global_batch(local_batch, mesh)      # this process's rows
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=...)
+    jpd.check_consistent(pipe)                       # clear error, not a hang
+    loss, grads = pipe.value_and_grad(params, batch)
+    grads = jpd.fetch(grads)                         # numpy, on every process
+
+The three things that differ from single-process use:
+
+1. ``initialize()`` must run before anything touches the JAX backend.
+2. Inputs must be global arrays: a numpy array in one process is only that process's
+   view; :func:`global_batch` and :func:`replicate` build global arrays from it.
+3. Every process must build the same pipeline. If one process uses, say, a different
+   ``num_microbatches``, the processes would compile different programs whose
+   collectives never match up and hang; :func:`check_consistent` compares a summary of
+   the configuration across processes and raises a :class:`~jaxpipe.PipelineError`
+   naming the field that differs instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxpipe.errors import PipelineError
+
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "check_consistent",
+    "config_summary",
+    "fetch",
+    "global_batch",
+    "initialize",
+    "replicate",
+]
+
+#: Environment variables set by ``python -m jaxpipe.launch`` and read by :func:`initialize`.
+ENV_COORDINATOR = "JAXPIPE_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAXPIPE_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXPIPE_PROCESS_ID"
+ENV_INIT_TIMEOUT = "JAXPIPE_INIT_TIMEOUT"
+ENV_HEARTBEAT_TIMEOUT = "JAXPIPE_HEARTBEAT_TIMEOUT"
+
+# Bytes of the configuration summary exchanged by check_consistent (fixed, so that every
+# process runs the same gather even when the summaries differ).
+_SUMMARY_BYTES = 8192
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    cpu_collectives: str | None = "gloo",
+    initialization_timeout: int | None = None,
+    heartbeat_timeout: int | None = None,
+    require: bool = False,
+) -> bool:
+    """Start JAX's multi-controller runtime (``jax.distributed.initialize``) if needed.
+
+    Where the process count and coordinator come from, first match wins:
+
+    1. the arguments;
+    2. the ``JAXPIPE_*`` environment variables set by ``python -m jaxpipe.launch``;
+    3. JAX's own cluster auto-detection (SLURM, Open MPI, Kubernetes/GKE, Cloud TPU),
+       i.e. ``jax.distributed.initialize()`` with no arguments.
+
+    If none applies the script runs single-process and this returns ``False`` (set
+    ``require=True`` to raise instead). Call it before any other JAX call.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordination service.
+      num_processes: total number of processes.
+      process_id: this process's index in ``[0, num_processes)``.
+      cpu_collectives: the CPU cross-process collectives backend (``"gloo"``; or
+        ``"mpi"``). Without one, CPU computations cannot span processes. ``None``
+        leaves JAX's setting alone.
+      initialization_timeout: seconds to wait for all processes to connect (JAX's
+        default is 300; the launcher passes its own ``--timeout``).
+      heartbeat_timeout: seconds after which a process that stopped answering is
+        declared dead and the others are shut down instead of waiting forever.
+      require: raise if no multi-process configuration is found.
+
+    Returns:
+      ``True`` if ``jax.distributed`` was initialized (now or before), else ``False``.
+    """
+    import jax
+
+    if _already_initialized():
+        return True
+    env = os.environ
+    if coordinator_address is None and ENV_COORDINATOR in env:
+        coordinator_address = env[ENV_COORDINATOR]
+    if num_processes is None and ENV_NUM_PROCESSES in env:
+        num_processes = int(env[ENV_NUM_PROCESSES])
+    if process_id is None and ENV_PROCESS_ID in env:
+        process_id = int(env[ENV_PROCESS_ID])
+    if initialization_timeout is None and ENV_INIT_TIMEOUT in env:
+        initialization_timeout = int(env[ENV_INIT_TIMEOUT])
+    if heartbeat_timeout is None and ENV_HEARTBEAT_TIMEOUT in env:
+        heartbeat_timeout = int(env[ENV_HEARTBEAT_TIMEOUT])
+
+    explicit = (coordinator_address, num_processes, process_id)
+    if any(v is not None for v in explicit) and any(v is None for v in explicit):
+        raise PipelineError(
+            "initialize needs coordinator_address, num_processes and process_id together "
+            f"(got {coordinator_address!r}, {num_processes!r}, {process_id!r}); pass all "
+            "three, or none to use the launcher's environment or cluster auto-detection."
+        )
+    if not any(v is not None for v in explicit) and not _cluster_detected():
+        if require:
+            raise PipelineError(
+                "no multi-process configuration found: start the script with "
+                "`python -m jaxpipe.launch --nproc N script.py`, on a cluster JAX detects "
+                "(SLURM, Open MPI, Kubernetes, Cloud TPU), or pass coordinator_address, "
+                "num_processes and process_id."
+            )
+        return False
+    if cpu_collectives is not None:
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    kwargs: dict[str, Any] = {}
+    if initialization_timeout is not None:
+        kwargs["initialization_timeout"] = initialization_timeout
+    if heartbeat_timeout is not None:
+        kwargs["heartbeat_timeout_seconds"] = heartbeat_timeout
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+    return True
+
+
+def _already_initialized() -> bool:
+    try:
+        from jax._src import distributed as _dist
+
+        return _dist.global_state.client is not None
+    except (ImportError, AttributeError):  # private API moved: assume not initialized
+        return False
+
+
+def _cluster_detected() -> bool:
+    """True if one of JAX's cluster environments (SLURM, MPI, k8s, TPU) is present."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    try:
+        from jax._src import clusters
+
+        return any(env.is_env_present() for env in clusters.ClusterEnv._cluster_types
+                   if env.opt_in_only_method is False)
+    except (ImportError, AttributeError):
+        return False
+
+
+# ------------------------------------------------------------------------- inputs
+def _data_axes(mesh, axis: str, data_axes: Sequence[str] | None) -> tuple[str, ...]:
+    if data_axes is not None:
+        return tuple(data_axes)
+    return tuple(a for a in mesh.axis_names if a != axis)
+
+
+def global_batch(local_batch: Any, mesh, *, axis: str = "pipe",
+                 data_axes: Sequence[str] | None = None) -> Any:
+    """Build a global batch (``jax.Array`` leaves) from this process's part of it.
+
+    Along the pipeline axis every device needs the whole batch of its data-parallel
+    group, so the batch is *replicated* over ``axis`` and *sharded* over the other
+    mesh axes (``data_axes``, default: every axis but ``axis``). Each process passes
+    the rows that belong to its devices (``jax.make_array_from_process_local_data``):
+
+    - mesh with only a ``pipe`` axis: every process passes the **full** batch (the same
+      values everywhere);
+    - ``data x pipe`` mesh: each process passes its data shard's rows; the global
+      batch size is the sum over processes.
+
+    Single-process it is equivalent to ``jax.device_put`` with that sharding.
+    """
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    daxes = _data_axes(mesh, axis, data_axes)
+    sharding = NamedSharding(mesh, P(daxes if daxes else None))
+
+    def one(x):
+        x = np.asarray(x)
+        if x.ndim == 0:
+            raise PipelineError(
+                "global_batch: batch leaves need a leading batch axis; got a scalar."
+            )
+        return jax.make_array_from_process_local_data(sharding, x)
+
+    return jax.tree.map(one, local_batch)
+
+
+def replicate(tree: Any, mesh) -> Any:
+    """Place a pytree replicated on every device of ``mesh`` (e.g. initial parameters).
+
+    Every process must pass the same values (e.g. the same ``jax.random.key`` seed);
+    use :func:`check_consistent` or ``multihost_utils.assert_equal`` if unsure.
+    """
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(mesh, P())
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree
+    )
+
+
+def fetch(tree: Any) -> Any:
+    """Copy a pytree of (possibly multi-process) ``jax.Array`` s to numpy on every process.
+
+    Fully replicated arrays are read from a local shard (no communication); sharded
+    arrays that span processes are gathered with ``process_allgather`` (a collective:
+    every process must call ``fetch`` on the same tree).
+    """
+    import jax
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)
+        if x.sharding.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
+
+
+# ------------------------------------------------------------------------- agreement
+def config_summary(pipe) -> dict[str, Any]:
+    """A JSON-able summary of everything that must agree across processes.
+
+    Schedule (class, p, m, v, every device's action list), cut, mesh shape and axis
+    names, parameter and microbatch shapes/dtypes, and a digest of the lowered tick
+    table (what the compiled program's collectives depend on).
+    """
+    sched = pipe.schedule
+    actions = {str(d): [str(a) for a in acts] for d, acts in sched.actions().items()}
+    avals = pipe.traced.jaxpr.invars
+    n = pipe.traced.num_params
+    table = np.ascontiguousarray(np.asarray(pipe.lowered.table))
+    return {
+        "schedule": f"{type(sched).__module__}.{type(sched).__qualname__}",
+        "num_devices": sched.num_devices,
+        "num_microbatches": sched.num_microbatches,
+        "stages_per_device": sched.stages_per_device,
+        "actions_sha256": _sha(json.dumps(actions, sort_keys=True)),
+        "cuts": [int(c) for c in pipe.cuts],
+        "mesh": {str(k): int(v) for k, v in pipe.mesh.shape.items()},
+        "axis": pipe.axis,
+        "params": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[:n]],
+        "params_tree_sha256": _sha(str(pipe.traced.params_treedef)),
+        "microbatch": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[n:]],
+        "table_sha256": _sha(table.tobytes() + str(table.shape).encode()),
+    }
+
+
+def _sha(data: str | bytes) -> str:
+    if isinstance(data, str):
+        data = data.encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def check_consistent(pipe) -> None:
+    """Raise a :class:`PipelineError` if the pipeline differs between processes.
+
+    Every process must call this (it is one small collective) after building the
+    pipeline and before running it. Single-process it does nothing. The error names
+    each field that differs and its value on every process, e.g.::
+
+        the pipeline differs across processes (they would compile different programs
+        and hang): num_microbatches: process 0: 4, process 1: 2. ...
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    summary = config_summary(pipe)
+    summaries = _allgather_json(summary)
+    diffs = []
+    for key in summary:
+        vals = [s.get(key) for s in summaries]
+        if any(v != vals[0] for v in vals):
+            per = ", ".join(f"process {i}: {v}" for i, v in enumerate(vals))
+            diffs.append(f"{key}: {per}")
+    if diffs:
+        raise PipelineError(
+            "the pipeline differs across processes (they would compile different programs "
+            "whose collectives never match, and hang): " + "; ".join(diffs)
+            + ". Build the same pipeline (same schedule, num_microbatches, cut, mesh, "
+            "parameter and batch shapes) in every process."
+        )
+
+
+def _allgather_json(obj: Any) -> list[Any]:
+    """Gather one small JSON-able object from every process (fixed-size byte buffer)."""
+    from jax.experimental import multihost_utils
+
+    raw = json.dumps(obj, sort_keys=True).encode()
+    if len(raw) > _SUMMARY_BYTES - 8:
+        # Too long to ship whole: ship a digest instead (still detects any difference).
+        raw = json.dumps({"sha256": _sha(raw)}).encode()
+    buf = np.zeros(_SUMMARY_BYTES, np.uint8)
+    buf[:8] = np.frombuffer(np.int64(len(raw)).tobytes(), np.uint8)
+    buf[8:8 + len(raw)] = np.frombuffer(raw, np.uint8)
+    out = np.asarray(multihost_utils.process_allgather(buf))
+    res = []
+    for row in out:
+        length = int(np.frombuffer(row[:8].tobytes(), np.int64)[0])
+        res.append(json.loads(row[8:8 + length].tobytes().decode()))
+    return res

@@ -1,0 +1,102 @@
+"""Worker script for tests/test_multiprocess.py, run under ``python -m jaxpipe.launch``.
+
+Every process builds the same tiny 4-layer MLP pipeline (p=4, 1F1B) over the mesh of
+all global devices (2 processes x 2 virtual CPU devices), runs ``value_and_grad`` and a
+few ``train_step`` s, checkpoints with orbax and resumes, and process 0 writes the
+results to ``<out>.npz`` for the test to compare against the unpipelined model computed
+in one process.
+
+The test imports ``make_model`` and ``loss_fn`` from here to compute the reference.
+
+Usage: ``mp_worker.py ok <out>`` or ``mp_worker.py mismatch <out>`` (process 1 builds
+its schedule with a different ``num_microbatches``, which must fail with a clear error).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxpipe as jp
+from jaxpipe import checkpoint as jpc
+from jaxpipe import distributed as jpd
+
+P_STAGES, M, WIDTH, BATCH = 4, 4, 8, 16
+TRAIN_STEPS, LR = 2, 0.05
+
+
+def make_model(seed: int = 0) -> tuple[dict, dict]:
+    """Parameters and a batch, identical in every process (same seed, numpy RNG)."""
+    rng = np.random.default_rng(seed)
+    params = {"w": [(rng.standard_normal((WIDTH, WIDTH)) * 0.5).astype(np.float32)
+                    for _ in range(P_STAGES)],
+              "b": [np.zeros((WIDTH,), np.float32) for _ in range(P_STAGES)]}
+    batch = {"x": rng.standard_normal((BATCH, WIDTH)).astype(np.float32),
+             "y": rng.standard_normal((BATCH, WIDTH)).astype(np.float32)}
+    return params, batch
+
+
+def loss_fn(params: dict, mb: dict) -> jax.Array:
+    h = mb["x"]
+    for i, (w, b) in enumerate(zip(params["w"], params["b"], strict=True)):
+        h = jnp.tanh(h @ w + b)
+        if i < len(params["w"]) - 1:
+            h = jp.boundary(h)
+    return jnp.mean((h - mb["y"]) ** 2)
+
+
+def main(mode: str, out: str) -> None:
+    pid, n = jax.process_index(), jax.process_count()
+    assert n == 2 and jax.device_count() == 4 and jax.local_device_count() == 2, (
+        n, jax.device_count(), jax.local_device_count())
+    mesh = jax.make_mesh((P_STAGES,), ("pipe",))
+    m = M if not (mode == "mismatch" and pid == 1) else M // 2
+    host_params, host_batch = make_model()
+    params = jpd.replicate(host_params, mesh)
+    batch = jpd.global_batch(host_batch, mesh)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh,
+                       schedule=jp.OneFOneB(P_STAGES, m), cut="markers")
+    jpd.check_consistent(pipe)  # raises on the mismatch, in every process
+
+    loss, grads = pipe.value_and_grad(params, batch)
+    loss, grads = jpd.fetch((loss, grads))
+
+    state = pipe.init(params, optax.sgd(LR))
+    losses = []
+    for _ in range(TRAIN_STEPS):
+        state, metrics = pipe.train_step(state, batch)
+        losses.append(jpd.fetch(metrics["loss"]))
+    trained = jpd.fetch(pipe.params(state))
+
+    # Checkpoint across processes (each writes its own shards to the shared directory),
+    # then resume: the restored state's next step is bit-identical to the original's.
+    ckpt = out + ".ckpt"
+    jpc.save(f"{ckpt}/state", state, pipe=pipe)
+    jpc.save_params(f"{ckpt}/params", pipe, state)
+    restored = jpc.restore(f"{ckpt}/state", pipe, like=state)
+    restored_params = jpd.fetch(jpc.restore_params(f"{ckpt}/params", pipe=pipe))
+    state, m_orig = pipe.train_step(state, batch)
+    restored, m_rest = pipe.train_step(restored, batch)
+    resumed = [jpd.fetch(m_orig["loss"]), jpd.fetch(m_rest["loss"])]
+    for a, b in zip(jax.tree.leaves(restored_params), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(a, b)
+    after = jpd.fetch((pipe.params(state), pipe.params(restored)))
+    for a, b in zip(*map(jax.tree.leaves, after), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    if pid == 0:
+        flat = {"loss": loss, "train_losses": np.stack(losses), "resumed": np.stack(resumed)}
+        flat.update({f"grad_{i}": g for i, g in enumerate(jax.tree.leaves(grads))})
+        flat.update({f"trained_{i}": t for i, t in enumerate(jax.tree.leaves(trained))})
+        np.savez(out, **flat)
+    print(f"process {pid}/{n} done: loss={float(loss):.6f}", flush=True)
+
+
+if __name__ == "__main__":
+    # Importing jax is fine; initialize must come before anything touches its backend.
+    jpd.initialize(require=True)
+    main(sys.argv[1], sys.argv[2])

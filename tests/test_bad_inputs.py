@@ -1,0 +1,326 @@
+"""The bad-input catalogue (docs/errors.md): one test per entry.
+
+Each test feeds one kind of bad input to the entry point a user would hit it at and
+asserts the exception type and the key words of the message (what is wrong and how to
+fix it). None of them compiles more than a tiny program, and none can hang: errors are
+raised in Python before anything runs on the devices. Multi-process mismatches and
+checkpoint misuse have their entries tested in test_multiprocess.py / test_checkpoint.py.
+
+Tests marked ``xfail(strict=True)`` are entries whose check is not in the library yet;
+the check to add is named in the reason (and in docs/errors.md). Once it is added the
+test passes, strict xfail turns that into a failure, and the marker must be removed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import jaxpipe as jp
+
+P_, M, WIDTH, BATCH = 4, 4, 8, 16
+
+
+def loss_fn(params, mb):
+    h = mb["x"]
+    for i, w in enumerate(params["w"]):
+        h = jnp.tanh(h @ w)
+        if i < len(params["w"]) - 1:
+            h = jp.boundary(h)
+    return jnp.mean((h - mb["y"]) ** 2)
+
+
+def _params():
+    k = jax.random.split(jax.random.key(0), P_)
+    return {"w": [jax.random.normal(k[i], (WIDTH, WIDTH)) * 0.5 for i in range(P_)]}
+
+
+def _batch(n=BATCH):
+    kx, ky = jax.random.split(jax.random.key(1))
+    return {"x": jax.random.normal(kx, (n, WIDTH)), "y": jax.random.normal(ky, (n, WIDTH))}
+
+
+def _mesh(n=P_, names=("pipe",)):
+    return jax.make_mesh((n,), names, devices=jax.devices()[:n])
+
+
+def build(**kw):
+    """jp.pipeline on the tiny 4-layer model with any argument replaced."""
+    args = {"loss_fn": loss_fn, "params": _params(), "batch": _batch(), "mesh": _mesh(),
+            "schedule": jp.OneFOneB(P_, M), "cut": "markers"}
+    args.update(kw)
+    return jp.pipeline(args.pop("loss_fn"), args.pop("params"), args.pop("batch"), **args)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return build()
+
+
+# ------------------------------------------------------------------- batch
+def test_batch_not_divisible_by_microbatches(pipe):
+    bad = _batch(14)
+    with pytest.raises(jp.PipelineError, match=r"batch size 14 is not divisible by "
+                                               r"num_microbatches=4.*multiple of 4"):
+        build(batch=bad)
+    with pytest.raises(jp.PipelineError, match="not divisible by num_microbatches=4"):
+        pipe.value_and_grad(_params(), bad)
+
+
+def test_batch_inconsistent_leading_dims(pipe):
+    b = _batch()
+    bad = {"x": b["x"], "y": b["y"][:8]}
+    with pytest.raises(jp.PipelineError, match=r"inconsistent leading dimensions.*'x'.*16"
+                                               r".*'y'.*8.*same batch size"):
+        build(batch=bad)
+    with pytest.raises(jp.PipelineError, match="inconsistent leading dimensions"):
+        pipe.value_and_grad(_params(), bad)
+
+
+def test_batch_of_another_size_or_structure_at_call(pipe):
+    with pytest.raises(jp.PipelineError, match=r"differs from the.*rebuild the pipeline"):
+        pipe.value_and_grad(_params(), _batch(8))
+    b = _batch()
+    with pytest.raises(jp.PipelineError, match=r"batch structure.*'z'.*differs from the traced"):
+        pipe.value_and_grad(_params(), {"x": b["x"], "z": b["y"]})
+
+
+def test_scalar_or_empty_batch():
+    with pytest.raises(jp.PipelineError, match=r"batch leaf \['s'\] is a scalar.*leading "
+                                               r"batch axis"):
+        build(batch={**_batch(), "s": jnp.float32(1.0)})
+    with pytest.raises(jp.PipelineError, match="no array leaves"):
+        build(batch={})
+
+
+def test_microbatch_not_divisible_by_data_axis():
+    mesh = jax.make_mesh((2, P_), ("data", "pipe"), devices=jax.devices()[:2 * P_])
+    with pytest.raises(jp.PipelineError, match=r"microbatch size 3 is not divisible by the 2 "
+                                               r"devices of the data axes.*divisible by 8"):
+        build(mesh=mesh, batch=_batch(12))
+
+
+@pytest.mark.xfail(strict=True, reason="gap: Pipeline._microbatches checks shapes, not dtypes "
+                   "(see docs/errors.md, 'batch dtype differs')")
+def test_batch_dtype_differs_at_call(pipe):
+    b = _batch()
+    bad = {"x": b["x"].astype(jnp.int32), "y": b["y"]}
+    with pytest.raises(jp.PipelineError, match=r"dtype int32.*traced.*float32"):
+        pipe.value_and_grad(_params(), bad)
+
+
+# ------------------------------------------------------------------- params
+def test_params_tree_not_matching_traced(pipe):
+    params = _params()
+    fewer = {"w": params["w"][:3]}
+    for call in (lambda p: pipe.value_and_grad(p, _batch()), pipe.shard,
+                 lambda p: pipe.init(p, optax.sgd(0.1))):
+        with pytest.raises(jp.PipelineError, match=r"(?s)params do not have the structure the "
+                                                   r"pipeline was built with.*expected.*got"):
+            call(fewer)
+    reshaped = {"w": [*params["w"][:3], jnp.zeros((WIDTH, 4))]}
+    with pytest.raises(jp.PipelineError, match=r"parameter leaf 3 has shape \(8, 4\).*traced "
+                                               r"with \(8, 8\)"):
+        pipe.value_and_grad(reshaped, _batch())
+
+
+@pytest.mark.xfail(strict=True, reason="gap: trace() does not check that parameter leaves are "
+                   "arrays (a str leaf gives TypeError: data type 'foo' not understood)")
+def test_params_with_non_array_leaf():
+    with pytest.raises(jp.PipelineError, match=r"params leaf \['name'\] is a str.*array"):
+        build(params={**_params(), "name": "foo"})
+
+
+# ------------------------------------------------------------------- schedule / mesh
+def test_schedule_for_wrong_number_of_devices():
+    with pytest.raises(jp.PipelineError, match=r"mesh axis 'pipe' has size 4 but the "
+                                               r"schedule has num_devices=2.*make them equal"):
+        build(schedule=jp.OneFOneB(2, M))
+
+
+def test_schedule_for_wrong_number_of_stages():
+    # 4 devices x 2 stages per device = 8 stages, but the model has 4 segments.
+    with pytest.raises(jp.PipelineError, match=r"schedule needs 8 stages but the loss has only "
+                                               r"4 cuttable segments.*fewer stages"):
+        build(schedule=jp.Interleaved1F1B(P_, M, stages_per_device=2))
+    with pytest.raises(jp.PipelineError, match=r"Cut\(indices=\[0, 1\]\) gives 3 stages but the "
+                                               r"schedule has 4"):
+        build(cut=jp.Cut(indices=[0, 1]))
+
+
+def test_invalid_user_schedule():
+    class ForwardOnly(jp.Schedule):
+        def device_actions(self, device):
+            return [jp.Action("F", device, mb) for mb in range(self.num_microbatches)]
+
+    with pytest.raises(jp.ScheduleError, match=r"device 0: .*no backward.*rule: missing "
+                                               r"backward"):
+        build(schedule=ForwardOnly(P_, M))
+
+
+def test_schedule_class_instead_of_instance():
+    with pytest.raises(jp.PipelineError, match=r"schedule must be a jaxpipe.Schedule instance"
+                                               r".*OneFOneB\(num_devices="):
+        build(schedule=jp.OneFOneB)
+
+
+def test_mesh_without_the_axis():
+    with pytest.raises(jp.PipelineError, match=r"mesh has axes \('stage',\) but no 'pipe' "
+                                               r"axis.*axis=<name"):
+        build(mesh=_mesh(names=("stage",)))
+    with pytest.raises(jp.PipelineError, match=r"mesh must be a jax.sharding.Mesh.*make_mesh"):
+        build(mesh=jax.devices()[:P_])
+
+
+def test_axis_size_mismatch():
+    with pytest.raises(jp.PipelineError, match=r"mesh axis 'pipe' has size 8 but the schedule "
+                                               r"has num_devices=4"):
+        build(mesh=_mesh(8))
+
+
+def test_more_stages_than_cuttable_layers():
+    with pytest.raises(jp.PipelineError, match=r"needs 8 stages but the loss has only 4 "
+                                               r"cuttable segments \(3 markers\).*add "
+                                               r"jaxpipe.boundary"):
+        build(mesh=_mesh(8), schedule=jp.OneFOneB(8, M))
+
+
+def test_unknown_cut_option():
+    with pytest.raises(jp.PipelineError, match=r"cut must be 'auto', 'markers' or a "
+                                               r"jaxpipe.Cut, got 'even'"):
+        build(cut="even")
+
+
+# ------------------------------------------------------------------- loss function
+def _scan_loss(params, mb):
+    def body(h, w):
+        return jp.boundary(jnp.tanh(h @ w)), None
+
+    h, _ = lax.scan(body, mb["x"], jnp.stack(params["w"]))
+    return jnp.mean((h - mb["y"]) ** 2)
+
+
+def _cond_loss(params, mb):
+    x = lax.cond(mb["x"][0, 0] > 0, lambda h: jp.boundary(h * 2), lambda h: h, mb["x"])
+    return loss_fn(params, {"x": x, "y": mb["y"]})
+
+
+@pytest.mark.parametrize("fn, prim", [(_scan_loss, "scan"), (_cond_loss, "cond")])
+def test_markers_inside_control_flow(fn, prim):
+    with pytest.raises(jp.PipelineError, match=rf"used inside `{prim}`.*Cuts must be at the "
+                                               r"top level.*unroll"):
+        build(loss_fn=fn)
+
+
+@pytest.mark.parametrize("fn, what", [
+    (lambda p, b: loss_fn(p, b) * jnp.ones(3), r"1 leaves with shapes \[\(3,\)\]"),
+    (lambda p, b: (loss_fn(p, b), loss_fn(p, b)), r"2 leaves"),
+    (lambda p, b: None, r"0 leaves"),
+])
+def test_non_scalar_loss(fn, what):
+    with pytest.raises(jp.PipelineError, match=rf"must return one scalar.*{what}.*jnp.mean"):
+        build(loss_fn=fn)
+
+
+def test_loss_not_float():
+    with pytest.raises(jp.PipelineError, match=r"floating-point scalar, got dtype int32.*astype"):
+        build(loss_fn=lambda p, b: jnp.sum(b["x"] @ p["w"][0] > 0))
+
+
+# ------------------------------------------------------------------- cutter
+def test_memory_budget_infeasible():
+    with pytest.raises(jp.CutError, match=r"memory budget of 1 B.*infeasible.*smallest feasible "
+                                          r"budget is .*raise memory_budget"):
+        build(cut=jp.Cut(memory_budget=1))
+
+
+# ------------------------------------------------------------------- schedule names
+def test_unknown_schedule_name():
+    with pytest.raises(jp.ScheduleError, match=r"unknown schedule '2f2b'; valid: gpipe, 1f1b"):
+        jp.load_schedule("2f2b")
+    with pytest.raises(jp.ScheduleError, match=r"add ':ClassName'"):
+        jp.load_schedule("schedules/zero_bubble.py")
+
+
+def test_schedule_file_or_class_missing_or_not_a_schedule(tmp_path):
+    with pytest.raises(jp.ScheduleError, match=r"schedule file 'nope/zb.py' not found"):
+        jp.load_schedule("nope/zb.py:ZeroBubble")
+    f = tmp_path / "mine.py"
+    f.write_text("import jaxpipe as jp\n\nclass NotASchedule:\n    pass\n\n"
+                 "class Mine(jp.GPipe):\n    pass\n")
+    with pytest.raises(jp.ScheduleError, match=r"has no class 'Missing'; Schedule subclasses "
+                                               r"there: .*Mine"):
+        jp.load_schedule(f"{f}:Missing")
+    with pytest.raises(jp.ScheduleError, match=r"NotASchedule is not a Schedule subclass.*"
+                                               r"subclass jaxpipe.Schedule"):
+        jp.load_schedule(f"{f}:NotASchedule")
+    with pytest.raises(jp.ScheduleError, match=r"cannot import schedule module 'nosuchpkg.mod'"):
+        jp.load_schedule("nosuchpkg.mod:X")
+
+
+def test_schedule_arguments():
+    with pytest.raises(jp.ScheduleError, match=r"num_microbatches must be a positive int, "
+                                               r"got 2.5"):
+        jp.OneFOneB(P_, 2.5)
+
+
+# ------------------------------------------------------------------- training
+def test_optimizer_and_train_step_order():
+    fresh = build()
+    with pytest.raises(jp.PipelineError, match=r"call pipe.init\(params, optimizer\) before"):
+        fresh.train_step(None, _batch())
+    with pytest.raises(jp.PipelineError, match=r"optax.GradientTransformation, got str"):
+        fresh.init(_params(), "adam")
+    fresh.init(_params(), optax.sgd(0.1))
+    with pytest.raises(jp.PipelineError, match=r"needs the TrainState returned by pipe.init"):
+        fresh.train_step(_params(), _batch())
+
+
+@pytest.mark.xfail(strict=True, reason="gap: train_step does not check the state's layout "
+                   "(a state from another pipeline gives a sharding ValueError)")
+def test_train_state_from_another_pipeline(pipe):
+    other = build(mesh=_mesh(2), schedule=jp.OneFOneB(2, M))
+    foreign = other.init(_params(), optax.sgd(0.1))
+    pipe.init(_params(), optax.sgd(0.1))
+    with pytest.raises(jp.PipelineError, match=r"state.*layout.*this pipeline.*pipe.init"):
+        pipe.train_step(foreign, _batch())
+
+
+@pytest.mark.xfail(strict=True, reason="gap: unshard does not check its input is the staged "
+                   "layout (the user pytree gives TypeError: list indices must be integers)")
+def test_unshard_of_user_pytree(pipe):
+    with pytest.raises(jp.PipelineError, match=r"unshard.*stage layout.*pipe.shard"):
+        pipe.unshard(_params())
+
+
+@pytest.fixture(scope="module")
+def nonfinite_batches():
+    b = _batch()
+    return {"nan": {"x": b["x"].at[0, 0].set(jnp.nan), "y": b["y"]},
+            "inf": {"x": b["x"], "y": b["y"].at[3, 1].set(jnp.inf)},
+            "ok": b}
+
+
+def test_nonfinite_loss_skipped_and_surfaced(pipe, nonfinite_batches):
+    state = pipe.init(_params(), optax.adam(1e-2), skip_nonfinite=True)
+    before = jax.tree.map(np.asarray, (pipe.params(state), state.opt_state))
+    for kind in ("nan", "inf"):
+        state, metrics = pipe.train_step(state, nonfinite_batches[kind])
+        assert not np.isfinite(metrics["loss"]), kind  # surfaced in the metrics
+        assert int(metrics["skipped"]) == 1, kind
+        after = jax.tree.map(np.asarray, (pipe.params(state), state.opt_state))
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+            np.testing.assert_array_equal(a, b)  # nothing propagated into params / optimizer
+    state, metrics = pipe.train_step(state, nonfinite_batches["ok"])
+    assert int(metrics["skipped"]) == 0 and np.isfinite(metrics["loss"])
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(pipe.params(state)))
+
+
+def test_nonfinite_loss_without_skip_is_surfaced(pipe, nonfinite_batches):
+    state = pipe.init(_params(), optax.sgd(0.1))
+    state, metrics = pipe.train_step(state, nonfinite_batches["nan"])
+    assert np.isnan(metrics["loss"]) and int(metrics["skipped"]) == 0

@@ -1,0 +1,168 @@
+"""Checkpoint/resume with orbax: per-stage TrainState and unsharded parameters.
+
+- Resuming from a per-stage checkpoint in a *fresh* Pipeline is bit-identical to never
+  having stopped (losses and parameters after 4 + 4 steps == 8 uninterrupted steps).
+- The unsharded parameter checkpoint restores into a pipeline with another ``p`` and
+  schedule and gives the same loss and gradients.
+- Misuse (wrong layout, wrong kind, existing path, missing path) raises PipelineError.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from jaxpipe import checkpoint as jpc
+
+WIDTH, DEPTH, BATCH, M = 8, 4, 16, 4
+
+
+def loss_fn(params, mb):
+    h = mb["x"]
+    for i, layer in enumerate(params["layers"]):
+        h = jnp.tanh(h @ layer["w"] + layer["b"])
+        if i < DEPTH - 1:
+            h = jp.boundary(h)
+    return jnp.mean((h - mb["y"]) ** 2)
+
+
+def _model():
+    k = jax.random.split(jax.random.key(0), 2 * DEPTH + 2)
+    params = {"layers": [{"w": jax.random.normal(k[2 * i], (WIDTH, WIDTH)) * 0.5,
+                          "b": jax.random.normal(k[2 * i + 1], (WIDTH,)) * 0.1}
+                         for i in range(DEPTH)]}
+    batch = {"x": jax.random.normal(k[-2], (BATCH, WIDTH)),
+             "y": jax.random.normal(k[-1], (BATCH, WIDTH))}
+    return params, batch
+
+
+def _batches(n):
+    return [{"x": jax.random.normal(jax.random.key(100 + i), (BATCH, WIDTH)),
+             "y": jax.random.normal(jax.random.key(200 + i), (BATCH, WIDTH))} for i in range(n)]
+
+
+def _pipe(p, schedule=None):
+    params, batch = _model()
+    mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
+    return jp.pipeline(loss_fn, params, batch, mesh=mesh,
+                       schedule=schedule or jp.OneFOneB(p, M), cut="markers")
+
+
+def _tx():
+    return optax.adamw(1e-2, weight_decay=1e-3)
+
+
+def _np(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """8 uninterrupted steps on p=4, saving both checkpoint forms after step 4."""
+    d = tmp_path_factory.mktemp("ckpt")
+    params, _ = _model()
+    pipe = _pipe(4)
+    state = pipe.init(params, _tx())
+    losses = []
+    for i, b in enumerate(_batches(8)):
+        if i == 4:
+            jpc.save(d / "state4", state, pipe=pipe)
+            jpc.save_params(d / "params4", pipe, state)
+            params4 = _np(pipe.params(state))
+        state, metrics = pipe.train_step(state, b)
+        losses.append(np.asarray(metrics["loss"]))
+    return {"dir": d, "losses": np.stack(losses), "final": _np(pipe.params(state)),
+            "step": int(state.step), "params4": params4, "pipe": pipe}
+
+
+def test_resume_in_fresh_pipeline_is_bit_identical(run):
+    params, _ = _model()
+    fresh = _pipe(4)  # a new Pipeline object, compiled again
+    like = fresh.init(params, _tx())
+    state = jpc.restore(run["dir"] / "state4", fresh, like=like)
+    assert int(state.step) == 4
+    losses = []
+    for b in _batches(8)[4:]:
+        state, metrics = fresh.train_step(state, b)
+        losses.append(np.asarray(metrics["loss"]))
+    np.testing.assert_array_equal(np.stack(losses), run["losses"][4:])
+    assert int(state.step) == run["step"] == 8
+    got = _np(fresh.params(state))
+    assert jax.tree.structure(got) == jax.tree.structure(run["final"])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(run["final"]), strict=True):
+        np.testing.assert_array_equal(a, b)  # bit-identical, not just close
+
+
+def test_restore_without_like_after_init(run):
+    params, _ = _model()
+    fresh = _pipe(4)
+    fresh.init(params, _tx())  # tells restore the optimizer-state layout
+    state = jpc.restore(run["dir"] / "state4", fresh)
+    assert int(state.step) == 4
+    for dt, v in state.params.items():
+        assert v.sharding.spec == jax.sharding.PartitionSpec("pipe"), dt
+    for a, b in zip(jax.tree.leaves(_np(fresh.params(state))),
+                    jax.tree.leaves(run["params4"]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_unsharded_params_restore_into_other_p_and_schedule(run):
+    saved = run["params4"]
+    numpy_tree = jpc.restore_params(run["dir"] / "params4")
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(numpy_tree))
+    for a, b in zip(jax.tree.leaves(numpy_tree), jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    batch = _batches(8)[4]
+
+    def mean_loss(p):  # unpipelined: mean over the m contiguous microbatches
+        mbs = [jax.tree.map(lambda x, i=i: x.reshape(M, -1, *x.shape[1:])[i], batch)
+               for i in range(M)]
+        return jnp.mean(jnp.stack([loss_fn(p, mb) for mb in mbs]))
+
+    ref_loss, ref_grads = jax.value_and_grad(mean_loss)(saved)
+    ref_loss4 = run["losses"][4]  # the p=4 pipeline's loss at these params on this batch
+    # p=4 1F1B -> p=2 GPipe (other p and other schedule)
+    other = _pipe(2, jp.GPipe(2, M))
+    params = jpc.restore_params(run["dir"] / "params4", pipe=other)
+    assert jax.tree.structure(params) == jax.tree.structure(saved)
+    for x in jax.tree.leaves(params):
+        assert x.sharding.mesh == other.mesh and x.sharding.is_fully_replicated
+    loss, grads = other.value_and_grad(params, batch)
+    np.testing.assert_allclose(loss, ref_loss4, rtol=1e-5)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    # and it trains from there (fresh optimizer state in the new layout)
+    state, metrics = other.train_step(other.init(params, _tx()), batch)
+    np.testing.assert_allclose(metrics["loss"], ref_loss4, rtol=1e-5)
+
+
+def test_state_checkpoint_into_other_layout_names_the_fix(run):
+    params, _ = _model()
+    other = _pipe(2)
+    like = other.init(params, _tx())
+    with pytest.raises(jp.PipelineError, match=r"another per-stage layout.*restore_params"):
+        jpc.restore(run["dir"] / "state4", other, like=like)
+
+
+def test_wrong_kind_missing_and_existing_paths(run, tmp_path):
+    pipe = run["pipe"]
+    with pytest.raises(jp.PipelineError,
+                       match=r"holds a 'jaxpipe.params' checkpoint.*restore_params"):
+        jpc.restore(run["dir"] / "params4", pipe)
+    with pytest.raises(jp.PipelineError, match=r"holds a 'jaxpipe.train_state'.*restore\b"):
+        jpc.restore_params(run["dir"] / "state4")
+    with pytest.raises(jp.PipelineError, match="no checkpoint at"):
+        jpc.restore_params(tmp_path / "nope")
+    with pytest.raises(jp.PipelineError, match="already exists.*overwrite=True"):
+        jpc.save_params(run["dir"] / "params4", pipe, run["params4"])
+    with pytest.raises(jp.PipelineError, match="TrainState"):
+        jpc.save(tmp_path / "x", run["params4"])
+    bad = {"layers": run["params4"]["layers"][:2]}
+    with pytest.raises(jp.PipelineError, match="do not match the target"):
+        jpc.restore_params(run["dir"] / "params4", like=bad)

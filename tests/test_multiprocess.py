@@ -1,0 +1,193 @@
+"""Multi-process pipelines: ``python -m jaxpipe.launch`` + ``jax.distributed`` on loopback.
+
+2 processes x 2 virtual CPU devices, one p=4 1F1B pipeline across both processes: the
+loss and gradients equal the unpipelined model computed here in one process, a few
+train steps match optax on the unpipelined model, an orbax checkpoint written by both
+processes resumes bit-identically, and both processes exit 0. A
+configuration that differs between processes fails with a clear error, well before the
+timeout. Every subprocess runs under a timeout, so nothing here can hang the suite.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxpipe import distributed as jpd
+from jaxpipe import launch as jpl
+
+WORKER = Path(__file__).with_name("mp_worker.py")
+LAUNCH_TIMEOUT = 100  # the launcher kills everything after this (exit 124)
+RUN_TIMEOUT = LAUNCH_TIMEOUT + 30  # and this kills the launcher itself
+
+
+def _worker_module():
+    spec = importlib.util.spec_from_file_location("jaxpipe_mp_worker", WORKER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _launch(*args: str, nproc: int = 2, devices: int = 2, timeout: float = LAUNCH_TIMEOUT,
+            run_timeout: float = RUN_TIMEOUT) -> tuple[int, str, float]:
+    cmd = [sys.executable, "-m", "jaxpipe.launch", "--nproc", str(nproc),
+           "--devices-per-proc", str(devices), "--timeout", str(timeout), *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=run_timeout,
+                          cwd=Path(__file__).parents[1])
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+def test_two_processes_match_unpipelined(tmp_path):
+    out = tmp_path / "result.npz"
+    rc, log, _ = _launch(str(WORKER), "ok", str(out))
+    assert rc == 0, log
+    assert "[0] process 0/2 done" in log and "[1] process 1/2 done" in log, log
+    got = np.load(out)
+
+    w = _worker_module()
+    params, batch = w.make_model()
+    m = w.M
+
+    def full_loss(p, b):  # the pipeline's loss: mean of per-microbatch losses
+        mbs = [jax.tree.map(lambda x, i=i: x.reshape(m, -1, *x.shape[1:])[i], b)
+               for i in range(m)]
+        return jnp.mean(jnp.stack([w.loss_fn(p, mb) for mb in mbs]))
+
+    loss, grads = jax.value_and_grad(full_loss)(params, batch)
+    np.testing.assert_allclose(got["loss"], loss, rtol=1e-5)
+    ref = jax.tree.leaves(grads)
+    assert len(ref) == sum(k.startswith("grad_") for k in got.files)
+    for i, g in enumerate(ref):
+        np.testing.assert_allclose(got[f"grad_{i}"], g, rtol=1e-5, atol=1e-7)
+
+    # train_step across processes == optax on the unpipelined model
+    tx = optax.sgd(w.LR)
+    opt, p, losses = tx.init(params), params, []
+    for _ in range(w.TRAIN_STEPS):
+        val, g = jax.value_and_grad(full_loss)(p, batch)
+        upd, opt = tx.update(g, opt, p)
+        p = optax.apply_updates(p, upd)
+        losses.append(val)
+    np.testing.assert_allclose(got["train_losses"], np.stack(losses), rtol=1e-5)
+    for i, x in enumerate(jax.tree.leaves(p)):
+        np.testing.assert_allclose(got[f"trained_{i}"], x, rtol=1e-5, atol=1e-6)
+
+    # orbax checkpoint written by both processes, restored, one more step: bit-identical
+    original, resumed = got["resumed"]
+    assert np.isfinite(original) and original.tobytes() == resumed.tobytes()
+    assert (tmp_path / "result.npz.ckpt" / "state").is_dir()
+
+
+def test_mismatched_config_across_processes_fails_clearly(tmp_path):
+    rc, log, elapsed = _launch(str(WORKER), "mismatch", str(tmp_path / "never.npz"))
+    assert rc not in (0, jpl.TIMEOUT_EXIT), log
+    assert elapsed < LAUNCH_TIMEOUT, log
+    assert "PipelineError: the pipeline differs across processes" in log, log
+    assert "num_microbatches: process 0: 4, process 1: 2" in log, log
+    assert not (tmp_path / "never.npz").exists()
+
+
+# ----------------------------------------------------------------------------- launcher
+def _script(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_launcher_sets_environment_and_prefixes_output(tmp_path):
+    script = _script(tmp_path, """
+        import os, sys
+        keys = ["JAXPIPE_COORDINATOR_ADDRESS", "JAXPIPE_NUM_PROCESSES", "JAXPIPE_PROCESS_ID",
+                "JAX_PLATFORMS", "XLA_FLAGS"]
+        print("|".join(os.environ[k] for k in keys), *sys.argv[1:])
+    """)
+    rc, log, _ = _launch(script, "a", "--b", nproc=3, devices=2, timeout=30, run_timeout=60)
+    assert rc == 0, log
+    lines = sorted(line for line in log.splitlines() if line[:1] == "[" and "|" in line)
+    assert len(lines) == 3, log
+    addrs = set()
+    for i, line in enumerate(lines):
+        prefix, rest = line.split(" ", 1)
+        assert prefix == f"[{i}]"
+        addr, n, pid, plat, flags = rest.split(" ")[0].split("|")
+        addrs.add(addr)
+        assert (n, pid, plat) == ("3", str(i), "cpu")
+        assert addr.startswith("127.0.0.1:") and int(addr.rsplit(":", 1)[1]) > 0
+        assert flags.split().count("--xla_force_host_platform_device_count=2") == 1
+        assert "--xla_force_host_platform_device_count=8" not in flags  # replaced, not added
+        assert rest.endswith(" a --b")
+    assert len(addrs) == 1  # one coordinator for all
+
+
+def test_launcher_stops_all_on_first_failure(tmp_path):
+    script = _script(tmp_path, """
+        import os, sys, time
+        if os.environ["JAXPIPE_PROCESS_ID"] == "1":
+            print("failing", flush=True)
+            sys.exit(3)
+        time.sleep(120)
+    """)
+    rc, log, elapsed = _launch(script, timeout=100, run_timeout=60)
+    assert rc == 3, log
+    assert "[launch] process 1 exited with code 3" in log
+    assert elapsed < 30
+
+
+def test_launcher_timeout_kills_everything(tmp_path):
+    script = _script(tmp_path, """
+        import time
+        print("started", flush=True)
+        time.sleep(120)
+    """)
+    rc, log, elapsed = _launch(script, timeout=2, run_timeout=60)
+    assert rc == jpl.TIMEOUT_EXIT, log
+    assert "[launch] timeout after 2 s" in log
+    assert log.count("started") == 2
+    assert elapsed < 30
+
+
+def test_launcher_usage_errors():
+    assert jpl.worker_env({"XLA_FLAGS": "--foo --xla_force_host_platform_device_count=8"},
+                          process_id=1, nproc=2, address="127.0.0.1:1",
+                          devices_per_proc=4)["XLA_FLAGS"] == (
+        "--foo --xla_force_host_platform_device_count=4")
+    with pytest.raises(SystemExit):
+        jpl.main(["--nproc", "0", "x.py"])
+    with pytest.raises(SystemExit):
+        jpl.main(["--nproc", "2"])  # no script
+
+
+# ----------------------------------------------------------------------------- initialize
+def test_initialize_without_configuration(monkeypatch):
+    for key in (jpd.ENV_COORDINATOR, jpd.ENV_NUM_PROCESSES, jpd.ENV_PROCESS_ID,
+                "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(jpd, "_cluster_detected", lambda: False)
+    assert jpd.initialize() is False  # single process: nothing to do
+    with pytest.raises(jpd.PipelineError, match="no multi-process configuration"):
+        jpd.initialize(require=True)
+    with pytest.raises(jpd.PipelineError, match="together"):
+        jpd.initialize("127.0.0.1:1234")  # address without count and id
+
+
+def test_single_process_helpers():
+    mesh = jax.make_mesh((2, 2), ("data", "pipe"), devices=jax.devices()[:4])
+    b = jpd.global_batch({"x": np.arange(8.0).reshape(4, 2)}, mesh)
+    assert b["x"].sharding.spec == jax.sharding.PartitionSpec(("data",))
+    r = jpd.replicate({"w": np.ones(3)}, mesh)
+    assert r["w"].sharding.is_fully_replicated
+    np.testing.assert_array_equal(jpd.fetch(b)["x"], np.arange(8.0).reshape(4, 2))
+    if os.environ.get(jpd.ENV_NUM_PROCESSES) is None:
+        assert jax.process_count() == 1
