@@ -105,7 +105,11 @@ class Pipeline:
         self.num_microbatches = schedule.num_microbatches
         mb = microbatch_like(batch, self.num_microbatches)
         self._check_data_split(mb)
-        self.traced = trace(loss_fn, params, mb)
+        self._mb_shapes = [a.shape for a in jax.tree.leaves(mb)]
+        # Stage functions run on one data shard of a microbatch: trace at that size.
+        self.traced = trace(loss_fn, params, jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((a.shape[0] // self._data_size, *a.shape[1:]),
+                                           a.dtype), mb))
         self._param_avals = [v.aval for v in self.traced.jaxpr.invars[: self.traced.num_params]]
         self.cuts, self.cut_report = _resolve_cuts(self.traced, schedule, cut)
         self.stages: list[StageFn] = split(self.traced, self.cuts)
@@ -133,6 +137,7 @@ class Pipeline:
     # ---------------------------------------------------------------- checks
     def _check_data_split(self, mb) -> None:
         n = int(np.prod([self.mesh.shape[a] for a in self.data_axes])) if self.data_axes else 1
+        self._data_size = n
         for leaf in jax.tree.leaves(mb):
             if leaf.shape[0] % n:
                 raise PipelineError(
@@ -165,14 +170,11 @@ class Pipeline:
             raise PipelineError(
                 f"batch structure {tree} differs from the traced {self.traced.batch_treedef}."
             )
-        want = jax.tree.leaves(mb)
-        n_traced = len(self.traced.jaxpr.invars) - self.traced.num_params
-        traced_avals = [v.aval for v in self.traced.jaxpr.invars[-n_traced:]] if n_traced else []
-        for w, a in zip(want, traced_avals, strict=True):
-            if w.shape != a.shape:
+        for w, shape in zip(jax.tree.leaves(mb), self._mb_shapes, strict=True):
+            if w.shape != shape:
                 raise PipelineError(
-                    f"microbatch leaf shape {w.shape} differs from the traced {a.shape}; "
-                    "rebuild the pipeline for a new batch size."
+                    f"microbatch leaf shape {w.shape} differs from the {shape} the pipeline "
+                    "was built for; rebuild the pipeline for a new batch size."
                 )
         return [jnp.reshape(x, (m, -1, *jnp.shape(x)[1:])) for x in leaves]
 

@@ -1,0 +1,150 @@
+"""Issue 4: the SPMD runtime (one jit(shard_map) program) against jax.value_and_grad."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from models import MODELS, assert_matches, reference
+from split_schedule import DeferredW1F1B
+
+import jaxpipe as jp
+
+SCHEDULES = {
+    "gpipe": lambda p, m: jp.GPipe(p, m),
+    "1f1b": lambda p, m: jp.OneFOneB(p, m),
+    "interleaved2": lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=2),
+    "interleaved3": lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=3),
+    "split_iw": lambda p, m: DeferredW1F1B(p, m),
+}
+
+
+def _cases():
+    models = sorted(MODELS)
+    cases, i = [], 0
+    for name in SCHEDULES:
+        ps = (2, 4) if name == "interleaved3" else (1, 2, 4, 8)
+        for p in ps:
+            ms = sorted({m for m in (1, p - 1, p, 2 * p + 1, 4 * p) if m > 0})
+            if name.startswith("interleaved"):
+                ms = [m for m in ms if m % p == 0]
+            # two m values per (schedule, p), rotating through the list and the models
+            for m in {ms[i % len(ms)], ms[(i + 2) % len(ms)]}:
+                cases.append((name, p, m, models[i % len(models)]))
+                i += 1
+    return cases
+
+
+@pytest.mark.parametrize("sched,p,m,model", _cases())
+def test_spmd_matches_value_and_grad(sched, p, m, model):
+    schedule = SCHEDULES[sched](p, m)
+    loss_fn, params, batch = MODELS[model](max(schedule.num_stages, 3), batch=2 * m)
+    mesh = jax.make_mesh((p,), ("pipe",))
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut="markers")
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, m))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_data_and_pipe_mesh(axis_type):
+    loss_fn, params, batch = MODELS["tiny_lm"](4, batch=16)
+    mesh = jax.make_mesh((2, 4), ("data", "pipe"), axis_types=(axis_type,) * 2)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, 4),
+                       cut="markers")
+    assert pipe.data_axes == ("data",)
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 4))
+
+
+def test_train_step_matches_plain_optax():
+    loss_fn, params, batch = MODELS["tiny_lm"](3, batch=8)
+    m = 4
+    tx = optax.adamw(1e-2, weight_decay=0.1, mask=lambda t: jax.tree.map(lambda x: x.ndim > 1, t))
+    mesh = jax.make_mesh((4,), ("pipe",))
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, m),
+                       cut="markers")
+    state = pipe.init(params, tx)
+    ref_p, ref_o = params, tx.init(params)
+    for _ in range(3):
+        state, metrics = pipe.train_step(state, batch)
+        ref_l, g = reference(loss_fn, ref_p, batch, m)
+        u, ref_o = tx.update(g, ref_o, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+        np.testing.assert_allclose(metrics["loss"], ref_l, rtol=1e-5)
+        gnorm = jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(g)))
+        np.testing.assert_allclose(metrics["grad_norm"], gnorm, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(pipe.params(state)), jax.tree.leaves(ref_p), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # the tied embedding lives on the first and last stage: copies stay bit-identical
+    per_stage = pipe._per_stage(state.params)
+    embed_id = [v.aval.shape for v in pipe.traced.jaxpr.invars].index(params["embed"].shape)
+    copies = [vals[st.param_ids.index(embed_id)]
+              for st, vals in zip(pipe.stages, per_stage, strict=True) if embed_id in st.param_ids]
+    assert len(copies) == 2
+    np.testing.assert_array_equal(copies[0], copies[1])
+
+
+def test_shard_unshard_roundtrip():
+    loss_fn, params, batch = MODELS["tiny_lm"](4)
+    mesh = jax.make_mesh((4,), ("pipe",))
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.GPipe(4, 2), cut="markers")
+    staged = pipe.shard(params)
+    for v in staged.values():
+        assert v.shape[0] == 4 and v.sharding.spec[0] == "pipe"
+    back = pipe.unshard(staged)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("sched", ["gpipe", "1f1b", "interleaved2", "split_iw"])
+def test_residual_slots_equal_simulated_peak_in_flight(sched):
+    schedule = SCHEDULES[sched](4, 8)
+    loss_fn, params, batch = MODELS["mlp"](schedule.num_stages)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
+                       schedule=schedule, cut="markers")
+    assert pipe.lowered.res_peak == list(schedule.simulate().peak_in_flight)
+
+
+def test_buffers_follow_the_schedule_not_m():
+    loss_fn, params, _ = MODELS["mlp"](4)
+    mesh = jax.make_mesh((4,), ("pipe",))
+
+    def pool(schedule):
+        batch = MODELS["mlp"](4, batch=2 * schedule.num_microbatches)[2]
+        pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut="markers")
+        return pipe.lowered.res_pool["float32"], pipe.lowered.num_inbox
+
+    one8, one32 = pool(jp.OneFOneB(4, 8)), pool(jp.OneFOneB(4, 32))
+    gp8, gp32 = pool(jp.GPipe(4, 8)), pool(jp.GPipe(4, 32))
+    assert one8 == one32  # 1F1B holds ~p microbatches whatever m is
+    assert gp32[0] == 4 * gp8[0]  # GPipe holds all m
+
+
+def _count_eqns(jaxpr) -> int:
+    n = 0
+    for e in jaxpr.eqns:
+        n += 1
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            n += _count_eqns(getattr(sub, "jaxpr", sub))
+    return n
+
+
+def test_program_size_independent_of_microbatches():
+    loss_fn, params, _ = MODELS["mlp"](4)
+    mesh = jax.make_mesh((4,), ("pipe",))
+    sizes = []
+    for m in (4, 64):
+        batch = MODELS["mlp"](4, batch=m)[2]
+        pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, m),
+                           cut="markers")
+        sizes.append(_count_eqns(jax.make_jaxpr(pipe._value_and_grad)(params, batch).jaxpr))
+    assert sizes[0] == sizes[1]
+
+
+def test_bad_mesh_errors():
+    loss_fn, params, batch = MODELS["mlp"](4)
+    with pytest.raises(jp.PipelineError, match="no 'pipe' axis"):
+        jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("stage",)),
+                    schedule=jp.GPipe(4, 2), cut="markers")
+    with pytest.raises(jp.PipelineError, match="size 2 but the schedule has num_devices=4"):
+        jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                    schedule=jp.GPipe(4, 2), cut="markers")
