@@ -34,7 +34,10 @@ _EXPORTS = {
     "Cut": "jaxpipe.cut",
     "CutError": "jaxpipe.cut",
 }
-_SUBMODULES = {"flax", "schedule", "train", "cost", "cut", "trace", "stages", "lower", "runtime"}
+_SUBMODULES = {
+    "flax", "schedule", "train", "cost", "cut", "trace", "stages", "lower", "runtime",
+    "checkpoint", "distributed", "launch",
+}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

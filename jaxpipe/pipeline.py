@@ -133,6 +133,11 @@ class Pipeline:
         )
         self._trainer = None
         self._plan = None
+        if jax.process_count() > 1:
+            # Every process must build the same program, or its collectives never match.
+            from jaxpipe.distributed import check_consistent
+
+            check_consistent(self)
 
     # ---------------------------------------------------------------- checks
     def _check_data_split(self, mb) -> None:
@@ -162,6 +167,19 @@ class Pipeline:
                 )
         return leaves
 
+    def _check_staged(self, staged, what: str) -> None:
+        want = {dt: (self.schedule.num_devices, self._spd, w)
+                for dt, w in self.layouts.param_width.items()}
+        got = ({dt: tuple(np.shape(v)) for dt, v in staged.items()}
+               if isinstance(staged, dict) else None)
+        if got != want:
+            raise PipelineError(
+                f"{what} expects parameters in this pipeline's stage layout {want} (from "
+                f"pipe.shard(params) or state.params), got "
+                f"{got if got is not None else type(staged).__name__}; for a TrainState use "
+                "pipe.params(state), and a user parameter pytree needs no unshard."
+            )
+
     def _microbatches(self, batch) -> list:
         m = self.num_microbatches
         mb = microbatch_like(batch, m)
@@ -170,11 +188,17 @@ class Pipeline:
             raise PipelineError(
                 f"batch structure {tree} differs from the traced {self.traced.batch_treedef}."
             )
-        for w, shape in zip(jax.tree.leaves(mb), self._mb_shapes, strict=True):
+        dtypes = [v.aval.dtype for v in self.traced.jaxpr.invars[self.traced.num_params:]]
+        for w, shape, dt in zip(jax.tree.leaves(mb), self._mb_shapes, dtypes, strict=True):
             if w.shape != shape:
                 raise PipelineError(
                     f"microbatch leaf shape {w.shape} differs from the {shape} the pipeline "
                     "was built for; rebuild the pipeline for a new batch size."
+                )
+            if w.dtype != dt:
+                raise PipelineError(
+                    f"batch leaf has dtype {w.dtype} but the pipeline was traced with {dt}; "
+                    f"cast it (x.astype(jnp.{dt})) or rebuild the pipeline for this dtype."
                 )
         return [jnp.reshape(x, (m, -1, *jnp.shape(x)[1:])) for x in leaves]
 
@@ -220,6 +244,7 @@ class Pipeline:
 
     def unshard(self, staged) -> Any:
         """Inverse of :meth:`shard`: the user's parameter pytree (first copy of tied leaves)."""
+        self._check_staged(staged, "unshard")
         leaves: list = [None] * self.traced.num_params
         for st, vals in zip(self.stages, self._per_stage(staged), strict=True):
             for pid, x in zip(st.param_ids, vals, strict=True):

@@ -91,12 +91,25 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts, args) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
+def _check_array_leaves(tree: Any, what: str) -> None:
+    """Raise a PipelineError naming the first leaf of ``tree`` that is not array-like."""
+    for path, x in jax.tree.flatten_with_path(tree)[0]:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")
+                or isinstance(x, (bool, int, float, complex))):
+            raise PipelineError(
+                f"{what} leaf {jax.tree_util.keystr(path)} is a {type(x).__name__}, not an "
+                f"array; {what} leaves must be arrays (or jax.ShapeDtypeStruct). Keep static "
+                "configuration out of the pytree (close over it in loss_fn)."
+            )
+
+
 def microbatch_like(batch: Any, num_microbatches: int) -> Any:
     """Abstract shape of one microbatch: every leaf's leading axis divided by m.
 
     Raises a :class:`PipelineError` naming the leaf when a leading dimension is missing,
     inconsistent across leaves, or not divisible by ``num_microbatches``.
     """
+    _check_array_leaves(batch, "batch")
     leaves, treedef = jax.tree.flatten_with_path(batch)
     if not leaves:
         raise PipelineError("the batch pytree has no array leaves; pass at least one array.")
@@ -132,6 +145,7 @@ def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any) -> T
 
     ``params`` and ``microbatch`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees.
     """
+    _check_array_leaves(params, "params")
     p_leaves, p_tree = jax.tree.flatten(params)
     b_leaves, b_tree = jax.tree.flatten(microbatch)
 

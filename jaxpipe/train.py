@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
@@ -238,7 +239,10 @@ def init_state(pipe, params, optimizer: optax.GradientTransformation, *,
         return pipe._stack_rows(rows, tr.opt_width)
 
     opt = jax.jit(make, out_shardings=pipe._pbuf_sharding)(leaves)
-    return TrainState(pipe.shard(params), opt, jnp.zeros((), jnp.int32))
+    # Replicated over the mesh, as train_step returns it (else the 2nd step recompiles).
+    step = jax.make_array_from_process_local_data(NamedSharding(pipe.mesh, P()),
+                                                  np.zeros((), np.int32))
+    return TrainState(pipe.shard(params), opt, step)
 
 
 def train_step(pipe, state: TrainState, batch) -> tuple[TrainState, dict]:
@@ -249,4 +253,19 @@ def train_step(pipe, state: TrainState, batch) -> tuple[TrainState, dict]:
         raise PipelineError(
             f"train_step needs the TrainState returned by pipe.init, got {type(state).__name__}."
         )
-    return pipe._trainer.step_fn(state, batch)
+    tr = pipe._trainer
+    p, spd = pipe.schedule.num_devices, pipe.lowered.stages_per_device
+    for name, widths in (("params", pipe.layouts.param_width), ("opt_state", tr.opt_width)):
+        part = getattr(state, name)
+        got = ({dt: tuple(np.shape(v)) for dt, v in part.items()}
+               if isinstance(part, dict) else type(part).__name__)
+        want = {dt: (p, spd, w) for dt, w in widths.items()}
+        if got != want:
+            raise PipelineError(
+                f"state.{name} has the layout {got} but this pipeline and optimizer expect "
+                f"{want}: the state comes from another pipeline (other p, schedule, cut or "
+                "model) or another optimizer. Create it with this pipe.init(params, optimizer);"
+                " to move to a new layout go through the unsharded parameters "
+                "(pipe.params(state), jaxpipe.checkpoint.save_params)."
+            )
+    return tr.step_fn(state, batch)

@@ -6,9 +6,7 @@ fix it). None of them compiles more than a tiny program, and none can hang: erro
 raised in Python before anything runs on the devices. Multi-process mismatches and
 checkpoint misuse have their entries tested in test_multiprocess.py / test_checkpoint.py.
 
-Tests marked ``xfail(strict=True)`` are entries whose check is not in the library yet;
-the check to add is named in the reason (and in docs/errors.md). Once it is added the
-test passes, strict xfail turns that into a failure, and the marker must be removed.
+Every entry's check is in the library.
 """
 
 from __future__ import annotations
@@ -104,8 +102,6 @@ def test_microbatch_not_divisible_by_data_axis():
         build(mesh=mesh, batch=_batch(12))
 
 
-@pytest.mark.xfail(strict=True, reason="gap: Pipeline._microbatches checks shapes, not dtypes "
-                   "(see docs/errors.md, 'batch dtype differs')")
 def test_batch_dtype_differs_at_call(pipe):
     b = _batch()
     bad = {"x": b["x"].astype(jnp.int32), "y": b["y"]}
@@ -128,8 +124,6 @@ def test_params_tree_not_matching_traced(pipe):
         pipe.value_and_grad(reshaped, _batch())
 
 
-@pytest.mark.xfail(strict=True, reason="gap: trace() does not check that parameter leaves are "
-                   "arrays (a str leaf gives TypeError: data type 'foo' not understood)")
 def test_params_with_non_array_leaf():
     with pytest.raises(jp.PipelineError, match=r"params leaf \['name'\] is a str.*array"):
         build(params={**_params(), "name": "foo"})
@@ -280,8 +274,6 @@ def test_optimizer_and_train_step_order():
         fresh.train_step(_params(), _batch())
 
 
-@pytest.mark.xfail(strict=True, reason="gap: train_step does not check the state's layout "
-                   "(a state from another pipeline gives a sharding ValueError)")
 def test_train_state_from_another_pipeline(pipe):
     other = build(mesh=_mesh(2), schedule=jp.OneFOneB(2, M))
     foreign = other.init(_params(), optax.sgd(0.1))
@@ -290,8 +282,6 @@ def test_train_state_from_another_pipeline(pipe):
         pipe.train_step(foreign, _batch())
 
 
-@pytest.mark.xfail(strict=True, reason="gap: unshard does not check its input is the staged "
-                   "layout (the user pytree gives TypeError: list indices must be integers)")
 def test_unshard_of_user_pytree(pipe):
     with pytest.raises(jp.PipelineError, match=r"unshard.*stage layout.*pipe.shard"):
         pipe.unshard(_params())
