@@ -1,0 +1,1 @@
+"""Baselines that jaxpipe is compared against in ``benchmarks/run.py``."""

@@ -1,0 +1,275 @@
+"""Shared pieces of the benchmark suite: a GPT-like model, FLOP counts, timing and memory.
+
+The model is written in plain JAX (a params dict, no framework) so that the three things
+being compared -- plain JAX, jaxpipe and the SPMD GPipe baseline -- run *exactly* the same
+math:
+
+* :func:`block` is one pre-layernorm decoder block (causal multi-head self-attention +
+  GELU MLP). All blocks have the same shapes (homogeneous), so the stacked-weights
+  baseline applies.
+* :func:`gpt_loss` is a full GPT: token + position embedding, ``n_layers`` blocks with a
+  :func:`jaxpipe.boundary` after every block but the last (so ``cut="markers"`` groups
+  whole blocks evenly into stages; the head and loss ride with the last block), final
+  layernorm, untied output head, next-token cross entropy.
+* :func:`blocks_loss` is the block stack alone on float activations with a mean-squared
+  loss: the part of a GPT that a MaxText-style pipeline actually pipelines. The
+  baseline comparison uses it on both sides so both do identical work.
+
+Timing helpers return medians of repeated runs after warm-up, plus the process CPU time
+(all threads), which is less sensitive to other processes competing for the cores.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxpipe as jp
+
+__all__ = [
+    "GPTConfig",
+    "init_params",
+    "block",
+    "gpt_loss",
+    "blocks_loss",
+    "make_gpt_batch",
+    "make_blocks_batch",
+    "plain_value_and_grad",
+    "model_flops",
+    "time_compiled",
+    "compile_timed",
+    "memory_stats",
+    "peak_flops_per_device",
+]
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Size of the GPT-like model. ``d_model`` must be divisible by ``n_heads``."""
+
+    vocab: int = 256
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 8
+    seq: int = 32
+    mlp_ratio: int = 4
+    dtype: str = "float32"
+
+    def asdict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _dense(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[0])).astype(dtype)
+
+
+def init_block(cfg: GPTConfig, key: jax.Array) -> dict[str, jax.Array]:
+    """Parameters of one decoder block."""
+    d, f, dt = cfg.d_model, cfg.d_model * cfg.mlp_ratio, jnp.dtype(cfg.dtype)
+    k = jax.random.split(key, 4)
+    return {
+        "ln1_g": jnp.ones((d,), dt), "ln1_b": jnp.zeros((d,), dt),
+        "wqkv": _dense(k[0], (d, 3 * d), dt), "wo": _dense(k[1], (d, d), dt),
+        "ln2_g": jnp.ones((d,), dt), "ln2_b": jnp.zeros((d,), dt),
+        "w1": _dense(k[2], (d, f), dt), "b1": jnp.zeros((f,), dt),
+        "w2": _dense(k[3], (f, d), dt), "b2": jnp.zeros((d,), dt),
+    }
+
+
+def init_params(cfg: GPTConfig, key: jax.Array, *, embed: bool = True) -> dict[str, Any]:
+    """``{"blocks": [block params] * n_layers}`` plus embedding/head when ``embed``."""
+    keys = jax.random.split(key, cfg.n_layers + 3)
+    params: dict[str, Any] = {"blocks": [init_block(cfg, keys[i]) for i in range(cfg.n_layers)]}
+    if embed:
+        dt = jnp.dtype(cfg.dtype)
+        params["embed"] = (0.02 * jax.random.normal(keys[-3], (cfg.vocab, cfg.d_model))).astype(dt)
+        params["pos"] = (0.02 * jax.random.normal(keys[-2], (cfg.seq, cfg.d_model))).astype(dt)
+        params["lnf_g"] = jnp.ones((cfg.d_model,), dt)
+        params["lnf_b"] = jnp.zeros((cfg.d_model,), dt)
+        params["head"] = _dense(keys[-1], (cfg.d_model, cfg.vocab), dt)
+    return params
+
+
+def _layernorm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+    mu = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), -1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + 1e-5) * g + b
+
+
+def block(p: dict[str, jax.Array], h: jax.Array, n_heads: int) -> jax.Array:
+    """One pre-LN decoder block on ``h: [batch, seq, d_model]``."""
+    b, s, d = h.shape
+    dh = d // n_heads
+    x = _layernorm(h, p["ln1_g"], p["ln1_b"])
+    q, k, v = jnp.split(x @ p["wqkv"], 3, axis=-1)
+    q, k, v = (t.reshape(b, s, n_heads, dh) for t in (q, k, v))
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dh)
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    att = jax.nn.softmax(jnp.where(causal, att, jnp.finfo(att.dtype).min), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d)
+    h = h + out @ p["wo"]
+    x = _layernorm(h, p["ln2_g"], p["ln2_b"])
+    return h + jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def _run_blocks(blocks: list[dict[str, jax.Array]], h: jax.Array, n_heads: int) -> jax.Array:
+    for i, bp in enumerate(blocks):
+        h = block(bp, h, n_heads)
+        if i < len(blocks) - 1:
+            h = jp.boundary(h)  # identity outside a pipeline trace
+    return h
+
+
+def gpt_loss(cfg: GPTConfig) -> Callable[[dict, dict], jax.Array]:
+    """Per-microbatch next-token cross entropy of the full GPT (``batch = {"x", "y"}`` ids)."""
+
+    def loss_fn(params: dict, batch: dict) -> jax.Array:
+        h = params["embed"][batch["x"]] + params["pos"][None]
+        h = _run_blocks(params["blocks"], h, cfg.n_heads)
+        h = _layernorm(h, params["lnf_g"], params["lnf_b"])
+        logits = (h @ params["head"]).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, batch["y"][..., None], axis=-1))
+
+    return loss_fn
+
+
+def blocks_loss(cfg: GPTConfig) -> Callable[[dict, dict], jax.Array]:
+    """Per-microbatch MSE of the block stack on float activations (``batch = {"x", "y"}``)."""
+
+    def loss_fn(params: dict, batch: dict) -> jax.Array:
+        h = _run_blocks(params["blocks"], batch["x"], cfg.n_heads)
+        return jnp.mean(jnp.square(h - batch["y"]).astype(jnp.float32))
+
+    return loss_fn
+
+
+def make_gpt_batch(cfg: GPTConfig, batch_size: int, seed: int = 0) -> dict[str, jax.Array]:
+    """Random token ids ``x`` and targets ``y`` of shape ``[batch_size, seq]``."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, cfg.vocab, size=(batch_size, cfg.seq + 1), dtype=np.int32)
+    return {"x": jnp.asarray(ids[:, :-1]), "y": jnp.asarray(ids[:, 1:])}
+
+
+def make_blocks_batch(cfg: GPTConfig, batch_size: int, seed: int = 0) -> dict[str, jax.Array]:
+    """Random activations ``x`` and targets ``y`` of shape ``[batch_size, seq, d_model]``."""
+    rng = np.random.default_rng(seed)
+    shape = (batch_size, cfg.seq, cfg.d_model)
+    return {"x": jnp.asarray(rng.standard_normal(shape), cfg.dtype),
+            "y": jnp.asarray(rng.standard_normal(shape), cfg.dtype)}
+
+
+def plain_value_and_grad(loss_fn: Callable, num_microbatches: int) -> Callable:
+    """Plain JAX reference step: ``lax.scan`` over microbatches accumulating value and grad.
+
+    Returns an (unjitted) ``f(params, batch) -> (mean loss, grads)``; the mean is over
+    microbatches, like :meth:`jaxpipe.Pipeline.value_and_grad`.
+    """
+    vg = jax.value_and_grad(loss_fn)
+
+    def step(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        mbs = jax.tree.map(
+            lambda x: x.reshape(num_microbatches, x.shape[0] // num_microbatches, *x.shape[1:]),
+            batch)
+
+        def body(carry, mb):
+            loss, g = carry
+            l_mb, g_mb = vg(params, mb)
+            return (loss + l_mb, jax.tree.map(jnp.add, g, g_mb)), None
+
+        init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, g), _ = jax.lax.scan(body, init, mbs)
+        return loss / num_microbatches, jax.tree.map(lambda x: x / num_microbatches, g)
+
+    return step
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def model_flops(cfg: GPTConfig, tokens: int, *, embed: bool = True) -> float:
+    """Analytic training FLOPs (forward + backward = 3x forward) for ``tokens`` tokens.
+
+    Counts matmuls only: per token and block ``24 d^2`` (QKV 6d^2, output 2d^2, MLP
+    16d^2 at ratio 4, generalised to ``2 d^2 (4 + 2 r)``) plus attention ``4 s d``
+    (scores and weighted sum, full square as computed); the head adds ``2 d V``.
+    """
+    d, s = cfg.d_model, cfg.seq
+    per_block = 2 * d * d * (4 + 2 * cfg.mlp_ratio) + 4 * s * d
+    fwd = cfg.n_layers * per_block + (2 * d * cfg.vocab if embed else 0)
+    return 3.0 * fwd * tokens
+
+
+def peak_flops_per_device(device: jax.Device) -> float | None:
+    """Nominal dense peak FLOP/s of one accelerator (bf16/fp16 tensor core), or None."""
+    kind = getattr(device, "device_kind", "").lower()
+    table = {
+        "h200": 989e12, "h100": 989e12, "a100": 312e12, "l4": 121e12, "a10": 125e12,
+        "v100": 125e12, "t4": 65e12, "tpu v4": 275e12, "tpu v5 lite": 197e12,
+        "tpu v5e": 197e12, "tpu v5p": 459e12, "tpu v5": 459e12, "tpu v6": 918e12,
+    }
+    for name, peak in table.items():
+        if name in kind:
+            return peak
+    return None
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def compile_timed(jitted: Any, *args: Any) -> tuple[Any, float, float]:
+    """``(compiled, lower seconds, compile seconds)`` for a ``jax.jit`` object."""
+    t0 = time.perf_counter()
+    lowered = jitted.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    return compiled, t1 - t0, t2 - t1
+
+
+def time_compiled(fn: Callable, *args: Any, warmup: int = 2, repeats: int = 7) -> dict[str, Any]:
+    """Wall and process-CPU time of ``fn(*args)`` (blocked), ``warmup`` runs discarded.
+
+    Returns ``median_s``, ``min_s``, ``cpu_median_s`` and every wall time in ``times_s``.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    walls, cpus = [], []
+    for _ in range(repeats):
+        c0, t0 = time.process_time(), time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return {
+        "median_s": statistics.median(walls),
+        "min_s": min(walls),
+        "cpu_median_s": statistics.median(cpus),
+        "times_s": walls,
+    }
+
+
+def memory_stats(compiled: Any) -> dict[str, int]:
+    """Per-device byte counts from ``compiled.memory_analysis()``.
+
+    ``total_bytes = argument + output + temp - alias`` (aliased outputs reuse argument
+    buffers); ``temp`` is the scratch the program needs beyond its inputs and outputs:
+    activations, residuals, pipeline buffers.
+    """
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {"argument_bytes": -1, "output_bytes": -1, "temp_bytes": -1, "alias_bytes": -1,
+                "total_bytes": -1}
+    arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
+    temp, alias = int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes)
+    return {"argument_bytes": arg, "output_bytes": out, "temp_bytes": temp,
+            "alias_bytes": alias, "total_bytes": arg + out + temp - alias}

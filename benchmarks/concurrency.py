@@ -1,0 +1,238 @@
+"""Real concurrency on CPU: a p=2 pipeline over 2 processes x 1 device (jax.distributed, gloo).
+
+Virtual CPU devices in one process measure executor overhead, not overlap. Here each
+pipeline device is its own process with one single-threaded CPU device, pinned to its
+own core, talking over loopback with gloo collectives; a third run does the same work
+in one process on one device (jaxpipe with p=1, and plain JAX). The speed-up of the
+2-process pipeline over the 1-process run, against the ideal ``2m / (m + 1)`` of a
+2-stage pipeline with m microbatches, says how much of the schedule's overlap is real.
+
+``run_concurrency(...)`` (used by ``benchmarks/run.py``) spawns the processes with a
+timeout. Each role can also be run by hand::
+
+    python benchmarks/concurrency.py --role single --out /tmp/single.json
+    python benchmarks/concurrency.py --role worker --process-id 0 --port 12355 --out /tmp/w0.json &
+    python benchmarks/concurrency.py --role worker --process-id 1 --port 12355 --out /tmp/w1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SINGLE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def _pin(core: int | None) -> int | None:
+    """Pin this process to one core (when there are enough); returns the core or None."""
+    if core is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    target = cores[core % len(cores)]
+    os.sched_setaffinity(0, {target})
+    return target
+
+
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One pipeline device: run the p=2 pipeline; process 0 reports the timings."""
+    core = _pin(args.process_id if args.pin else None)
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+                               num_processes=2, process_id=args.process_id,
+                               initialization_timeout=args.init_timeout)
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxpipe as jp
+    from benchmarks import common as C
+
+    cfg = C.GPTConfig(**json.loads(args.config))
+    m = args.microbatches
+    params_local = C.init_params(cfg, jax.random.key(0), embed=False)
+    batch_local = C.make_blocks_batch(cfg, m * args.mb_size)
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("pipe",), devices=devices)
+    rep = NamedSharding(mesh, P())
+
+    def global_replicated(x: Any) -> jax.Array:
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, rep, lambda idx: host[idx])
+
+    params = jax.tree.map(global_replicated, params_local)
+    batch = jax.tree.map(global_replicated, batch_local)
+    loss_fn = C.blocks_loss(cfg)
+    t0 = time.perf_counter()
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh,
+                       schedule=jp.OneFOneB(len(devices), m), cut="markers")
+    build_s = time.perf_counter() - t0
+    compiled, lower_s, compile_s = C.compile_timed(pipe._vg, params, batch)
+    timing = C.time_compiled(compiled, params, batch, warmup=args.warmup, repeats=args.repeats)
+    loss, _ = compiled(params, batch)
+    ref = float(jax.jit(C.plain_value_and_grad(loss_fn, m))(params_local, batch_local)[0])
+    return {
+        "process_id": args.process_id, "num_processes": jax.process_count(),
+        "global_devices": len(devices), "core": core, "build_s": build_s, "lower_s": lower_s,
+        "compile_s": compile_s, "loss": float(np.asarray(loss.addressable_data(0))),
+        "reference_loss": ref, **timing,
+    }
+
+
+def _single(args: argparse.Namespace) -> dict[str, Any]:
+    """The same work in one process on one device: jaxpipe p=1 and plain JAX."""
+    core = _pin(0 if args.pin else None)
+    import jax
+
+    import jaxpipe as jp
+    from benchmarks import common as C
+
+    cfg = C.GPTConfig(**json.loads(args.config))
+    m = args.microbatches
+    params = C.init_params(cfg, jax.random.key(0), embed=False)
+    batch = C.make_blocks_batch(cfg, m * args.mb_size)
+    loss_fn = C.blocks_loss(cfg)
+    mesh = jax.make_mesh((1,), ("pipe",), devices=jax.devices()[:1])
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(1, m),
+                       cut="markers")
+    out: dict[str, Any] = {"core": core}
+    for name, jitted in (("jaxpipe_p1", pipe._vg),
+                         ("plain", jax.jit(C.plain_value_and_grad(loss_fn, m)))):
+        compiled, _, compile_s = C.compile_timed(jitted, params, batch)
+        out[name] = {"compile_s": compile_s,
+                     **C.time_compiled(compiled, params, batch, warmup=args.warmup,
+                                       repeats=args.repeats)}
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {SINGLE_THREAD_FLAGS}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (env.get("PYTHONPATH"), str(REPO)) if x)
+    return env
+
+
+def run_concurrency(config: dict[str, Any], microbatches: int, mb_size: int, *,
+                    warmup: int = 1, repeats: int = 5, timeout: float = 300.0,
+                    pin: bool = True, workdir: str | Path | None = None) -> dict[str, Any]:
+    """Spawn the 2-process pipeline and the 1-process run; return timings and speed-ups.
+
+    Returns a dict with ``two_process`` (process 0's timings), ``single`` (jaxpipe p=1 and
+    plain JAX), ``speedup`` (single jaxpipe p=1 / 2-process median), ``speedup_vs_plain``,
+    ``ideal`` = 2m/(m+1) and ``fraction_of_ideal``; on failure ``error`` holds the reason
+    and the tail of the processes' output.
+    """
+    import tempfile
+
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="jaxpipe_conc_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    common = ["--config", json.dumps(config), "--microbatches", str(microbatches),
+              "--mb-size", str(mb_size), "--warmup", str(warmup), "--repeats", str(repeats)]
+    if not pin:
+        common.append("--no-pin")
+    script = str(Path(__file__).resolve())
+    result: dict[str, Any] = {"microbatches": microbatches, "mb_size": mb_size,
+                              "ideal": 2 * microbatches / (microbatches + 1), "pinned": pin,
+                              "two_process": None, "single": None, "speedup": None,
+                              "speedup_vs_plain": None, "fraction_of_ideal": None,
+                              "error": None}
+    port = _free_port()
+    logs = [workdir / f"worker{i}.log" for i in range(2)]
+    outs = [workdir / f"worker{i}.json" for i in range(2)]
+    procs = []
+    t0 = time.perf_counter()
+    for i in range(2):
+        with open(logs[i], "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, script, "--role", "worker", "--process-id", str(i),
+                 "--port", str(port), "--out", str(outs[i]), *common],
+                env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    try:
+        for pr in procs:
+            pr.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+    except subprocess.TimeoutExpired:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+                pr.wait()
+        result["error"] = f"2-process run timed out after {timeout:.0f}s"
+    codes = [pr.returncode for pr in procs]
+    if result["error"] is None and any(codes):
+        result["error"] = f"2-process run failed with exit codes {codes}"
+    if result["error"] is not None:
+        result["log_tail"] = "\n".join(
+            f"--- worker {i}\n" + logs[i].read_text()[-3000:] for i in range(2))
+        return result
+    result["two_process"] = json.loads(outs[0].read_text())
+    single_out = workdir / "single.json"
+    try:
+        proc = subprocess.run(
+            [sys.executable, script, "--role", "single", "--out", str(single_out), *common],
+            env=_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        result["error"] = f"1-process run timed out after {timeout:.0f}s"
+        return result
+    if proc.returncode:
+        result["error"] = f"1-process run failed with exit code {proc.returncode}"
+        result["log_tail"] = (proc.stdout + proc.stderr)[-3000:]
+        return result
+    single = json.loads(single_out.read_text())
+    result["single"] = single
+    two = result["two_process"]["median_s"]
+    result["speedup"] = single["jaxpipe_p1"]["median_s"] / two
+    result["speedup_vs_plain"] = single["plain"]["median_s"] / two
+    result["fraction_of_ideal"] = result["speedup"] / result["ideal"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", choices=["worker", "single", "both"], default="both")
+    ap.add_argument("--process-id", type=int, default=0)
+    ap.add_argument("--port", type=int, default=12355)
+    ap.add_argument("--config", default="{}", help="GPTConfig fields as JSON")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--mb-size", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--init-timeout", type=int, default=120)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--no-pin", dest="pin", action="store_false")
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    args = ap.parse_args(argv)
+    if args.role == "both":
+        res = run_concurrency(json.loads(args.config), args.microbatches, args.mb_size,
+                              warmup=args.warmup, repeats=args.repeats, timeout=args.timeout,
+                              pin=args.pin)
+    else:
+        if str(REPO) not in sys.path:
+            sys.path.append(str(REPO))
+        res = _worker(args) if args.role == "worker" else _single(args)
+    text = json.dumps(res, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+    return 0 if res.get("error") is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,690 @@
+"""jaxpipe benchmark suite: executor overhead, a MaxText-style baseline, schedules, scaling.
+
+    python benchmarks/run.py                    # defaults, < ~10 min on a 2-core CPU
+    python benchmarks/run.py --quick            # tiny model, < 1 min (the test suite runs it)
+    python benchmarks/run.py --devices 8 --out results/ --layers 16 --d-model 256
+
+Runs on whatever backend JAX finds: CPU with ``--devices`` virtual devices by default
+(single-threaded XLA, so one device = one core and ratios measure work, not threading);
+on GPU/TPU the real devices, where it also reports TFLOP/s per device and MFU. Sections
+(``--sections``, comma separated, default all):
+
+overhead     plain JAX (``value_and_grad`` over microbatches in one jit, a ``lax.scan``)
+             vs ``jaxpipe`` 1F1B at p=1 and p=4 on the full GPT: step-time ratios.
+baseline     jaxpipe GPipe and 1F1B vs ``baselines/spmd_gpipe`` (MaxText-style SPMD GPipe)
+             at the same p and m in {p, 2p, 4p, 8p}, on the block stack: step-time ratio
+             and compiled per-device memory ratio.
+sweep        every built-in and gallery (``schedules/*.py``) schedule at p=4 (and p=8):
+             simulated bubble, compiled memory, step time, compile time.
+scaling      1F1B at p=4 as m grows: compile time (should be flat) and step time
+             (should be linear in m).
+concurrency  2 processes x 1 device (jax.distributed + gloo) running the p=2 pipeline vs
+             one process doing the same work; speed-up against the ideal 2m/(m+1).
+
+Writes ``<out>/benchmarks.json`` (everything), one ``<out>/<section>.json`` per section and
+PNG plots. Timings are medians of repeated runs after warm-up; on a shared machine they
+are noisy, so every timing also records the process CPU time (all threads).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _preparse(argv: list[str]) -> None:
+    """Set XLA flags that must exist before jax is imported (virtual devices, threads)."""
+    n, threads = 8, "single"
+    for i, a in enumerate(argv):
+        if a == "--devices" and i + 1 < len(argv):
+            n = int(argv[i + 1])
+        elif a.startswith("--devices="):
+            n = int(a.split("=", 1)[1])
+        elif a == "--threads" and i + 1 < len(argv):
+            threads = argv[i + 1]
+        elif a.startswith("--threads="):
+            threads = a.split("=", 1)[1]
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        flags += f" --xla_force_host_platform_device_count={n}"
+    if threads == "single" and "xla_cpu_multi_thread_eigen" not in flags:
+        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    os.environ["XLA_FLAGS"] = flags.strip()
+
+
+if __name__ == "__main__":
+    _preparse(sys.argv[1:])
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import ast  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxpipe as jp  # noqa: E402
+from benchmarks import common as C  # noqa: E402
+from benchmarks.baselines import spmd_gpipe as B  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SECTIONS = ("overhead", "baseline", "sweep", "scaling", "concurrency")
+
+#: Fields every section of the JSON has (the test suite checks them).
+REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "meta": ("backend", "device_kind", "num_devices", "jax_version", "quick", "config",
+             "xla_flags", "duration_s", "note"),
+    "overhead": ("p_values", "microbatches", "mb_size", "flops_per_step", "plain", "jaxpipe",
+                 "ratios"),
+    "baseline": ("p", "mb_size", "memory_metric", "program", "rows"),
+    "sweep": ("microbatches_per_p", "mb_size", "rows"),
+    "scaling": ("p", "schedule", "rows", "step_time_fit", "compile_time_spread"),
+    "concurrency": ("microbatches", "ideal", "speedup", "fraction_of_ideal", "two_process",
+                    "single", "error"),
+    "headline": ("overhead_p1", "overhead_p4", "memory_1f1b_vs_baseline_m4p",
+                 "step_1f1b_vs_baseline_m4p", "concurrency_fraction_of_ideal"),
+}
+#: Fields of each measured jaxpipe/baseline configuration.
+RUN_FIELDS = ("build_s", "lower_s", "compile_s", "median_s", "min_s", "cpu_median_s",
+              "times_s", "memory", "flops_per_step", "tflops_per_device", "mfu")
+BASELINE_ROW_FIELDS = ("m", "spmd_gpipe", "jaxpipe", "step_ratio", "memory_ratio",
+                       "temp_ratio")
+SWEEP_ROW_FIELDS = ("schedule", "p", "m", "stages_per_device", "bubble", "makespan",
+                    "num_ticks", "res_peak", "memory", "compile_s", "median_s", "skipped")
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@dataclass
+class Settings:
+    """Everything a run depends on (recorded in the JSON)."""
+
+    model: C.GPTConfig
+    quick: bool = False
+    p: int = 4  # main pipeline size
+    p_big: int = 8  # extra sweep size (when there are devices)
+    overhead_m: int = 8
+    overhead_mb: int = 4  # sequences per microbatch in the overhead section
+    mb: int = 2  # sequences per microbatch in baseline / sweep / scaling
+    m_factors: tuple[int, ...] = (1, 2, 4, 8)  # baseline: m = factor * p
+    scaling_factors: tuple[int, ...] = (1, 2, 4, 8)  # scaling: m = factor * p
+    sweep_factor: int = 2  # sweep: m = 2p
+    sweep_compile: bool = True  # False: only schedules already measured are compiled
+    warmup: int = 1
+    repeats: int = 5
+    conc_m: int = 8
+    conc_timeout: float = 300.0
+    plots: bool = True
+    sections: tuple[str, ...] = SECTIONS
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def default_settings(quick: bool) -> Settings:
+    if quick:
+        # Smoke test: few compiles (the sweep compiles nothing new, scaling reuses the
+        # baseline's 1F1B runs plus one), tiny model. Its numbers mean nothing.
+        model = C.GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=8)
+        return Settings(model=model, quick=True, p=2, p_big=2, overhead_m=4, overhead_mb=2,
+                        mb=2, m_factors=(4,), scaling_factors=(1, 4), sweep_factor=4,
+                        sweep_compile=False, warmup=1, repeats=2, conc_m=4,
+                        conc_timeout=120.0)
+    return Settings(model=C.GPTConfig())
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _mesh(p: int) -> jax.sharding.Mesh:
+    return jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
+
+
+def _flops_fields(flops: float, seconds: float, p: int) -> dict[str, Any]:
+    """Achieved TFLOP/s per device and MFU (MFU only for known accelerators)."""
+    per_dev = flops / seconds / p / 1e12 if seconds > 0 else None
+    peak = C.peak_flops_per_device(jax.devices()[0])
+    return {"flops_per_step": flops, "tflops_per_device": per_dev,
+            "mfu": (per_dev * 1e12 / peak) if (peak and per_dev) else None}
+
+
+def _measure(jitted: Any, args: tuple, s: Settings) -> dict[str, Any]:
+    compiled, lower_s, compile_s = C.compile_timed(jitted, *args)
+    out = {"lower_s": lower_s, "compile_s": compile_s, "memory": C.memory_stats(compiled)}
+    out.update(C.time_compiled(compiled, *args, warmup=s.warmup, repeats=s.repeats))
+    del compiled
+    return out
+
+
+def _stage_fn(cfg: C.GPTConfig) -> Callable:
+    """A baseline stage: its ``L/p`` blocks in order (unrolled, like a jaxpipe stage)."""
+
+    def stage(sp: Any, x: jax.Array) -> jax.Array:
+        for k in range(jax.tree.leaves(sp)[0].shape[0]):
+            x = C.block(jax.tree.map(lambda a, k=k: a[k], sp), x, cfg.n_heads)
+        return x
+
+    return stage
+
+
+def _mse(y: jax.Array, t: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.square(y - t).astype(jnp.float32))
+
+
+class Runner:
+    """Runs and caches measurements shared between sections."""
+
+    def __init__(self, s: Settings):
+        self.s = s
+        self.cache: dict[tuple, dict[str, Any]] = {}
+        self.blocks_params = C.init_params(s.model, jax.random.key(0), embed=False)
+
+    def has(self, model: str, name: str, schedule: jp.Schedule) -> bool:
+        return (model, name, schedule.num_devices, schedule.num_microbatches,
+                schedule.stages_per_device) in self.cache
+
+    # ------------------------------------------------------------ jaxpipe, block stack
+    def jaxpipe_blocks(self, name: str, schedule: jp.Schedule) -> dict[str, Any]:
+        """Build, compile and time jaxpipe on the block stack with params resident.
+
+        The timed program takes the parameters already in jaxpipe's stage layout
+        (``Pipeline.shard``) and returns stage-layout gradients, as a training loop keeps
+        them -- the same contract as the baseline (stacked, sharded weights in and out).
+        """
+        p, m = schedule.num_devices, schedule.num_microbatches
+        key = ("blocks", name, p, m, schedule.stages_per_device)
+        if key in self.cache:
+            return self.cache[key]
+        s, cfg = self.s, self.s.model
+        batch = C.make_blocks_batch(cfg, m * s.mb)
+        t0 = time.perf_counter()
+        pipe = jp.pipeline(C.blocks_loss(cfg), self.blocks_params, batch, mesh=_mesh(p),
+                           schedule=schedule, cut="markers")
+        build_s = time.perf_counter() - t0
+        if hasattr(pipe, "_step") and hasattr(pipe, "_microbatches"):
+            program = "resident"
+            jitted = jax.jit(lambda pbuf, b: pipe._step(pbuf, pipe._microbatches(b)))
+            args = (pipe.shard(self.blocks_params), batch)
+        else:  # fall back to the public step (replicated params in, replicated grads out)
+            program = "value_and_grad"
+            jitted, args = pipe._vg, (self.blocks_params, batch)
+        res = {"build_s": build_s, "program": program, **_measure(jitted, args, s)}
+        tl = schedule.simulate()
+        low = pipe.lowered
+        res.update({
+            "bubble": float(tl.bubble_fraction), "makespan": float(tl.makespan),
+            "num_ticks": int(low.num_ticks), "res_peak": [int(x) for x in low.res_peak],
+            **_flops_fields(C.model_flops(cfg, m * s.mb * cfg.seq, embed=False),
+                            res["median_s"], p),
+        })
+        self.cache[key] = res
+        gc.collect()
+        return res
+
+    def baseline_blocks(self, p: int, m: int) -> dict[str, Any]:
+        """Compile and time the SPMD GPipe baseline on the same block stack."""
+        key = ("blocks", "spmd_gpipe", p, m, 1)
+        if key in self.cache:
+            return self.cache[key]
+        s, cfg = self.s, self.s.model
+        batch = C.make_blocks_batch(cfg, m * s.mb)
+        mesh = B.auto_mesh(_mesh(p))
+        t0 = time.perf_counter()
+        stacked = jax.device_put(B.stack_stages(self.blocks_params["blocks"], p),
+                                 NamedSharding(mesh, P("pipe")))
+        xs = batch["x"].reshape(m, s.mb, *batch["x"].shape[1:])
+        ys = batch["y"].reshape(xs.shape)
+        jitted = B.spmd_gpipe_value_and_grad(_stage_fn(cfg), _mse, mesh, m)
+        build_s = time.perf_counter() - t0
+        res = {"build_s": build_s, "program": "stacked", **_measure(jitted, (stacked, xs, ys), s)}
+        res.update(_flops_fields(C.model_flops(cfg, m * s.mb * cfg.seq, embed=False),
+                                 res["median_s"], p))
+        self.cache[key] = res
+        return res
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return (a / b) if (a is not None and b not in (None, 0)) else None
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def section_overhead(r: Runner) -> dict[str, Any]:
+    """Plain JAX vs jaxpipe 1F1B at p=1 and p=P on the full GPT, same m and microbatch."""
+    s, cfg = r.s, r.s.model
+    m, mb = s.overhead_m, s.overhead_mb
+    params = C.init_params(cfg, jax.random.key(0), embed=True)
+    batch = C.make_gpt_batch(cfg, m * mb)
+    loss_fn = C.gpt_loss(cfg)
+    flops = C.model_flops(cfg, m * mb * cfg.seq, embed=True)
+    plain = _measure(jax.jit(C.plain_value_and_grad(loss_fn, m)), (params, batch), s)
+    plain.update(_flops_fields(flops, plain["median_s"], 1))
+    _log(f"overhead: plain {plain['median_s'] * 1e3:.1f} ms")
+    p_values = [p for p in (1, s.p) if p <= len(jax.devices())]
+    out: dict[str, Any] = {"p_values": p_values, "microbatches": m, "mb_size": mb,
+                           "model": "gpt (embedding + blocks + head)", "schedule": "1F1B",
+                           "flops_per_step": flops, "plain": plain, "jaxpipe": {},
+                           "ratios": {}}
+    for p in p_values:
+        t0 = time.perf_counter()
+        pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(p),
+                           schedule=jp.OneFOneB(p, m), cut="markers")
+        build_s = time.perf_counter() - t0
+        res = {"build_s": build_s, **_measure(pipe._vg, (params, batch), s),
+               "num_ticks": int(pipe.lowered.num_ticks)}
+        res.update(_flops_fields(flops, res["median_s"], p))
+        out["jaxpipe"][f"p{p}"] = res
+        out["ratios"][f"p{p}"] = {
+            "wall": _ratio(res["median_s"], plain["median_s"]),
+            "wall_min": _ratio(res["min_s"], plain["min_s"]),
+            "cpu": _ratio(res["cpu_median_s"], plain["cpu_median_s"]),
+        }
+        _log(f"overhead: jaxpipe p={p} {res['median_s'] * 1e3:.1f} ms "
+             f"(x{out['ratios'][f'p{p}']['wall']:.2f} wall, "
+             f"x{out['ratios'][f'p{p}']['cpu']:.2f} cpu), compile {res['compile_s']:.1f}s")
+        del pipe
+        gc.collect()
+    return out
+
+
+def section_baseline(r: Runner) -> dict[str, Any]:
+    """jaxpipe GPipe / 1F1B vs the SPMD GPipe baseline, m in {p, 2p, 4p, 8p}."""
+    s = r.s
+    p = s.p
+    rows = []
+    for f in s.m_factors:
+        m = f * p
+        base = r.baseline_blocks(p, m)
+        row: dict[str, Any] = {"m": m, "spmd_gpipe": base, "jaxpipe": {}, "step_ratio": {},
+                               "memory_ratio": {}, "temp_ratio": {}}
+        for name, sched in (("GPipe", jp.GPipe(p, m)), ("1F1B", jp.OneFOneB(p, m))):
+            res = r.jaxpipe_blocks(name, sched)
+            row["jaxpipe"][name] = res
+            row["step_ratio"][name] = _ratio(res["median_s"], base["median_s"])
+            row["memory_ratio"][name] = _ratio(res["memory"]["total_bytes"],
+                                               base["memory"]["total_bytes"])
+            row["temp_ratio"][name] = _ratio(res["memory"]["temp_bytes"],
+                                             base["memory"]["temp_bytes"])
+        _log(f"baseline m={m}: spmd_gpipe {base['median_s'] * 1e3:.1f} ms "
+             f"{base['memory']['total_bytes'] / 2**20:.1f} MiB | step x"
+             + ", ".join(f"{k} {v:.2f}" for k, v in row["step_ratio"].items())
+             + " | memory x" + ", ".join(f"{k} {v:.2f}" for k, v in row["memory_ratio"].items()))
+        rows.append(row)
+    return {
+        "p": p, "mb_size": s.mb, "model": "block stack (float activations in, MSE loss)",
+        "memory_metric": "per-device argument + output + temp - alias bytes from "
+                         "compiled.memory_analysis(); temp_ratio compares temp bytes alone",
+        "program": "both take stage-layout parameters sharded over pipe and return "
+                   "stage-layout gradients; the batch is replicated on both",
+        "rows": rows,
+    }
+
+
+def _gallery() -> list[tuple[str, Callable[[int, int], jp.Schedule]]]:
+    """(name, factory) for every Schedule subclass defined in ``schedules/*.py``."""
+    out = []
+    for path in sorted((REPO / "schedules").glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text())
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            try:
+                cls = jp.load_schedule(f"{path}:{node.name}")
+            except Exception:  # noqa: BLE001 - not a schedule / not loadable: skip
+                continue
+            if isinstance(cls, type) and issubclass(cls, jp.Schedule):
+                out.append((f"{cls.__name__}", lambda p, m, cls=cls: cls(p, m)))
+    return out
+
+
+def section_sweep(r: Runner) -> dict[str, Any]:
+    """Every built-in and gallery schedule at p=P (and p=P_big when devices allow)."""
+    s, cfg = r.s, r.s.model
+    builtins: list[tuple[str, Callable[[int, int], jp.Schedule]]] = [
+        ("GPipe", jp.GPipe), ("1F1B", jp.OneFOneB),
+        ("Interleaved1F1B", lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=2)),
+    ]
+    scheds = builtins + _gallery()
+    ps = sorted({p for p in (s.p, s.p_big) if p <= len(jax.devices())})
+    rows = []
+    for p in ps:
+        m = s.sweep_factor * p
+        for name, make in scheds:
+            row: dict[str, Any] = {k: None for k in SWEEP_ROW_FIELDS}
+            row.update({"schedule": name, "p": p, "m": m, "skipped": None})
+            try:
+                sched = make(p, m)
+                sched.validate()
+            except Exception as e:  # noqa: BLE001 - report, keep going
+                row["skipped"] = f"{type(e).__name__}: {e}"
+                rows.append(row)
+                continue
+            row["stages_per_device"] = sched.stages_per_device
+            if sched.num_stages > cfg.n_layers:
+                tl = sched.simulate()
+                row.update({"bubble": float(tl.bubble_fraction), "makespan": float(tl.makespan),
+                            "skipped": f"needs {sched.num_stages} stages, the model has "
+                                       f"{cfg.n_layers} blocks (use --layers)"})
+                rows.append(row)
+                continue
+            if not s.sweep_compile and not r.has("blocks", name, sched):
+                tl = sched.simulate()
+                row.update({"bubble": float(tl.bubble_fraction), "makespan": float(tl.makespan),
+                            "skipped": "quick mode: simulated only"})
+                rows.append(row)
+                continue
+            try:
+                res = r.jaxpipe_blocks(name, sched)
+            except Exception as e:  # noqa: BLE001 - a gallery schedule may not run yet
+                row["skipped"] = f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append(row)
+                continue
+            row.update({k: res[k] for k in ("bubble", "makespan", "num_ticks", "res_peak",
+                                            "memory", "compile_s", "median_s")})
+            row.update({k: res[k] for k in ("cpu_median_s", "tflops_per_device", "mfu")})
+            _log(f"sweep p={p} {name}: bubble {row['bubble']:.3f}, "
+                 f"{res['memory']['total_bytes'] / 2**20:.1f} MiB, "
+                 f"{res['median_s'] * 1e3:.1f} ms, compile {res['compile_s']:.1f}s")
+            rows.append(row)
+    return {"microbatches_per_p": s.sweep_factor, "mb_size": s.mb, "p_values": ps,
+            "rows": rows}
+
+
+def _linear_fit(x: list[float], y: list[float]) -> dict[str, float | None]:
+    if len(x) < 2:
+        return {"intercept_s": None, "slope_s_per_microbatch": None, "r2": None}
+    a, b = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
+    pred = a * np.asarray(x) + b
+    ss_res = float(np.sum((np.asarray(y) - pred) ** 2))
+    ss_tot = float(np.sum((np.asarray(y) - np.mean(y)) ** 2)) or 1.0
+    return {"intercept_s": float(b), "slope_s_per_microbatch": float(a),
+            "r2": 1.0 - ss_res / ss_tot}
+
+
+def section_scaling(r: Runner) -> dict[str, Any]:
+    """1F1B at p=P for m in factors*P: compile time vs m (flat) and step time (linear)."""
+    s = r.s
+    p = s.p
+    rows = []
+    for f in s.scaling_factors:
+        m = f * p
+        res = r.jaxpipe_blocks("1F1B", jp.OneFOneB(p, m))
+        rows.append({"m": m, "build_s": res["build_s"], "lower_s": res["lower_s"],
+                     "compile_s": res["compile_s"], "median_s": res["median_s"],
+                     "cpu_median_s": res["cpu_median_s"], "num_ticks": res["num_ticks"],
+                     "per_microbatch_s": res["median_s"] / m})
+    comp = [row["compile_s"] for row in rows]
+    return {
+        "p": p, "schedule": "1F1B", "rows": rows,
+        "step_time_fit": _linear_fit([row["m"] for row in rows],
+                                     [row["median_s"] for row in rows]),
+        "compile_time_spread": (max(comp) / min(comp)) if comp else None,
+    }
+
+
+def section_concurrency(r: Runner, workdir: Path) -> dict[str, Any]:
+    """2 processes x 1 device (gloo) vs 1 process, via ``benchmarks/concurrency.py``."""
+    from benchmarks.concurrency import run_concurrency
+
+    s = r.s
+    res = run_concurrency(s.model.asdict(), s.conc_m, s.mb, warmup=s.warmup,
+                          repeats=s.repeats, timeout=s.conc_timeout, workdir=workdir)
+    if res.get("error"):
+        _log(f"concurrency: {res['error']}")
+    else:
+        _log(f"concurrency: speedup {res['speedup']:.2f} vs ideal {res['ideal']:.2f} "
+             f"({res['fraction_of_ideal']:.2f} of ideal)")
+    return res
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def make_plots(results: dict[str, Any], out: Path) -> list[str]:
+    """PNG figures for the sections present; returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    ov = results.get("overhead")
+    if ov:
+        names = ["plain JAX"] + [f"jaxpipe {k}" for k in ov["jaxpipe"]]
+        runs = [ov["plain"]] + list(ov["jaxpipe"].values())
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        x = np.arange(len(runs))
+        ax.bar(x - 0.2, [1e3 * v["median_s"] for v in runs], 0.4, label="wall (median)")
+        ax.bar(x + 0.2, [1e3 * v["cpu_median_s"] for v in runs], 0.4, label="process CPU")
+        ax.set_xticks(x, names)
+        ax.set_ylabel("ms / step")
+        ax.set_title(f"Executor overhead (GPT, 1F1B, m={ov['microbatches']})")
+        ax.legend()
+        save(fig, "overhead.png")
+
+    bl = results.get("baseline")
+    if bl and bl["rows"]:
+        ms = [row["m"] for row in bl["rows"]]
+        fig, axs = plt.subplots(1, 2, figsize=(10, 3.5))
+        for name in ("GPipe", "1F1B"):
+            axs[0].plot(ms, [row["step_ratio"][name] for row in bl["rows"]], "o-", label=name)
+            axs[1].plot(ms, [row["memory_ratio"][name] for row in bl["rows"]], "o-",
+                        label=f"{name} total")
+            axs[1].plot(ms, [row["temp_ratio"][name] for row in bl["rows"]], "x--",
+                        label=f"{name} temp")
+        for ax, t in zip(axs, ("step time / spmd_gpipe", "per-device memory / spmd_gpipe"),
+                         strict=True):
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("microbatches m")
+            ax.set_title(f"{t} (p={bl['p']})")
+            ax.legend()
+        save(fig, "baseline.png")
+
+    sw = results.get("sweep")
+    if sw and sw["rows"]:
+        done = [row for row in sw["rows"] if row["median_s"] is not None]
+        if done:
+            labels = [f"{row['schedule']}\np={row['p']}" for row in done]
+            fig, axs = plt.subplots(1, 4, figsize=(16, 4))
+            metrics = [("bubble", "simulated bubble", 1.0),
+                       ("memory", "compiled MiB / device", None),
+                       ("median_s", "step ms", 1e3), ("compile_s", "compile s", 1.0)]
+            for ax, (k, title, scale) in zip(axs, metrics, strict=True):
+                vals = [row[k]["total_bytes"] / 2**20 if k == "memory" else row[k] * scale
+                        for row in done]
+                ax.barh(range(len(done)), vals)
+                ax.set_yticks(range(len(done)), labels, fontsize=7)
+                ax.invert_yaxis()
+                ax.set_title(title)
+            save(fig, "sweep.png")
+
+    sc = results.get("scaling")
+    if sc and sc["rows"]:
+        ms = [row["m"] for row in sc["rows"]]
+        fig, axs = plt.subplots(1, 2, figsize=(10, 3.5))
+        axs[0].plot(ms, [row["compile_s"] for row in sc["rows"]], "o-", label="compile")
+        axs[0].plot(ms, [row["build_s"] + row["lower_s"] for row in sc["rows"]], "o-",
+                    label="build + lower")
+        axs[0].set_ylim(bottom=0)
+        axs[0].set_title(f"Compile time vs m (1F1B, p={sc['p']})")
+        axs[1].plot(ms, [1e3 * row["median_s"] for row in sc["rows"]], "o-", label="step")
+        fit = sc["step_time_fit"]
+        if fit["slope_s_per_microbatch"] is not None:
+            xs = np.array([0, max(ms)])
+            axs[1].plot(xs, 1e3 * (fit["intercept_s"] + fit["slope_s_per_microbatch"] * xs),
+                        "--", color="gray", label=f"linear fit, R2={fit['r2']:.3f}")
+        axs[1].set_title("Step time vs m")
+        for ax, yl in zip(axs, ("s", "ms"), strict=True):
+            ax.set_xlabel("microbatches m")
+            ax.set_ylabel(yl)
+            ax.legend()
+        save(fig, "scaling.png")
+
+    cc = results.get("concurrency")
+    if cc and cc.get("speedup"):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        single = cc["single"]["jaxpipe_p1"]["median_s"]
+        vals = [1.0, cc["speedup"], cc["ideal"], cc["speedup_vs_plain"]]
+        ax.bar(["1 process\n(jaxpipe p=1)", "2 processes\n(gloo, p=2)", "ideal\n2m/(m+1)",
+                "2 proc vs\nplain JAX"], vals)
+        ax.set_ylabel("speed-up")
+        ax.set_title(f"Real concurrency, m={cc['microbatches']} "
+                     f"(1-proc step {1e3 * single:.0f} ms)")
+        save(fig, "concurrency.png")
+    return written
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _headline(res: dict[str, Any], s: Settings) -> dict[str, Any]:
+    ov = res.get("overhead") or {}
+    ratios = ov.get("ratios", {})
+    h: dict[str, Any] = {
+        "overhead_p1": ratios.get("p1"), f"overhead_p{s.p}": ratios.get(f"p{s.p}"),
+        "overhead_p4": ratios.get("p4"), "memory_1f1b_vs_baseline_m4p": None,
+        "temp_1f1b_vs_baseline_m4p": None, "step_1f1b_vs_baseline_m4p": None,
+        "step_gpipe_vs_baseline_m4p": None, "concurrency_speedup": None,
+        "concurrency_ideal": None, "concurrency_fraction_of_ideal": None,
+    }
+    for row in (res.get("baseline") or {}).get("rows", []):
+        if row["m"] == 4 * s.p:
+            h["memory_1f1b_vs_baseline_m4p"] = row["memory_ratio"]["1F1B"]
+            h["temp_1f1b_vs_baseline_m4p"] = row["temp_ratio"]["1F1B"]
+            h["step_1f1b_vs_baseline_m4p"] = row["step_ratio"]["1F1B"]
+            h["step_gpipe_vs_baseline_m4p"] = row["step_ratio"]["GPipe"]
+    cc = res.get("concurrency") or {}
+    h["concurrency_speedup"] = cc.get("speedup")
+    h["concurrency_ideal"] = cc.get("ideal")
+    h["concurrency_fraction_of_ideal"] = cc.get("fraction_of_ideal")
+    return h
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    return str(x)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the suite; returns the results dict (also written to ``<out>/benchmarks.json``)."""
+    ap = argparse.ArgumentParser(description="jaxpipe benchmark suite",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__)
+    ap.add_argument("--quick", action="store_true", help="tiny model, < 1 minute")
+    ap.add_argument("--devices", type=int, default=8,
+                    help="virtual CPU devices (before jax starts) / real devices to use")
+    ap.add_argument("--threads", choices=["single", "multi"], default="single",
+                    help="CPU: single-threaded XLA (default) or XLA's own thread pool")
+    ap.add_argument("--out", default="results", help="directory for JSON and PNG")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--d-model", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--dtype", default=None, help="parameter/activation dtype, e.g. bfloat16")
+    ap.add_argument("--mb-size", type=int, default=None, help="sequences per microbatch")
+    ap.add_argument("--p", type=int, default=None, help="main pipeline size (default 4)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--no-plots", dest="plots", action="store_false")
+    args = ap.parse_args(argv)
+
+    s = default_settings(args.quick)
+    over = {k: v for k, v in {"n_layers": args.layers, "d_model": args.d_model,
+                              "n_heads": args.heads, "seq": args.seq, "vocab": args.vocab,
+                              "dtype": args.dtype}.items() if v is not None}
+    s.model = replace(s.model, **over)
+    if args.mb_size:
+        s.mb = s.overhead_mb = args.mb_size
+    if args.p:
+        s.p = args.p
+    s.repeats = args.repeats or s.repeats
+    s.warmup = s.warmup if args.warmup is None else args.warmup
+    s.plots = args.plots
+    s.sections = tuple(x for x in args.sections.split(",") if x)
+    bad = set(s.sections) - set(SECTIONS)
+    if bad:
+        ap.error(f"unknown sections {sorted(bad)}; choose from {SECTIONS}")
+    ndev = min(args.devices, len(jax.devices()))
+    if s.p > ndev:
+        s.p = max(1, ndev)
+    s.p_big = min(s.p_big, ndev)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    dev = jax.devices()[0]
+    results: dict[str, Any] = {"meta": {
+        "backend": jax.default_backend(), "device_kind": dev.device_kind,
+        "num_devices": ndev, "jax_version": jax.__version__, "jaxpipe_version": jp.__version__,
+        "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "machine": f"{platform.machine()} {platform.processor()}".strip(),
+        "quick": s.quick, "config": s.model.asdict(),
+        "settings": {k: v for k, v in s.__dict__.items() if k not in ("model", "extra")},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "started": time.strftime("%F %T"),
+        "duration_s": None,
+        "note": ("CPU virtual devices run one program per device on the same cores: wall "
+                 "time measures executor overhead, not pipeline overlap (see concurrency). "
+                 "Timings are medians after warm-up on a possibly shared machine."),
+    }}
+    r = Runner(s)
+    _log(f"backend {jax.default_backend()} x{ndev}, model {s.model}, sections {s.sections}")
+    for name in SECTIONS:
+        if name not in s.sections:
+            continue
+        t0 = time.perf_counter()
+        if name == "concurrency":
+            if jax.default_backend() != "cpu":
+                results[name] = {k: None for k in REQUIRED_FIELDS[name]}
+                results[name]["error"] = "CPU-only section (gloo processes)"
+            else:
+                results[name] = section_concurrency(r, out / "concurrency_logs")
+        else:
+            results[name] = globals()[f"section_{name}"](r)
+        results[name]["section_s"] = time.perf_counter() - t0
+        (out / f"{name}.json").write_text(json.dumps(results[name], indent=2,
+                                                     default=_json_default))
+        _log(f"{name} done in {results[name]['section_s']:.0f}s")
+    results["headline"] = _headline(results, s)
+    results["meta"]["duration_s"] = time.perf_counter() - t_start
+    if s.plots:
+        results["meta"]["plots"] = make_plots(results, out)
+    (out / "benchmarks.json").write_text(json.dumps(results, indent=2, default=_json_default))
+    _log("headline: " + json.dumps(results["headline"], default=_json_default))
+    _log(f"wrote {out}/benchmarks.json in {results['meta']['duration_s']:.0f}s")
+    return results
+
+
+if __name__ == "__main__":
+    main()
+    # the concurrency subprocesses are gone; exit without waiting on XLA thread teardown
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,125 @@
+"""Benchmarks: the SPMD GPipe baseline is correct, and ``run.py --quick`` completes.
+
+No timing is asserted anywhere: speed and memory are what the benchmark *reports*.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import common as C
+from benchmarks.baselines import spmd_gpipe as B
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _stage_fn(cfg: C.GPTConfig):
+    def stage(sp, x):
+        for k in range(jax.tree.leaves(sp)[0].shape[0]):
+            x = C.block(jax.tree.map(lambda a, k=k: a[k], sp), x, cfg.n_heads)
+        return x
+
+    return stage
+
+
+def _mse(y, t):
+    return jnp.mean(jnp.square(y - t))
+
+
+@pytest.mark.parametrize(("p", "m", "remat"), [(2, 2, False), (2, 6, False), (4, 8, False),
+                                               (4, 4, True)])
+def test_spmd_gpipe_matches_value_and_grad(p: int, m: int, remat: bool) -> None:
+    cfg = C.GPTConfig(d_model=16, n_heads=2, n_layers=4, seq=4)
+    params = C.init_params(cfg, jax.random.key(1), embed=False)
+    batch = C.make_blocks_batch(cfg, 2 * m, seed=3)
+    loss_fn = C.blocks_loss(cfg)
+    ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)  # mean over equal mbs
+
+    mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
+    vg = B.spmd_gpipe_value_and_grad(_stage_fn(cfg), _mse, mesh, m, remat=remat)
+    xs = batch["x"].reshape(m, 2, *batch["x"].shape[1:])
+    loss, grads = vg(B.stack_stages(params["blocks"], p), xs, batch["y"].reshape(xs.shape))
+
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    got = B.unstack_stages(grads)
+    assert len(got) == cfg.n_layers
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref_grads["blocks"]), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_spmd_gpipe_uses_ppermute_not_gathers() -> None:
+    """The baseline moves activations with collective-permutes only (no all-gather)."""
+    cfg = C.GPTConfig(d_model=16, n_heads=2, n_layers=2, seq=4)
+    params = C.init_params(cfg, jax.random.key(0), embed=False)
+    m, p = 4, 2
+    batch = C.make_blocks_batch(cfg, 2 * m)
+    mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
+    vg = B.spmd_gpipe_value_and_grad(_stage_fn(cfg), _mse, mesh, m)
+    xs = batch["x"].reshape(m, 2, *batch["x"].shape[1:])
+    hlo = vg.lower(B.stack_stages(params["blocks"], p), xs, xs).compile().as_text()
+    assert "collective-permute" in hlo
+    assert "all-gather" not in hlo
+
+
+def test_spmd_gpipe_rejects_uneven_microbatches() -> None:
+    mesh = jax.make_mesh((4,), ("pipe",), devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match="multiple of the 4 stages"):
+        B.spmd_gpipe_loss(lambda w, x: x, _mse, mesh, 6)
+
+
+def test_plain_value_and_grad_is_mean_over_microbatches() -> None:
+    cfg = C.GPTConfig(vocab=32, d_model=16, n_heads=2, n_layers=2, seq=4)
+    params = C.init_params(cfg, jax.random.key(0))
+    batch = C.make_gpt_batch(cfg, 8)
+    loss_fn = C.gpt_loss(cfg)
+    loss, grads = jax.jit(C.plain_value_and_grad(loss_fn, 4))(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_run_quick_completes_with_every_field(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from benchmarks import run as R
+
+    res = json.loads((out / "benchmarks.json").read_text())
+    for section, fields in R.REQUIRED_FIELDS.items():
+        assert section in res, section
+        missing = [f for f in fields if f not in res[section]]
+        assert not missing, (section, missing)
+    for section in R.SECTIONS:
+        assert (out / f"{section}.json").exists()
+    ov = res["overhead"]
+    assert ov["ratios"]["p1"]["wall"] > 0
+    for run in [ov["plain"], *ov["jaxpipe"].values()]:
+        assert {"median_s", "cpu_median_s", "compile_s", "memory"} <= set(run)
+    for row in res["baseline"]["rows"]:
+        assert set(R.BASELINE_ROW_FIELDS) <= set(row)
+        for run in [row["spmd_gpipe"], *row["jaxpipe"].values()]:
+            assert set(R.RUN_FIELDS) <= set(run), set(R.RUN_FIELDS) - set(run)
+            assert run["memory"]["total_bytes"] > 0
+    names = {row["schedule"] for row in res["sweep"]["rows"]}
+    assert {"GPipe", "1F1B", "Interleaved1F1B"} <= names
+    for row in res["sweep"]["rows"]:
+        assert set(R.SWEEP_ROW_FIELDS) <= set(row)
+    assert len(res["scaling"]["rows"]) >= 2
+    cc = res["concurrency"]
+    assert cc["error"] is None, cc.get("log_tail")
+    assert cc["two_process"]["loss"] == pytest.approx(cc["two_process"]["reference_loss"],
+                                                      rel=1e-5)
+    assert res["headline"]["memory_1f1b_vs_baseline_m4p"] is not None
+    assert set(res["meta"]["plots"]) >= {"overhead.png", "baseline.png", "scaling.png"}
