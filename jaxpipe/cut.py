@@ -17,19 +17,25 @@ interleaved / V placements, via ``schedule.placement``)::
     optimizer  = optimizer_bytes_per_param_byte * params   (default 2.0: Adam m, v)
     residuals  = in_flight(s) * residual bytes per microbatch of stage s
     transfers  = 2 * (bytes received + bytes sent)  (activation + cotangent buffers)
+    workspace  = workspace_residual_sets * residual bytes per microbatch of stage s
 
 ``in_flight(s)`` is the stage's peak number of live residual sets under the
-schedule (from the simulator; 1F1B: ``min(m, p - s)``). A device *needs* the sum
-over its stages (``CutResult.device_memory``). Two memory models turn that into
-the number to minimise (``Cut.memory_model``):
+schedule (from the simulator; 1F1B: ``min(m, p - s)``). The workspace is what a
+device holds while it runs one action beyond the stored residuals: the write
+window and read slice of the residual pool, branch outputs and the backward's own
+temporaries, all about one residual set of the stage in size (measured: about 5
+sets under jaxpipe's SPMD runtime on CPU). A device *needs* the sum over its
+stages, with the workspace of its largest stage only (``CutResult.device_memory``).
+Two memory models turn that into the number to minimise (``Cut.memory_model``):
 
 * ``"spmd"`` (default): what jaxpipe's one-program SPMD runtime allocates. All
   devices run the same program, so buffers have one shape: every device holds
   ``stages_per_device`` parameter rows as wide as the *largest stage's*
-  parameters (same for gradients and optimizer state), and residual/message pools
-  as large as the *busiest device's*. Peak = ``(1 + grad + opt) * spd *
-  max_stage(params) + max_device(residuals + transfers)``
-  (``CutResult.padded_memory``).
+  parameters (same for gradients and optimizer state), residual/message pools
+  as large as the *busiest device's*, and the workspace of the stage with the
+  largest residual set. Peak = ``(1 + grad + opt) * spd * max_stage(params) +
+  max_device(residuals + transfers) + workspace_residual_sets *
+  max_stage(residual bytes)`` (``CutResult.padded_memory``).
 * ``"device"``: each device holds exactly its own stages' bytes
   (``max_device(sum of its stages)``), as an MPMD runtime would.
 
@@ -40,15 +46,16 @@ later stages within a time slack.
 **Search.** Stages are contiguous, so every objective is built from min-max
 (bottleneck) problems over the ``(n+1)^2`` segment ranges, solved exactly by
 dynamic programming over stages (``O(stages * segments^2)``, vectorised; 200
-segments x 16 stages takes milliseconds). The ``"spmd"`` model has two maxima
-(parameters over stages, activations over devices); it is solved exactly by
-sweeping the parameter threshold along the Pareto front. Memory budgets bisect
-over achievable stage times. Ties are broken by a second objective (memory for
-"time", time for "memory"), then by sums of squares so non-bottleneck stages are
-balanced too. When a device holds several stages its activation memory is a sum
-over non-adjacent stages, which the stage-by-stage DP cannot express; then small
-problems are enumerated exactly and large ones use a weighted DP followed by a
-local search over cut positions (``CutResult.exact`` says which).
+segments x 16 stages takes milliseconds). The ``"spmd"`` model has three maxima
+(parameters and residual sets over stages, activations over devices); it is solved
+exactly by sweeping the residual and parameter thresholds along the Pareto front.
+Memory budgets bisect over achievable stage times. Ties are broken by a second
+objective (memory for "time", time for "memory"), then by sums of squares so
+non-bottleneck stages are balanced too. When a device holds several stages its
+activation memory is a sum over non-adjacent stages, which the stage-by-stage DP
+cannot express; then small problems are enumerated exactly and large ones use a
+weighted DP followed by a local search over cut positions (``CutResult.exact``
+says which).
 """
 
 from __future__ import annotations
@@ -105,6 +112,9 @@ class Cut:
       memory_model: ``"spmd"`` (default; buffers padded to one shape on every
         device, as jaxpipe's runtime allocates them) or ``"device"`` (each device
         holds only its own stages' bytes). See the module docstring.
+      workspace_residual_sets: transient memory while a stage runs, in residual
+        sets (per-microbatch residual bytes) of that stage; 5.0 matches the SPMD
+        runtime's compiled programs on CPU, 0.0 ignores it.
       profile: time each segment's compiled forward/backward instead of counting
         FLOPs (slower to plan, noisy on shared machines).
 
@@ -119,6 +129,7 @@ class Cut:
     optimizer_bytes_per_param_byte: float = 2.0
     grad_bytes_per_param_byte: float = 1.0
     memory_model: MemoryModel = "spmd"
+    workspace_residual_sets: float = 5.0
     profile: bool = False
 
     def __post_init__(self) -> None:
@@ -134,6 +145,9 @@ class Cut:
             raise CutError(f"Cut.time_slack must be >= 0, got {self.time_slack}")
         if self.optimizer_bytes_per_param_byte < 0 or self.grad_bytes_per_param_byte < 0:
             raise CutError("Cut: bytes per parameter byte must be >= 0")
+        if not self.workspace_residual_sets >= 0:
+            raise CutError(
+                f"Cut.workspace_residual_sets must be >= 0, got {self.workspace_residual_sets}")
         if self.indices is not None:
             idx = tuple(int(i) for i in self.indices)
             if list(idx) != sorted(set(idx)):
@@ -155,18 +169,23 @@ class MemoryBreakdown:
     optimizer: float = 0.0
     residuals: float = 0.0
     transfers: float = 0.0
+    workspace: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.residuals + self.transfers
+        return (self.params + self.grads + self.optimizer + self.residuals + self.transfers
+                + self.workspace)
 
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        """Two stages on one device: everything adds up but the workspace (one runs at
+        a time, so the larger one counts)."""
         return MemoryBreakdown(
             self.params + other.params,
             self.grads + other.grads,
             self.optimizer + other.optimizer,
             self.residuals + other.residuals,
             self.transfers + other.transfers,
+            max(self.workspace, other.workspace),
         )
 
 
@@ -187,7 +206,7 @@ class CutResult:
       padded_memory: what every device allocates under the SPMD runtime (buffers
         of one shape): parameters/grads/optimizer of ``stages_per_device`` copies of
         the largest stage, residuals and transfers of the device with the most
-        activation bytes.
+        activation bytes, the workspace of the stage with the largest residual set.
       memory_model: which of the two the search minimised; ``peak_memory`` is it.
       objective: what was optimised ("time", "memory", "budget" or "explicit").
       exact: the primary objective is provably optimal (False only for the
@@ -283,6 +302,7 @@ class _Problem:
         self.single = self.spd == 1  # every device holds at most one stage
         self.spmd = cut.memory_model == "spmd"
         self.A = cut.bytes_per_param_byte
+        self.kw = cut.workspace_residual_sets
         self.in_flight = np.asarray(in_flight, dtype=np.float64)
 
         profiled = all(c.profiled for c in costs)
@@ -331,36 +351,45 @@ class _Problem:
         send = np.array([0.0, *out[:-1], 0.0], np.float64)  # sent by one ending at b < n
         # activation in + out, and their cotangents back: one buffer each
         self.transfers = 2.0 * (recv[:, None] + send[None, :])
+        self._act: dict[int, np.ndarray] = {}
+        self._mem: dict[int, np.ndarray] = {}
 
     # -- per-stage matrices (inf on empty ranges) --------------------------
     def act(self, k: int) -> np.ndarray:
         """Activation bytes of stage k over each range: residuals in flight + transfers."""
-        return np.where(self.empty, np.inf,
-                        self.in_flight[k] * self.residual + self.transfers)
+        if k not in self._act:  # cached: the sweeps ask for it in every DP
+            self._act[k] = np.where(self.empty, np.inf,
+                                    self.in_flight[k] * self.residual + self.transfers)
+        return self._act[k]
 
     def mem(self, k: int) -> np.ndarray:
-        """Everything stage k needs over each range (the "device" model's stage bytes)."""
-        return self.A * self.params + self.act(k)
+        """Everything stage k needs over each range, alone on its device ("device" model)."""
+        if k not in self._mem:
+            self._mem[k] = self.A * self.params + self.act(k) + self.kw * self.residual
+        return self._mem[k]
 
     # -- evaluating partitions ---------------------------------------------
-    def stage_parts(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(params, activation bytes) per stage; ``bounds`` is (S+1,) or (C, S+1)."""
+    def stage_parts(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(params, activation bytes, residual set) per stage; bounds (S+1,) or (C, S+1)."""
         a, b = bounds[..., :-1], bounds[..., 1:]
-        return (self.params[a, b],
-                self.in_flight * self.residual[a, b] + self.transfers[a, b])
+        r = self.residual[a, b]
+        return self.params[a, b], self.in_flight * r + self.transfers[a, b], r
 
-    def keys(self, P: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def keys(self, P: np.ndarray, X: np.ndarray, R: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray]:
         """(peak memory under the model, sum of squared device needs) for (C, S) stages."""
-        own = (self.A * P + X) @ self.onehot  # (C, D): what each device needs
+        # workspace of each device: its largest stage's residual set
+        work = np.where(self.onehot.T[None], R[:, None, :], 0.0).max(axis=-1)  # (C, D)
+        own = (self.A * P + X) @ self.onehot + self.kw * work  # what each device needs
         if self.spmd:
-            peak = self.A * self.spd * P.max(axis=-1) + (X @ self.onehot).max(axis=-1)
+            peak = (self.A * self.spd * P.max(axis=-1) + (X @ self.onehot).max(axis=-1)
+                    + self.kw * R.max(axis=-1))
         else:
             peak = own.max(axis=-1)
         return peak, (own**2).sum(axis=-1)
 
     def memory(self, bounds: Sequence[int]) -> float:
-        P, X = self.stage_parts(np.asarray(bounds)[None, :])
-        return float(self.keys(P, X)[0][0])
+        return float(self.keys(*self.stage_parts(np.asarray(bounds)[None, :]))[0][0])
 
     def max_time(self, bounds: Sequence[int]) -> float:
         b = np.asarray(bounds)
@@ -412,11 +441,12 @@ def _inf_unless(ok: np.ndarray, m: np.ndarray) -> np.ndarray:
 # Minimum memory for a time cap
 
 
-def _min_memory(pb: _Problem, cap: float, good_enough: float = -math.inf) -> list[int]:
+def _min_memory(pb: _Problem, cap: float, good_enough: float | None = None) -> list[int]:
     """A partition of least peak memory with every stage time <= cap (cap >= optimum).
 
     Exact when every device holds one stage; otherwise a heuristic. May stop early
-    with any partition whose memory is <= ``good_enough``.
+    once it is clear whether some partition's memory is <= ``good_enough``: with one
+    that is, or (exact searches only) with any when none can be.
     """
     if not pb.single:
         return _min_memory_shared(pb, cap, good_enough)
@@ -425,51 +455,71 @@ def _min_memory(pb: _Problem, cap: float, good_enough: float = -math.inf) -> lis
         _, bounds = pb.minmax(lambda k: _inf_unless(ok, pb.mem(k)))
         assert bounds is not None
         return bounds
-    return min(_spmd_front(pb, ok, good_enough), key=lambda f: f[0])[3]
+    return min(_spmd_front(pb, ok, good_enough), key=lambda f: f[0])[-1]
 
 
 def _spmd_front(
-    pb: _Problem, ok: np.ndarray, good_enough: float = -math.inf
-) -> list[tuple[float, float, float, list[int]]]:
-    """Pareto front of (max stage params, max stage activations) for single-stage devices.
+    pb: _Problem, ok: np.ndarray, good_enough: float | None = None
+) -> list[tuple[float, float, float, float, list[int]]]:
+    """Pareto front of the "spmd" peak for single-stage devices.
 
-    The "spmd" peak has two maxima, ``A * max_s params + max_s act``. Sweep the
-    parameter threshold down: each DP minimises activations among cuts (allowed by
-    ``ok``) whose params are below the threshold; the next threshold is strictly
-    below the params that cut used. Every memory-optimal cut has the parameter
-    maximum of a visited point, so the minimum over the returned
-    ``(total, params, act, bounds)`` points is exact.
+    The peak has three maxima, ``A * max_s params + kw * max_s residual set +
+    max_s act``. For a residual threshold (outer loop) and a parameter threshold
+    (inner loop), a DP minimises ``max_s act`` over the cuts allowed by ``ok`` whose
+    stages stay below both; each next threshold is strictly below what the cuts
+    found so far used. Every optimal cut has the parameter and residual maxima of
+    some visited point, so the minimum over the returned ``(total, params,
+    residual, act, bounds)`` points is exact. Lower bounds stop both loops early;
+    with ``good_enough`` they also stop once that level is reached or out of reach.
     """
+    target = -math.inf if good_enough is None else good_enough
     p_floor, _ = pb.minmax(lambda k: _inf_unless(ok, pb.params))
-    front: list[tuple[float, float, float, list[int]]] = []
+    r_floor = pb.minmax(lambda k: _inf_unless(ok, pb.residual))[0] if pb.kw else 0.0
+    front: list[tuple[float, float, float, float, list[int]]] = []
     best = math.inf
-    thr = math.inf
+    r_thr = math.inf
     while True:
-        allowed = ok & (pb.params < thr) if math.isfinite(thr) else ok
-        act_max, bounds = pb.minmax(lambda k, allowed=allowed: _inf_unless(allowed, pb.act(k)))
-        if bounds is None:
+        ok_r = ok & (pb.residual < r_thr) if math.isfinite(r_thr) else ok
+        p_thr, r_seen, first = math.inf, 0.0, None
+        while True:
+            allowed = ok_r & (pb.params < p_thr) if math.isfinite(p_thr) else ok_r
+            act_max, bounds = pb.minmax(
+                lambda k, allowed=allowed: _inf_unless(allowed, pb.act(k)))
+            if bounds is None:
+                break
+            first = act_max if first is None else first
+            P, _, R = pb.stage_parts(np.asarray(bounds))
+            p_used, r_used = float(P.max()), float(R.max())
+            r_seen = max(r_seen, r_used)
+            total = pb.A * p_used + pb.kw * r_used + act_max
+            front.append((total, p_used, r_used, act_max, bounds))
+            best = min(best, total)
+            # Tighter parameter thresholds only raise act_max.
+            bound = pb.A * p_floor + pb.kw * r_floor + act_max
+            if best <= target or bound > best or (good_enough is not None and bound > target):
+                break
+            p_thr = p_used
+        # Tighter residual thresholds only raise the first (unconstrained-params) act.
+        if first is None or not pb.kw or best <= target:
             break
-        p_used = float(pb.stage_parts(np.asarray(bounds))[0].max())
-        total = pb.A * p_used + act_max
-        front.append((total, p_used, act_max, bounds))
-        best = min(best, total)
-        # Later thresholds only raise act_max, and params cannot go below p_floor.
-        if best <= good_enough or pb.A * p_floor + act_max > best:
+        bound = pb.A * p_floor + pb.kw * r_floor + first
+        if bound > best or (good_enough is not None and bound > target):
             break
-        thr = p_used
+        r_thr = r_seen
     return front
 
 
-def _box_mask(pb: _Problem, p_max: float, x_max: float) -> Callable[[int], np.ndarray]:
-    """Ranges whose params <= p_max and activations <= x_max (spmd memory <= A p + x)."""
-    return lambda k: (pb.params <= p_max) & (pb.act(k) <= x_max)
+def _box_mask(pb: _Problem, p_max: float, r_max: float, x_max: float
+              ) -> Callable[[int], np.ndarray]:
+    """Ranges within (params, residual set, activations) maxima: spmd peak stays below."""
+    return lambda k: (pb.params <= p_max) & (pb.residual <= r_max) & (pb.act(k) <= x_max)
 
 
 def _polish_masks(pb: _Problem, bounds: Sequence[int]) -> Callable[[int], np.ndarray]:
     """Per-stage masks under which every partition's memory is <= that of ``bounds``."""
-    P, X = pb.stage_parts(np.asarray(bounds))
+    P, X, R = pb.stage_parts(np.asarray(bounds))
     if pb.spmd:
-        return _box_mask(pb, float(P.max()), float(X.max()))
+        return _box_mask(pb, float(P.max()), float(R.max()), float(X.max()))
     m_max = pb.memory(bounds)
     return lambda k: pb.mem(k) <= m_max
 
@@ -497,10 +547,10 @@ def _search_single(pb: _Problem, t_opt: float) -> tuple[list[int], str]:
             front = _spmd_front(pb, time <= cap)
             m_opt = min(f[0] for f in front)
             t_b, mask = math.inf, None
-            for total, p_max, x_max, _ in front:
+            for total, p_max, r_max, x_max, _ in front:
                 if total > m_opt * (1 + 1e-12):
                     continue
-                m = _box_mask(pb, p_max, x_max)
+                m = _box_mask(pb, p_max, r_max, x_max)
                 t, _ = pb.minmax(lambda k, m=m: _inf_unless((time <= cap) & m(k), time))
                 if t < t_b:
                     t_b, mask = t, m
@@ -518,10 +568,9 @@ def _search_single(pb: _Problem, t_opt: float) -> tuple[list[int], str]:
 
 def _min_time_within_budget(pb: _Problem, t_opt: float, budget: float, exact: bool) -> float:
     """Smallest stage-time cap whose least-memory cut fits ``budget`` (bisection)."""
-    loosest = _min_memory(pb, math.inf)
-    smallest = pb.memory(loosest)
-    if smallest > budget:
-        raise _infeasible(pb, smallest, exact)
+    loosest = _min_memory(pb, math.inf, good_enough=budget)
+    if pb.memory(loosest) > budget:  # infeasible: find the true minimum for the message
+        raise _infeasible(pb, pb.memory(_min_memory(pb, math.inf)), exact)
     ts = np.unique(pb.time[np.isfinite(pb.time)])
     ts = ts[(ts >= t_opt) & (ts <= pb.max_time(loosest))]
     lo, hi = 0, len(ts) - 1  # invariant: ts[hi] is feasible
@@ -559,12 +608,17 @@ def _search_shared(pb: _Problem, t_opt: float) -> tuple[list[int], str, bool]:
     if objective == "budget":
         t_b = _min_time_within_budget(pb, t_opt, float(cut.memory_budget), exact=False)
         return _min_memory(pb, t_b), objective, False
-    cap = (1.0 + cut.time_slack) * t_opt if objective == "memory" else t_opt
     # Time is per stage, so the "time" objective stays exact; memory is heuristic.
-    return _min_memory(pb, cap), objective, objective == "time"
+    bounds = _min_memory(pb, t_opt)
+    if objective == "memory":
+        # A looser cap must never come out worse: also polish the time-optimal answer.
+        cap = (1.0 + cut.time_slack) * t_opt
+        cands = [_min_memory(pb, cap), _local_search(pb, bounds, cap)]
+        bounds = min(cands, key=lambda b: _key(pb, b))
+    return bounds, objective, objective == "time"
 
 
-def _min_memory_shared(pb: _Problem, cap: float, good_enough: float) -> list[int]:
+def _min_memory_shared(pb: _Problem, cap: float, good_enough: float | None) -> list[int]:
     """Heuristic min peak memory with stage times <= cap, devices holding several stages.
 
     Give stage ``s`` a share ``w_s`` of its device (shares on a device sum to 1)
@@ -575,6 +629,7 @@ def _min_memory_shared(pb: _Problem, cap: float, good_enough: float) -> list[int
     (damped fixed-point iteration); the best cut is polished by local search. In
     the "spmd" model this runs for a few parameter thresholds down the Pareto front.
     """
+    good_enough = -math.inf if good_enough is None else good_enough
     ok = pb.time <= cap
     per_device = np.bincount(pb.placement, minlength=pb.D)[pb.placement]
     _, best = pb.minmax(lambda k: pb.time)  # the compute-balanced cut is always allowed
@@ -598,8 +653,8 @@ def _min_memory_shared(pb: _Problem, cap: float, good_enough: float) -> list[int
                 return b
             if key < round_key:
                 round_best, round_key = b, key
-            P, X = pb.stage_parts(np.asarray(b))
-            q = X if pb.spmd else pb.A * P + X
+            P, X, R = pb.stage_parts(np.asarray(b))
+            q = X if pb.spmd else pb.A * P + X + pb.kw * R
             share = q / np.maximum((q @ pb.onehot)[pb.placement], 1e-30)
             share = np.maximum(share, 1e-3)
             share /= np.bincount(pb.placement, weights=share, minlength=pb.D)[pb.placement]
@@ -625,8 +680,7 @@ def _min_memory_shared(pb: _Problem, cap: float, good_enough: float) -> list[int
 
 
 def _key(pb: _Problem, bounds: Sequence[int]) -> tuple[float, float]:
-    P, X = pb.stage_parts(np.asarray(bounds)[None, :])
-    peak, sq = pb.keys(P, X)
+    peak, sq = pb.keys(*pb.stage_parts(np.asarray(bounds)[None, :]))
     return float(peak[0]), float(sq[0])
 
 
@@ -801,6 +855,7 @@ def _result(
                 optimizer=cut.optimizer_bytes_per_param_byte * p,
                 residuals=float(pb.in_flight[k] * pb.residual[a, b]),
                 transfers=float(pb.transfers[a, b]),
+                workspace=float(pb.kw * pb.residual[a, b]),
             )
         )
     device_mem = [MemoryBreakdown() for _ in range(pb.D)]
@@ -814,6 +869,7 @@ def _result(
         optimizer=cut.optimizer_bytes_per_param_byte * p_pad,
         residuals=busiest.residuals,
         transfers=busiest.transfers,
+        workspace=max(m.workspace for m in stage_mem),
     )
     return CutResult(
         cuts=tuple(int(b) - 1 for b in bounds[1:-1]),

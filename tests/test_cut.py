@@ -22,8 +22,8 @@ LEAF_BYTES = {0: 7, 1: 13, 2: 40}  # shareable parameter leaves (tied weights)
 
 
 def _stage_stats(costs, bounds, in_flight, cut):
-    """Per stage: time (F + B), parameter bytes, activation bytes, everything."""
-    times, params, acts = [], [], []
+    """Per stage: time (F + B), parameter bytes, activation bytes, residual set, all."""
+    times, params, acts, sets = [], [], [], []
     for k in range(len(bounds) - 1):
         segs = costs[bounds[k] : bounds[k + 1]]
         times.append(sum(3 * c.flops for c in segs))  # F + B, B = 2F
@@ -32,25 +32,30 @@ def _stage_stats(costs, bounds, in_flight, cut):
                       + sum(LEAF_BYTES[i] for i in leaves))
         recv = costs[bounds[k] - 1].out_bytes if bounds[k] > 0 else 0
         send = segs[-1].out_bytes if bounds[k + 1] < len(costs) else 0
-        acts.append(in_flight[k] * sum(c.residual_bytes for c in segs) + 2 * (recv + send))
+        sets.append(sum(c.residual_bytes for c in segs))
+        acts.append(in_flight[k] * sets[-1] + 2 * (recv + send))
     a = 1 + cut.grad_bytes_per_param_byte + cut.optimizer_bytes_per_param_byte
-    mems = [a * p + x for p, x in zip(params, acts, strict=True)]
-    return times, params, acts, mems
+    kw = cut.workspace_residual_sets
+    mems = [a * p + x + kw * r for p, x, r in zip(params, acts, sets, strict=True)]
+    return times, params, acts, sets, mems
 
 
 def _peak(costs, bounds, placement, in_flight, cut):
     """Peak bytes per device under the cut's memory model, summed the slow way."""
-    _, params, acts, mems = _stage_stats(costs, bounds, in_flight, cut)
+    _, params, acts, sets, _ = _stage_stats(costs, bounds, in_flight, cut)
+    a = 1 + cut.grad_bytes_per_param_byte + cut.optimizer_bytes_per_param_byte
+    kw = cut.workspace_residual_sets
     own: dict[int, float] = {}
     act: dict[int, float] = {}
+    work: dict[int, float] = {}
     for k, d in enumerate(placement):
-        own[d] = own.get(d, 0) + mems[k]
+        own[d] = own.get(d, 0) + a * params[k] + acts[k]
         act[d] = act.get(d, 0) + acts[k]
+        work[d] = max(work.get(d, 0), kw * sets[k])  # one stage runs at a time
     if cut.memory_model == "device":
-        return max(own.values())
+        return max(own[d] + work[d] for d in own)
     spd = max(list(placement).count(d) for d in set(placement))
-    a = 1 + cut.grad_bytes_per_param_byte + cut.optimizer_bytes_per_param_byte
-    return a * spd * max(params) + max(act.values())
+    return a * spd * max(params) + max(act.values()) + kw * max(sets)
 
 
 def _all_cuts(costs, placement, in_flight, cut):
@@ -99,11 +104,12 @@ def problems(draw, shared_devices: bool = False):
 
 
 SETTINGS = settings(max_examples=40, deadline=None)
+WORKSPACE = st.sampled_from([0.0, 1.0, 5.0])
 
 
 def _check_result_consistent(res, costs, placement, in_flight, cut):
     bounds = [a for a, _ in res.stage_segments] + [len(costs)]
-    times, _, _, mems = _stage_stats(costs, bounds, in_flight, cut)
+    times, _, _, _, mems = _stage_stats(costs, bounds, in_flight, cut)
     assert res.stage_time == pytest.approx(times)
     assert [m.total for m in res.stage_memory] == pytest.approx(mems)
     assert res.cuts == tuple(b - 1 for b in bounds[1:-1])
@@ -119,10 +125,10 @@ SHARED = pytest.mark.parametrize("shared", [False, True], ids=["one-stage-per-de
 @MODELS
 @SHARED
 @SETTINGS
-@given(data=st.data())
-def test_time_objective_is_brute_force_optimum(model, shared, data):
+@given(data=st.data(), kw=WORKSPACE)
+def test_time_objective_is_brute_force_optimum(model, shared, data, kw):
     costs, placement, in_flight = data.draw(problems(shared))
-    cut = Cut(memory_model=model)
+    cut = Cut(memory_model=model, workspace_residual_sets=kw)
     res = partition(costs, placement, in_flight, cut)
     t, m = _check_result_consistent(res, costs, placement, in_flight, cut)
     every = _all_cuts(costs, placement, in_flight, cut)
@@ -136,10 +142,11 @@ def test_time_objective_is_brute_force_optimum(model, shared, data):
 @MODELS
 @SHARED
 @SETTINGS
-@given(data=st.data(), slack=st.sampled_from([0.0, 0.1, 0.5, 2.0]))
-def test_memory_objective_is_brute_force_optimum(model, shared, data, slack):
+@given(data=st.data(), slack=st.sampled_from([0.0, 0.1, 0.5, 2.0]), kw=WORKSPACE)
+def test_memory_objective_is_brute_force_optimum(model, shared, data, slack, kw):
     costs, placement, in_flight = data.draw(problems(shared))
-    cut = Cut(objective="memory", time_slack=slack, memory_model=model)
+    cut = Cut(objective="memory", time_slack=slack, memory_model=model,
+              workspace_residual_sets=kw)
     res = partition(costs, placement, in_flight, cut)
     t, m = _check_result_consistent(res, costs, placement, in_flight, cut)
     every = _all_cuts(costs, placement, in_flight, cut)
@@ -154,13 +161,14 @@ def test_memory_objective_is_brute_force_optimum(model, shared, data, slack):
 @MODELS
 @SHARED
 @SETTINGS
-@given(data=st.data(), frac=st.floats(-0.2, 1.0))
-def test_memory_budget_is_brute_force_optimum(model, shared, data, frac):
+@given(data=st.data(), frac=st.floats(-0.2, 1.0), kw=WORKSPACE)
+def test_memory_budget_is_brute_force_optimum(model, shared, data, frac, kw):
     costs, placement, in_flight = data.draw(problems(shared))
-    every = _all_cuts(costs, placement, in_flight, Cut(memory_model=model))
+    every = _all_cuts(costs, placement, in_flight,
+                      Cut(memory_model=model, workspace_residual_sets=kw))
     lo, hi = min(x[1] for x in every), max(x[1] for x in every)
     budget = max(1, int(lo + frac * (hi - lo)))
-    cut = Cut(memory_budget=budget, memory_model=model)
+    cut = Cut(memory_budget=budget, memory_model=model, workspace_residual_sets=kw)
     if budget < lo:
         with pytest.raises(CutError, match=rf"smallest feasible budget is .*\({math.ceil(lo)} "):
             partition(costs, placement, in_flight, cut)
@@ -235,7 +243,9 @@ def test_shared_parameters_count_once_per_stage():
     # Interleaved on one device: both stages' copies live there.
     v = partition(costs, [0, 0], [1, 1], Cut(indices=[1]))
     assert v.device_memory[0].params == 1010 + 1005
-    assert v.device_memory[0].total == pytest.approx(sum(s.total for s in v.stage_memory))
+    s0, s1 = v.stage_memory
+    assert v.device_memory[0].residuals == s0.residuals + s1.residuals
+    assert v.device_memory[0].workspace == max(s0.workspace, s1.workspace)
 
 
 def test_memory_breakdown_formula():
@@ -243,12 +253,17 @@ def test_memory_breakdown_formula():
         SegmentCost(flops=2, param_bytes=100, residual_bytes=10, out_bytes=3),
         SegmentCost(flops=4, param_bytes=50, residual_bytes=20, out_bytes=0),
     ]
-    res = partition(costs, [0, 1], [2, 1], Cut(indices=[0], optimizer_bytes_per_param_byte=2))
+    res = partition(costs, [0, 1], [2, 1], Cut(indices=[0], optimizer_bytes_per_param_byte=2,
+                                                workspace_residual_sets=3))
     s0, s1 = res.stage_memory
-    assert (s0.params, s0.grads, s0.optimizer, s0.residuals, s0.transfers) == (
-        100, 100, 200, 20, 6)
-    assert (s1.params, s1.grads, s1.optimizer, s1.residuals, s1.transfers) == (
-        50, 50, 100, 20, 6)
+    assert (s0.params, s0.grads, s0.optimizer, s0.residuals, s0.transfers, s0.workspace) == (
+        100, 100, 200, 20, 6, 30)
+    assert (s1.params, s1.grads, s1.optimizer, s1.residuals, s1.transfers, s1.workspace) == (
+        50, 50, 100, 20, 6, 60)
+    # SPMD padding: the largest stage's params, busiest device's activations, largest set
+    pad = res.padded_memory
+    assert (pad.params, pad.residuals, pad.transfers, pad.workspace) == (100, 20, 6, 60)
+    assert res.peak_memory == pad.total == 4 * 100 + 26 + 60
     assert res.stage_fwd == (2, 4) and res.stage_bwd == (4, 8)
     assert res.objective == "explicit"
 
@@ -338,8 +353,7 @@ def test_200_segments_16_stages_under_a_second(model, objective, v):
     ]
     placement = [s % D for s in range(S)]
     in_flight = [max(1, 2 * S - s) for s in range(S)]
-    base = partition(costs, placement, in_flight,
-                     Cut(objective="memory", time_slack=math.inf, memory_model=model))
+    base = partition(costs, placement, in_flight, Cut(objective="memory", memory_model=model))
     cut = {
         "time": Cut(memory_model=model),
         "memory": Cut(objective="memory", memory_model=model),
