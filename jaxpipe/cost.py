@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,10 @@ class SegmentCost:
         ``param_bytes`` that other segments may share. Leaves not listed here are
         private to this segment: ``param_bytes - sum(param_leaf_bytes.values())``.
       name: label for plans (the marker's name, or ``"segment{k}"``).
+      param_leaf_class: parameter leaf index -> storage class, ``(shape, dtype)``
+        from :func:`segment_costs`. The SPMD runtime pads parameters per class (a
+        device gets as many slots of a shape as the busiest device needs), so the
+        cutter uses classes to predict padded parameter bytes.
       fwd_time, bwd_time: measured seconds per microbatch when profiled
         (``jp.Cut(profile=True)``); ``None`` means "use FLOPs".
     """
@@ -77,6 +81,7 @@ class SegmentCost:
     out_bytes: int = 0
     param_leaf_bytes: Mapping[int, int] = field(default_factory=dict, hash=False)
     name: str = ""
+    param_leaf_class: Mapping[int, Hashable] = field(default_factory=dict, hash=False)
     fwd_time: float | None = None
     bwd_time: float | None = None
 
@@ -237,6 +242,7 @@ def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
 
     flops = [0.0] * len(ranges)
     leaf_bytes: list[dict[int, int]] = [{} for _ in ranges]
+    leaf_class = {i: (tuple(v.aval.shape), str(v.aval.dtype)) for i, v in enumerate(param_vars)}
     for k, (start, end) in enumerate(ranges):
         for eqn in jaxpr.eqns[start:end]:
             flops[k] += eqn_flops(eqn)
@@ -263,6 +269,7 @@ def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
                 residual_bytes=int(residual[k]),
                 out_bytes=int(outs[k]),
                 param_leaf_bytes=leaf_bytes[k],
+                param_leaf_class={i: leaf_class[i] for i in leaf_bytes[k]},
                 name=label,
                 fwd_time=times[k][0] if times else None,
                 bwd_time=times[k][1] if times else None,

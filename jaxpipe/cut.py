@@ -320,31 +320,12 @@ class _Problem:
         self.time = np.where(self.empty, np.inf, tot_p[b] - tot_p[a])
         self.residual = res_p[b] - res_p[a]
 
-        # Parameter bytes of [a, b): private bytes are additive; a leaf read by
-        # several segments counts once if any of them lies in the range.
-        private = np.array([c.private_param_bytes for c in costs], np.float64)
-        where: dict[int, list[int]] = {}
-        leaf_bytes: dict[int, int] = {}
-        for k, c in enumerate(costs):
-            for leaf, nbytes in c.param_leaf_bytes.items():
-                where.setdefault(leaf, []).append(k)
-                leaf_bytes[leaf] = nbytes
-        groups: dict[tuple[int, ...], float] = {}
-        for leaf, segs in where.items():
-            if len(segs) == 1:
-                private[segs[0]] += leaf_bytes[leaf]
-            else:  # group leaves with the same readers (e.g. all of a tied block)
-                key = tuple(segs)
-                groups[key] = groups.get(key, 0.0) + leaf_bytes[leaf]
-        priv_p = np.concatenate([[0.0], np.cumsum(private)])
-        params = priv_p[b] - priv_p[a]
-        for segs, nbytes in groups.items():
-            # first reader at or after a; the leaf is in [a, b) iff that is < b
-            nxt = np.full(n + 1, n + 1)
-            for s in reversed(segs):
-                nxt[: s + 1] = s
-            params = params + nbytes * (nxt[:, None] < b)
-        self.params = np.where(self.empty, np.inf, params)
+        # Parameter bytes of [a, b), in total and per padding group (see _param_groups).
+        groups, self.p_const, self.params = _param_groups(costs, self.single)
+        self.pgroups = np.stack(groups, axis=-1) if groups else np.zeros((n + 1, n + 1, 0))
+        # The DP bounds the parameter padding through one matrix: exact with one group.
+        self.pvar = np.where(self.empty, np.inf, self.pgroups.sum(axis=-1))
+        self.params_exact = len(groups) <= 1
 
         out = [c.out_bytes for c in costs]
         recv = np.array([0.0, *out], np.float64)  # received by a stage starting at a
@@ -369,20 +350,29 @@ class _Problem:
         return self._mem[k]
 
     # -- evaluating partitions ---------------------------------------------
-    def stage_parts(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(params, activation bytes, residual set) per stage; bounds (S+1,) or (C, S+1)."""
+    def stage_parts(self, bounds: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per stage: (params, activation bytes, residual set, params per padding group).
+
+        ``bounds`` is (S+1,) or (C, S+1); the last array has a trailing group axis.
+        """
         a, b = bounds[..., :-1], bounds[..., 1:]
         r = self.residual[a, b]
-        return self.params[a, b], self.in_flight * r + self.transfers[a, b], r
+        return (self.params[a, b], self.in_flight * r + self.transfers[a, b], r,
+                self.pgroups[a, b])
 
-    def keys(self, P: np.ndarray, X: np.ndarray, R: np.ndarray
+    def padded_params(self, PG: np.ndarray) -> np.ndarray:
+        """Parameter bytes every device holds under SPMD padding, for (C, S, G) groups."""
+        per_device = np.einsum("csg,sd->cdg", PG, self.onehot)
+        return self.p_const + per_device.max(axis=1).sum(axis=-1)
+
+    def keys(self, P: np.ndarray, X: np.ndarray, R: np.ndarray, PG: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray]:
         """(peak memory under the model, sum of squared device needs) for (C, S) stages."""
         # workspace of each device: its largest stage's residual set
         work = np.where(self.onehot.T[None], R[:, None, :], 0.0).max(axis=-1)  # (C, D)
         own = (self.A * P + X) @ self.onehot + self.kw * work  # what each device needs
         if self.spmd:
-            peak = (self.A * self.spd * P.max(axis=-1) + (X @ self.onehot).max(axis=-1)
+            peak = (self.A * self.padded_params(PG) + (X @ self.onehot).max(axis=-1)
                     + self.kw * R.max(axis=-1))
         else:
             peak = own.max(axis=-1)
@@ -433,6 +423,87 @@ class _Problem:
         return value, bounds[::-1]
 
 
+def _range_bytes(n: int, additive: np.ndarray, shared: list[tuple[list[int], float]]
+                 ) -> np.ndarray:
+    """Bytes of segment ranges ``[a, b)`` as an ``(n+1, n+1)`` matrix.
+
+    ``additive[k]``: bytes only segment ``k`` reads. ``shared``: (reader segments,
+    bytes) of leaves several segments read; such a leaf counts once if any of its
+    readers lies in the range.
+    """
+    idx = np.arange(n + 1)
+    pre = np.concatenate([[0.0], np.cumsum(additive)])
+    out = pre[None, :] - pre[:, None]
+    for segs, nbytes in shared:
+        nxt = np.full(n + 1, n + 1)  # first reader at or after a
+        for s in sorted(segs, reverse=True):
+            nxt[: s + 1] = s
+        out = out + nbytes * (nxt[:, None] < idx[None, :])
+    return out
+
+
+def _param_groups(costs: Sequence[SegmentCost], single: bool
+                  ) -> tuple[list[np.ndarray], float, np.ndarray]:
+    """Parameter bytes of every range: per padding group, a constant, and in total.
+
+    jaxpipe's SPMD runtime stores parameters as whole-array slots: a device needs one
+    slot per leaf of its stages, per (shape, dtype) class, and every device gets the
+    most slots of each class any device needs. So the padded bytes are a sum over
+    classes of a maximum over devices. A class with a single leaf costs its bytes
+    whatever the cut (when devices hold one stage each, or one segment reads it);
+    classes whose per-segment bytes are proportional (the same block repeated) merge
+    into one group. Leaves without a class (hand-built costs) and private bytes form
+    one group, which makes the padding ``max_device(params)``.
+    """
+    n = len(costs)
+    readers: dict[int, list[int]] = {}
+    nbytes: dict[int, int] = {}
+    klass: dict[int, Any] = {}
+    anon: Any = object()
+    for k, c in enumerate(costs):
+        for leaf, b in c.param_leaf_bytes.items():
+            readers.setdefault(leaf, []).append(k)
+            nbytes[leaf] = b
+            klass.setdefault(leaf, c.param_leaf_class.get(leaf, anon))
+    members: dict[Any, list[int]] = {}
+    for leaf, key in klass.items():
+        members.setdefault(key, []).append(leaf)
+    private = np.array([c.private_param_bytes for c in costs], np.float64)
+    members.setdefault(anon, [])
+
+    const = 0.0
+    merged: dict[tuple, list[Any]] = {}  # proportional signature -> [additive, shared]
+    total = np.zeros((n + 1, n + 1))
+    for key, leaves in members.items():
+        additive = private.copy() if key is anon else np.zeros(n)
+        shared = []
+        for leaf in leaves:
+            if len(readers[leaf]) == 1:
+                additive[readers[leaf][0]] += nbytes[leaf]
+            else:
+                shared.append((readers[leaf], float(nbytes[leaf])))
+        matrix = _range_bytes(n, additive, shared)
+        total += matrix
+        if key is not anon and len(leaves) == 1 and (single or not shared):
+            const += float(sum(nbytes[leaf] for leaf in leaves))
+            continue
+        if not additive.any() and not shared:
+            continue
+        if shared or key is anon:
+            sig: tuple = ("own", id(key))
+        else:  # proportional per-segment bytes merge
+            sig = tuple(np.round(additive / additive.max(), 12))
+        if sig in merged:
+            merged[sig][0] += additive
+            merged[sig][1] += shared
+        else:
+            merged[sig] = [additive, list(shared)]
+    groups = [_range_bytes(n, add, sh) for add, sh in merged.values()]
+    idx = np.arange(n + 1)
+    total = np.where(idx[:, None] >= idx[None, :], np.inf, total)
+    return groups, const, total
+
+
 def _inf_unless(ok: np.ndarray, m: np.ndarray) -> np.ndarray:
     return np.where(ok, m, np.inf)
 
@@ -463,9 +534,10 @@ def _spmd_front(
 ) -> list[tuple[float, float, float, float, list[int]]]:
     """Pareto front of the "spmd" peak for single-stage devices.
 
-    The peak has three maxima, ``A * max_s params + kw * max_s residual set +
-    max_s act``. For a residual threshold (outer loop) and a parameter threshold
-    (inner loop), a DP minimises ``max_s act`` over the cuts allowed by ``ok`` whose
+    The peak has three maxima, ``A * (const + max_s params) + kw * max_s residual
+    set + max_s act`` (params: the padding-group bytes; exact with one group). For
+    a residual threshold (outer loop) and a parameter threshold (inner loop), a DP
+    minimises ``max_s act`` over the cuts allowed by ``ok`` whose
     stages stay below both; each next threshold is strictly below what the cuts
     found so far used. Every optimal cut has the parameter and residual maxima of
     some visited point, so the minimum over the returned ``(total, params,
@@ -473,7 +545,8 @@ def _spmd_front(
     with ``good_enough`` they also stop once that level is reached or out of reach.
     """
     target = -math.inf if good_enough is None else good_enough
-    p_floor, _ = pb.minmax(lambda k: _inf_unless(ok, pb.params))
+    p_floor, _ = pb.minmax(lambda k: _inf_unless(ok, pb.pvar))
+    p_floor += pb.p_const
     r_floor = pb.minmax(lambda k: _inf_unless(ok, pb.residual))[0] if pb.kw else 0.0
     front: list[tuple[float, float, float, float, list[int]]] = []
     best = math.inf
@@ -482,16 +555,16 @@ def _spmd_front(
         ok_r = ok & (pb.residual < r_thr) if math.isfinite(r_thr) else ok
         p_thr, r_seen, first = math.inf, 0.0, None
         while True:
-            allowed = ok_r & (pb.params < p_thr) if math.isfinite(p_thr) else ok_r
+            allowed = ok_r & (pb.pvar < p_thr) if math.isfinite(p_thr) else ok_r
             act_max, bounds = pb.minmax(
                 lambda k, allowed=allowed: _inf_unless(allowed, pb.act(k)))
             if bounds is None:
                 break
             first = act_max if first is None else first
-            P, _, R = pb.stage_parts(np.asarray(bounds))
-            p_used, r_used = float(P.max()), float(R.max())
+            _, _, R, PG = pb.stage_parts(np.asarray(bounds))
+            p_used, r_used = float(PG.sum(axis=-1).max()), float(R.max())
             r_seen = max(r_seen, r_used)
-            total = pb.A * p_used + pb.kw * r_used + act_max
+            total = pb.memory(bounds)  # = A (const + p_used) + kw r_used + act_max
             front.append((total, p_used, r_used, act_max, bounds))
             best = min(best, total)
             # Tighter parameter thresholds only raise act_max.
@@ -512,14 +585,14 @@ def _spmd_front(
 def _box_mask(pb: _Problem, p_max: float, r_max: float, x_max: float
               ) -> Callable[[int], np.ndarray]:
     """Ranges within (params, residual set, activations) maxima: spmd peak stays below."""
-    return lambda k: (pb.params <= p_max) & (pb.residual <= r_max) & (pb.act(k) <= x_max)
+    return lambda k: (pb.pvar <= p_max) & (pb.residual <= r_max) & (pb.act(k) <= x_max)
 
 
 def _polish_masks(pb: _Problem, bounds: Sequence[int]) -> Callable[[int], np.ndarray]:
     """Per-stage masks under which every partition's memory is <= that of ``bounds``."""
-    P, X, R = pb.stage_parts(np.asarray(bounds))
+    _, X, R, PG = pb.stage_parts(np.asarray(bounds))
     if pb.spmd:
-        return _box_mask(pb, float(P.max()), float(R.max()), float(X.max()))
+        return _box_mask(pb, float(PG.sum(axis=-1).max()), float(R.max()), float(X.max()))
     m_max = pb.memory(bounds)
     return lambda k: pb.mem(k) <= m_max
 
@@ -545,7 +618,7 @@ def _search_single(pb: _Problem, t_opt: float) -> tuple[list[int], str]:
         if pb.spmd:
             # Fastest among all memory-optimal cuts: they lie on the front's minima.
             front = _spmd_front(pb, time <= cap)
-            m_opt = min(f[0] for f in front)
+            m_opt, *_, best = min(front, key=lambda f: f[0])
             t_b, mask = math.inf, None
             for total, p_max, r_max, x_max, _ in front:
                 if total > m_opt * (1 + 1e-12):
@@ -556,13 +629,16 @@ def _search_single(pb: _Problem, t_opt: float) -> tuple[list[int], str]:
                     t_b, mask = t, m
             assert mask is not None
         else:
-            mask = _polish_masks(pb, _min_memory(pb, cap))
+            best = _min_memory(pb, cap)
+            mask = _polish_masks(pb, best)
             t_b, _ = pb.minmax(lambda k: _inf_unless((time <= cap) & mask(k), time))
         square = pb.act if pb.spmd else pb.mem
         _, bounds = pb.minsum(
             lambda k: _inf_unless((time <= t_b) & mask(k), square(k) ** 2))
         objective = "memory"
     assert bounds is not None
+    if pb.memory(bounds) > pb.memory(best):  # polish masks are loose with 2+ groups
+        bounds = best
     return bounds, objective
 
 
@@ -640,7 +716,7 @@ def _min_memory_shared(pb: _Problem, cap: float, good_enough: float | None) -> l
     for _ in range(4 if pb.spmd else 1):
         if best_key[0] <= good_enough:
             break
-        allowed = ok & (pb.params < thr) if math.isfinite(thr) else ok
+        allowed = ok & (pb.pvar < thr) if math.isfinite(thr) else ok
         w = 1.0 / per_device
         round_best, round_key = None, (math.inf, math.inf)
         for _ in range(6):
@@ -653,7 +729,7 @@ def _min_memory_shared(pb: _Problem, cap: float, good_enough: float | None) -> l
                 return b
             if key < round_key:
                 round_best, round_key = b, key
-            P, X, R = pb.stage_parts(np.asarray(b))
+            P, X, R, _ = pb.stage_parts(np.asarray(b))
             q = X if pb.spmd else pb.A * P + X + pb.kw * R
             share = q / np.maximum((q @ pb.onehot)[pb.placement], 1e-30)
             share = np.maximum(share, 1e-3)
@@ -671,7 +747,7 @@ def _min_memory_shared(pb: _Problem, cap: float, good_enough: float | None) -> l
             best, best_key = polished, key
         if not pb.spmd:
             break
-        thr = float(pb.stage_parts(np.asarray(round_best))[0].max())
+        thr = float(pb.stage_parts(np.asarray(round_best))[3].sum(axis=-1).max())
     if best_key[0] > good_enough:  # also polish the compute-balanced cut
         polished = _local_search(pb, pb.minmax(lambda k: pb.time)[1], cap)
         if _key(pb, polished) < best_key:
@@ -829,7 +905,7 @@ def partition(
             )
     elif pb.single:
         bounds, objective = _search_single(pb, t_opt)
-        exact = True
+        exact = objective == "time" or not pb.spmd or pb.params_exact
     else:
         bounds, objective, exact = _search_shared(pb, t_opt)
     return _result(pb, costs, bounds, objective, exact, t_opt)
@@ -861,7 +937,7 @@ def _result(
     device_mem = [MemoryBreakdown() for _ in range(pb.D)]
     for k, d in enumerate(pb.placement):
         device_mem[d] = device_mem[d] + stage_mem[k]
-    p_pad = pb.spd * max(m.params for m in stage_mem)
+    p_pad = float(pb.padded_params(pb.stage_parts(np.asarray(bounds)[None, :])[3])[0])
     busiest = max(device_mem, key=lambda m: m.residuals + m.transfers)
     padded = MemoryBreakdown(
         params=p_pad,

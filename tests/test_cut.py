@@ -46,16 +46,18 @@ def _peak(costs, bounds, placement, in_flight, cut):
     a = 1 + cut.grad_bytes_per_param_byte + cut.optimizer_bytes_per_param_byte
     kw = cut.workspace_residual_sets
     own: dict[int, float] = {}
+    par: dict[int, float] = {}
     act: dict[int, float] = {}
     work: dict[int, float] = {}
     for k, d in enumerate(placement):
         own[d] = own.get(d, 0) + a * params[k] + acts[k]
+        par[d] = par.get(d, 0) + params[k]
         act[d] = act.get(d, 0) + acts[k]
         work[d] = max(work.get(d, 0), kw * sets[k])  # one stage runs at a time
     if cut.memory_model == "device":
         return max(own[d] + work[d] for d in own)
-    spd = max(list(placement).count(d) for d in set(placement))
-    return a * spd * max(params) + max(act.values()) + kw * max(sets)
+    # SPMD: every device allocates the largest of each kind of buffer
+    return a * max(par.values()) + max(act.values()) + kw * max(sets)
 
 
 def _all_cuts(costs, placement, in_flight, cut):
@@ -246,6 +248,29 @@ def test_shared_parameters_count_once_per_stage():
     s0, s1 = v.stage_memory
     assert v.device_memory[0].residuals == s0.residuals + s1.residuals
     assert v.device_memory[0].workspace == max(s0.workspace, s1.workspace)
+
+
+def test_spmd_padding_by_parameter_class():
+    """Embedding and head are one slot each on every device; blocks pad to the most."""
+    emb, head, blk = 1000, 700, 100
+    costs = [SegmentCost(flops=1, param_leaf_bytes={0: emb, 1: blk},
+                         param_leaf_class={0: "emb", 1: "blk"})]
+    costs += [SegmentCost(flops=1, param_leaf_bytes={i: blk}, param_leaf_class={i: "blk"})
+              for i in range(2, 6)]
+    costs += [SegmentCost(flops=1, param_leaf_bytes={6: blk, 7: head},
+                          param_leaf_class={6: "blk", 7: "head"})]
+    cut = Cut(indices=[1, 3], optimizer_bytes_per_param_byte=0, grad_bytes_per_param_byte=0,
+              workspace_residual_sets=0)
+    res = partition(costs, [0, 1, 2], [1, 1, 1], cut)
+    assert [b - a for a, b in res.stage_segments] == [2, 2, 2]
+    assert res.padded_memory.params == emb + head + 2 * blk
+    # the largest stage alone would say emb + 2 blk; per-class slots add the head
+    assert max(s.params for s in res.stage_memory) == emb + 2 * blk
+    # memory objective: emb and head are constant, so it balances the blocks
+    best = partition(costs, [0, 1, 2], [1, 1, 1],
+                     Cut(objective="memory", time_slack=1.0, workspace_residual_sets=0))
+    assert best.exact
+    assert best.padded_memory.params == emb + head + 2 * blk
 
 
 def test_memory_breakdown_formula():
