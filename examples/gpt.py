@@ -217,7 +217,7 @@ def make_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
 # ----------------------------------------------------------------------------- driver
 
 DEFAULTS = dict(layers=4, width=128, heads=4, seq=128, batch=32, stages=4, microbatches=8,
-                steps=300, lr=3e-3, corpus_chars=2_000_000, eval_batches=8)
+                steps=200, lr=3e-3, corpus_chars=2_000_000, eval_batches=8)
 TINY = dict(layers=4, width=32, heads=2, seq=32, batch=8, stages=4, microbatches=4,
             steps=20, lr=1e-2, corpus_chars=200_000, eval_batches=2)
 
@@ -237,7 +237,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--schedule", default="1f1b",
                    help="built-in name (gpipe, 1f1b, interleaved1f1b) or file.py:Class")
     p.add_argument("--cut", default="auto", help="auto (memory-aware) or markers")
-    p.add_argument("--steps", type=int, help="training steps (default 300)")
+    p.add_argument("--steps", type=int, help="training steps (default 200)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-chars", type=int, help="characters of stdlib source to read")
