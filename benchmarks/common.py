@@ -45,6 +45,7 @@ __all__ = [
     "plain_value_and_grad",
     "model_flops",
     "time_compiled",
+    "time_interleaved",
     "compile_timed",
     "memory_stats",
     "peak_flops_per_device",
@@ -256,6 +257,29 @@ def time_compiled(fn: Callable, *args: Any, warmup: int = 2, repeats: int = 7) -
         "cpu_median_s": statistics.median(cpus),
         "times_s": walls,
     }
+
+
+def time_interleaved(runs: dict[str, tuple[Callable, tuple]], warmup: int = 2,
+                     repeats: int = 7) -> dict[str, dict[str, Any]]:
+    """Like :func:`time_compiled` for several programs, timed round-robin.
+
+    Each round runs every program once, so a change in machine load during the
+    measurement affects all of them alike; the ratios of medians are then fairer.
+    """
+    for fn, args in runs.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    walls: dict[str, list[float]] = {k: [] for k in runs}
+    cpus: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, (fn, args) in runs.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            walls[k].append(time.perf_counter() - t0)
+            cpus[k].append(time.process_time() - c0)
+    return {k: {"median_s": statistics.median(walls[k]), "min_s": min(walls[k]),
+                "cpu_median_s": statistics.median(cpus[k]), "times_s": walls[k]}
+            for k in runs}
 
 
 def memory_stats(compiled: Any) -> dict[str, int]:

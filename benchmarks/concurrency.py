@@ -74,20 +74,53 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     params = jax.tree.map(global_replicated, params_local)
     batch = jax.tree.map(global_replicated, batch_local)
     loss_fn = C.blocks_loss(cfg)
-    t0 = time.perf_counter()
-    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh,
-                       schedule=jp.OneFOneB(len(devices), m), cut="markers")
-    build_s = time.perf_counter() - t0
-    compiled, lower_s, compile_s = C.compile_timed(pipe._vg, params, batch)
-    timing = C.time_compiled(compiled, params, batch, warmup=args.warmup, repeats=args.repeats)
-    loss, _ = compiled(params, batch)
     ref = float(jax.jit(C.plain_value_and_grad(loss_fn, m))(params_local, batch_local)[0])
+    runs: dict[str, Any] = {}
+    for spec in args.schedules.split(","):
+        sched = jp.load_schedule(spec)(len(devices), m)
+        t0 = time.perf_counter()
+        pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut="markers")
+        build_s = time.perf_counter() - t0
+        compiled, lower_s, compile_s = C.compile_timed(pipe._vg, params, batch)
+        timing = C.time_compiled(compiled, params, batch, warmup=args.warmup,
+                                 repeats=args.repeats)
+        loss, _ = compiled(params, batch)
+        runs[spec] = {"schedule": type(sched).__name__, "build_s": build_s,
+                      "lower_s": lower_s, "compile_s": compile_s,
+                      "loss": float(np.asarray(loss.addressable_data(0))),
+                      "num_ticks": int(pipe.lowered.num_ticks), **timing}
+        del compiled, pipe
     return {
         "process_id": args.process_id, "num_processes": jax.process_count(),
-        "global_devices": len(devices), "core": core, "build_s": build_s, "lower_s": lower_s,
-        "compile_s": compile_s, "loss": float(np.asarray(loss.addressable_data(0))),
-        "reference_loss": ref, **timing,
+        "global_devices": len(devices), "core": core, "reference_loss": ref, "runs": runs,
+        "ppermute_latency_s": _ppermute_latency(mesh, (args.mb_size, cfg.seq, cfg.d_model),
+                                                cfg.dtype),
     }
+
+
+def _ppermute_latency(mesh: Any, shape: tuple[int, ...], dtype: str, n: int = 50) -> float:
+    """Seconds per ``ppermute`` of one activation message between the two processes."""
+    import jax
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    p = mesh.shape["pipe"]
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=P("pipe"), out_specs=P("pipe"))
+    def ring(x: jax.Array) -> jax.Array:
+        perm = [(i, (i + 1) % p) for i in range(p)]
+        return lax.fori_loop(0, n, lambda _, y: lax.ppermute(y, "pipe", perm) + 1, x)
+
+    x = jax.make_array_from_callback((p, *shape), NamedSharding(mesh, P("pipe")),
+                                     lambda idx: np.zeros((1, *shape), dtype))
+    jax.block_until_ready(ring(x))
+    t0 = time.perf_counter()
+    for _ in range(3):
+        jax.block_until_ready(ring(x))
+    return (time.perf_counter() - t0) / (3 * n)
 
 
 def _single(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,21 +163,32 @@ def _env() -> dict[str, str]:
     return env
 
 
+DEFAULT_SCHEDULES = ("1f1b", "gpipe", "schedules/zero_bubble.py:ZeroBubbleH1")
+
+
 def run_concurrency(config: dict[str, Any], microbatches: int, mb_size: int, *,
-                    warmup: int = 1, repeats: int = 5, timeout: float = 300.0,
-                    pin: bool = True, workdir: str | Path | None = None) -> dict[str, Any]:
+                    schedules: tuple[str, ...] = DEFAULT_SCHEDULES, warmup: int = 1,
+                    repeats: int = 5, timeout: float = 300.0, pin: bool = True,
+                    workdir: str | Path | None = None) -> dict[str, Any]:
     """Spawn the 2-process pipeline and the 1-process run; return timings and speed-ups.
 
-    Returns a dict with ``two_process`` (process 0's timings), ``single`` (jaxpipe p=1 and
-    plain JAX), ``speedup`` (single jaxpipe p=1 / 2-process median), ``speedup_vs_plain``,
-    ``ideal`` = 2m/(m+1) and ``fraction_of_ideal``; on failure ``error`` holds the reason
-    and the tail of the processes' output.
+    ``schedules`` are ``jp.load_schedule`` specs (relative paths from the repo root), all
+    run by the same two processes; the first one is the headline. Returns a dict with
+    ``two_process`` (process 0's report: per-schedule timings, loss vs the plain-JAX
+    reference, gloo ppermute latency), ``single`` (jaxpipe p=1 and plain JAX in one
+    process), ``per_schedule`` (speed-up over the 1-process jaxpipe p=1, fraction of the
+    ideal 2m/(m+1), and the lock-step bound of that schedule), and the headline
+    ``speedup`` / ``ideal`` / ``fraction_of_ideal``; on failure ``error`` holds the reason
+    and ``log_tail`` the end of the processes' output.
     """
     import tempfile
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="jaxpipe_conc_"))
     workdir.mkdir(parents=True, exist_ok=True)
+    schedules = tuple(x for x in schedules
+                      if ":" not in x or (REPO / x.split(":")[0]).exists())
     common = ["--config", json.dumps(config), "--microbatches", str(microbatches),
+              "--schedules", ",".join(schedules),
               "--mb-size", str(mb_size), "--warmup", str(warmup), "--repeats", str(repeats)]
     if not pin:
         common.append("--no-pin")
@@ -153,6 +197,7 @@ def run_concurrency(config: dict[str, Any], microbatches: int, mb_size: int, *,
                               "ideal": 2 * microbatches / (microbatches + 1), "pinned": pin,
                               "two_process": None, "single": None, "speedup": None,
                               "speedup_vs_plain": None, "fraction_of_ideal": None,
+                              "schedules": list(schedules), "per_schedule": {},
                               "error": None}
     port = _free_port()
     logs = [workdir / f"worker{i}.log" for i in range(2)]
@@ -196,11 +241,49 @@ def run_concurrency(config: dict[str, Any], microbatches: int, mb_size: int, *,
         return result
     single = json.loads(single_out.read_text())
     result["single"] = single
-    two = result["two_process"]["median_s"]
-    result["speedup"] = single["jaxpipe_p1"]["median_s"] / two
-    result["speedup_vs_plain"] = single["plain"]["median_s"] / two
-    result["fraction_of_ideal"] = result["speedup"] / result["ideal"]
+    import jaxpipe as jp
+
+    for spec, run in result["two_process"]["runs"].items():
+        speedup = single["jaxpipe_p1"]["median_s"] / run["median_s"]
+        bound = lockstep_bound(2, microbatches, schedule=jp.load_schedule(
+            str(REPO / spec) if ":" in spec else spec)(2, microbatches))
+        result["per_schedule"][spec] = {
+            "median_s": run["median_s"], "cpu_median_s": run["cpu_median_s"],
+            "speedup": speedup, "speedup_vs_plain": single["plain"]["median_s"] / run["median_s"],
+            "fraction_of_ideal": speedup / result["ideal"],
+            "fraction_of_lockstep_ideal": speedup / bound["lockstep_ideal"], **bound}
+    head = result["per_schedule"][schedules[0]]
+    result["speedup"] = head["speedup"]
+    result["speedup_vs_plain"] = head["speedup_vs_plain"]
+    result["fraction_of_ideal"] = head["fraction_of_ideal"]
+    result["lockstep_ideal"] = head["lockstep_ideal"]
     return result
+
+
+def lockstep_bound(p: int, m: int, f_cost: float = 1.0, b_cost: float = 2.0,
+                   schedule: Any = None) -> dict[str, Any]:
+    """Best speed-up a lock-step tick executor can reach (default 1F1B) with F:B = 1:2.
+
+    jaxpipe lowers the schedule to ticks of one action per device (unit costs), and a
+    tick ends when its slowest action does, so a tick where one device runs F and the
+    other B lasts a B. ``lockstep_ideal`` = total work / sum over ticks of the slowest
+    action; ``free_ideal`` is the same schedule run as soon as inputs are ready
+    (``Schedule.simulate`` with the real costs).
+    """
+    import jaxpipe as jp
+
+    sched = schedule if schedule is not None else jp.OneFOneB(p, m)
+    cost = {"F": f_cost, "B": b_cost, "I": b_cost / 2, "W": b_cost / 2}
+    unit = sched.simulate(costs={"F": 1, "B": 1, "I": 1, "W": 1})
+    ticks: dict[int, float] = {}
+    total = 0.0
+    for ev in unit.events:
+        c = cost[ev.action.kind]
+        total += c
+        ticks[int(ev.start)] = max(ticks.get(int(ev.start), 0.0), c)
+    free = float(sched.simulate(costs=cost).makespan)
+    return {"lockstep_ideal": total / sum(ticks.values()), "free_ideal": total / free,
+            "cost_model": cost}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=12355)
     ap.add_argument("--config", default="{}", help="GPTConfig fields as JSON")
     ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
+                    help="comma-separated jp.load_schedule specs")
     ap.add_argument("--mb-size", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
@@ -220,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.role == "both":
         res = run_concurrency(json.loads(args.config), args.microbatches, args.mb_size,
-                              warmup=args.warmup, repeats=args.repeats, timeout=args.timeout,
+                              schedules=tuple(args.schedules.split(",")), warmup=args.warmup,
+                              repeats=args.repeats, timeout=args.timeout,
                               pin=args.pin)
     else:
         if str(REPO) not in sys.path:

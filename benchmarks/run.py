@@ -32,10 +32,21 @@ import os
 import sys
 
 
+def _accelerator_plugin() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu", "jax_rocm60_plugin"))
+
+
 def _preparse(argv: list[str]) -> None:
-    """Set XLA flags that must exist before jax is imported (virtual devices, threads)."""
-    n, threads = 8, "single"
+    """Before jax is imported: XLA flags (virtual devices, threads) and core pinning."""
+    n, threads, cores = 8, "single", 1
     for i, a in enumerate(argv):
+        if a == "--cores" and i + 1 < len(argv):
+            cores = int(argv[i + 1])
+        elif a.startswith("--cores="):
+            cores = int(a.split("=", 1)[1])
         if a == "--devices" and i + 1 < len(argv):
             n = int(argv[i + 1])
         elif a.startswith("--devices="):
@@ -50,6 +61,12 @@ def _preparse(argv: list[str]) -> None:
     if threads == "single" and "xla_cpu_multi_thread_eigen" not in flags:
         flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     os.environ["XLA_FLAGS"] = flags.strip()
+    # One core for the whole process (CPU runs): virtual devices then share it, so wall
+    # time measures total work, like process CPU time, instead of how many of the
+    # machine's cores p virtual devices happen to occupy.
+    if cores > 0 and hasattr(os, "sched_setaffinity") and not _accelerator_plugin():
+        mine = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, set(mine[:cores]))
 
 
 if __name__ == "__main__":
@@ -90,7 +107,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "sweep": ("microbatches_per_p", "mb_size", "rows"),
     "scaling": ("p", "schedule", "rows", "step_time_fit", "compile_time_spread"),
     "concurrency": ("microbatches", "ideal", "speedup", "fraction_of_ideal", "two_process",
-                    "single", "error"),
+                    "single", "per_schedule", "error"),
     "headline": ("overhead_p1", "overhead_p4", "memory_1f1b_vs_baseline_m4p",
                  "step_1f1b_vs_baseline_m4p", "concurrency_fraction_of_ideal"),
 }
@@ -121,9 +138,11 @@ class Settings:
     scaling_factors: tuple[int, ...] = (1, 2, 4, 8)  # scaling: m = factor * p
     sweep_factor: int = 2  # sweep: m = 2p
     sweep_compile: bool = True  # False: only schedules already measured are compiled
-    warmup: int = 1
-    repeats: int = 5
+    warmup: int = 2
+    repeats: int = 7
     conc_m: int = 8
+    conc_mb: int = 8  # bigger microbatches: per-tick compute must dwarf gloo latency
+    conc_schedules: tuple[str, ...] = ("1f1b", "gpipe", "schedules/zero_bubble.py:ZeroBubbleH1")
     conc_timeout: float = 300.0
     plots: bool = True
     sections: tuple[str, ...] = SECTIONS
@@ -137,8 +156,8 @@ def default_settings(quick: bool) -> Settings:
         model = C.GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=8)
         return Settings(model=model, quick=True, p=2, p_big=2, overhead_m=4, overhead_mb=2,
                         mb=2, m_factors=(4,), scaling_factors=(1, 4), sweep_factor=4,
-                        sweep_compile=False, warmup=1, repeats=2, conc_m=4,
-                        conc_timeout=120.0)
+                        sweep_compile=False, warmup=1, repeats=2, conc_m=4, conc_mb=2,
+                        conc_schedules=("1f1b",), conc_timeout=120.0)
     return Settings(model=C.GPTConfig())
 
 
@@ -157,11 +176,32 @@ def _flops_fields(flops: float, seconds: float, p: int) -> dict[str, Any]:
             "mfu": (per_dev * 1e12 / peak) if (peak and per_dev) else None}
 
 
-def _measure(jitted: Any, args: tuple, s: Settings) -> dict[str, Any]:
+@dataclass
+class Prepared:
+    """A compiled program, its arguments and what is known before timing it."""
+
+    compiled: Any
+    args: tuple
+    info: dict[str, Any]
+    flops: float
+    p: int
+
+
+def _compile(jitted: Any, args: tuple) -> tuple[Any, dict[str, Any]]:
     compiled, lower_s, compile_s = C.compile_timed(jitted, *args)
-    out = {"lower_s": lower_s, "compile_s": compile_s, "memory": C.memory_stats(compiled)}
-    out.update(C.time_compiled(compiled, *args, warmup=s.warmup, repeats=s.repeats))
-    del compiled
+    return compiled, {"lower_s": lower_s, "compile_s": compile_s,
+                      "memory": C.memory_stats(compiled)}
+
+
+def _time_group(group: dict[str, Prepared], s: Settings) -> dict[str, dict[str, Any]]:
+    """Time the prepared programs round-robin; returns full result dicts per label."""
+    timings = C.time_interleaved({k: (v.compiled, v.args) for k, v in group.items()},
+                                 warmup=s.warmup, repeats=s.repeats)
+    out = {}
+    for k, v in group.items():
+        res = {**v.info, **timings[k]}
+        res.update(_flops_fields(v.flops, res["median_s"], v.p))
+        out[k] = res
     return out
 
 
@@ -188,23 +228,24 @@ class Runner:
         self.cache: dict[tuple, dict[str, Any]] = {}
         self.blocks_params = C.init_params(s.model, jax.random.key(0), embed=False)
 
-    def has(self, model: str, name: str, schedule: jp.Schedule) -> bool:
-        return (model, name, schedule.num_devices, schedule.num_microbatches,
-                schedule.stages_per_device) in self.cache
+    def has(self, name: str, schedule: jp.Schedule) -> bool:
+        return self.key(name, schedule) in self.cache
+
+    @staticmethod
+    def key(name: str, schedule: jp.Schedule) -> tuple:
+        return ("blocks", name, schedule.num_devices, schedule.num_microbatches,
+                schedule.stages_per_device)
 
     # ------------------------------------------------------------ jaxpipe, block stack
-    def jaxpipe_blocks(self, name: str, schedule: jp.Schedule) -> dict[str, Any]:
-        """Build, compile and time jaxpipe on the block stack with params resident.
+    def prepare_jaxpipe(self, name: str, schedule: jp.Schedule) -> Prepared:
+        """Build and compile jaxpipe on the block stack with parameters resident.
 
-        The timed program takes the parameters already in jaxpipe's stage layout
+        The program takes the parameters already in jaxpipe's stage layout
         (``Pipeline.shard``) and returns stage-layout gradients, as a training loop keeps
         them -- the same contract as the baseline (stacked, sharded weights in and out).
         """
-        p, m = schedule.num_devices, schedule.num_microbatches
-        key = ("blocks", name, p, m, schedule.stages_per_device)
-        if key in self.cache:
-            return self.cache[key]
         s, cfg = self.s, self.s.model
+        p, m = schedule.num_devices, schedule.num_microbatches
         batch = C.make_blocks_batch(cfg, m * s.mb)
         t0 = time.perf_counter()
         pipe = jp.pipeline(C.blocks_loss(cfg), self.blocks_params, batch, mesh=_mesh(p),
@@ -213,28 +254,22 @@ class Runner:
         if hasattr(pipe, "_step") and hasattr(pipe, "_microbatches"):
             program = "resident"
             jitted = jax.jit(lambda pbuf, b: pipe._step(pbuf, pipe._microbatches(b)))
-            args = (pipe.shard(self.blocks_params), batch)
+            args: tuple = (pipe.shard(self.blocks_params), batch)
         else:  # fall back to the public step (replicated params in, replicated grads out)
             program = "value_and_grad"
             jitted, args = pipe._vg, (self.blocks_params, batch)
-        res = {"build_s": build_s, "program": program, **_measure(jitted, args, s)}
+        compiled, info = _compile(jitted, args)
         tl = schedule.simulate()
         low = pipe.lowered
-        res.update({
-            "bubble": float(tl.bubble_fraction), "makespan": float(tl.makespan),
-            "num_ticks": int(low.num_ticks), "res_peak": [int(x) for x in low.res_peak],
-            **_flops_fields(C.model_flops(cfg, m * s.mb * cfg.seq, embed=False),
-                            res["median_s"], p),
-        })
-        self.cache[key] = res
-        gc.collect()
-        return res
+        info.update({"build_s": build_s, "program": program,
+                     "bubble": float(tl.bubble_fraction), "makespan": float(tl.makespan),
+                     "num_ticks": int(low.num_ticks),
+                     "res_peak": [int(x) for x in low.res_peak]})
+        flops = C.model_flops(cfg, m * s.mb * cfg.seq, embed=False)
+        return Prepared(compiled, args, info, flops, p)
 
-    def baseline_blocks(self, p: int, m: int) -> dict[str, Any]:
-        """Compile and time the SPMD GPipe baseline on the same block stack."""
-        key = ("blocks", "spmd_gpipe", p, m, 1)
-        if key in self.cache:
-            return self.cache[key]
+    def prepare_baseline(self, p: int, m: int) -> Prepared:
+        """Build and compile the SPMD GPipe baseline on the same block stack."""
         s, cfg = self.s, self.s.model
         batch = C.make_blocks_batch(cfg, m * s.mb)
         mesh = B.auto_mesh(_mesh(p))
@@ -245,11 +280,24 @@ class Runner:
         ys = batch["y"].reshape(xs.shape)
         jitted = B.spmd_gpipe_value_and_grad(_stage_fn(cfg), _mse, mesh, m)
         build_s = time.perf_counter() - t0
-        res = {"build_s": build_s, "program": "stacked", **_measure(jitted, (stacked, xs, ys), s)}
-        res.update(_flops_fields(C.model_flops(cfg, m * s.mb * cfg.seq, embed=False),
-                                 res["median_s"], p))
-        self.cache[key] = res
-        return res
+        compiled, info = _compile(jitted, (stacked, xs, ys))
+        info.update({"build_s": build_s, "program": "stacked"})
+        flops = C.model_flops(cfg, m * s.mb * cfg.seq, embed=False)
+        return Prepared(compiled, (stacked, xs, ys), info, flops, p)
+
+    def measure(self, group: dict[tuple, Callable[[], Prepared]]) -> dict[tuple, dict]:
+        """Results for every key: cached ones as they are, the rest prepared and timed
+        together (round-robin)."""
+        todo = {k: make() for k, make in group.items() if k not in self.cache}
+        if todo:
+            self.cache.update(_time_group(todo, self.s))
+            del todo
+            gc.collect()
+        return {k: self.cache[k] for k in group}
+
+    def jaxpipe_blocks(self, name: str, schedule: jp.Schedule) -> dict[str, Any]:
+        key = self.key(name, schedule)
+        return self.measure({key: lambda: self.prepare_jaxpipe(name, schedule)})[key]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -263,6 +311,13 @@ def _log(msg: str) -> None:
 # ----------------------------------------------------------------------------- sections
 
 
+def _ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+    """``a / b`` for median wall time, min wall time and median process CPU time."""
+    return {"wall": _ratio(a["median_s"], b["median_s"]),
+            "wall_min": _ratio(a["min_s"], b["min_s"]),
+            "cpu": _ratio(a["cpu_median_s"], b["cpu_median_s"])}
+
+
 def section_overhead(r: Runner) -> dict[str, Any]:
     """Plain JAX vs jaxpipe 1F1B at p=1 and p=P on the full GPT, same m and microbatch."""
     s, cfg = r.s, r.s.model
@@ -271,33 +326,28 @@ def section_overhead(r: Runner) -> dict[str, Any]:
     batch = C.make_gpt_batch(cfg, m * mb)
     loss_fn = C.gpt_loss(cfg)
     flops = C.model_flops(cfg, m * mb * cfg.seq, embed=True)
-    plain = _measure(jax.jit(C.plain_value_and_grad(loss_fn, m)), (params, batch), s)
-    plain.update(_flops_fields(flops, plain["median_s"], 1))
-    _log(f"overhead: plain {plain['median_s'] * 1e3:.1f} ms")
+    compiled, info = _compile(jax.jit(C.plain_value_and_grad(loss_fn, m)), (params, batch))
+    group = {"plain": Prepared(compiled, (params, batch), info, flops, 1)}
     p_values = [p for p in (1, s.p) if p <= len(jax.devices())]
-    out: dict[str, Any] = {"p_values": p_values, "microbatches": m, "mb_size": mb,
-                           "model": "gpt (embedding + blocks + head)", "schedule": "1F1B",
-                           "flops_per_step": flops, "plain": plain, "jaxpipe": {},
-                           "ratios": {}}
     for p in p_values:
         t0 = time.perf_counter()
         pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(p),
                            schedule=jp.OneFOneB(p, m), cut="markers")
         build_s = time.perf_counter() - t0
-        res = {"build_s": build_s, **_measure(pipe._vg, (params, batch), s),
-               "num_ticks": int(pipe.lowered.num_ticks)}
-        res.update(_flops_fields(flops, res["median_s"], p))
-        out["jaxpipe"][f"p{p}"] = res
-        out["ratios"][f"p{p}"] = {
-            "wall": _ratio(res["median_s"], plain["median_s"]),
-            "wall_min": _ratio(res["min_s"], plain["min_s"]),
-            "cpu": _ratio(res["cpu_median_s"], plain["cpu_median_s"]),
-        }
-        _log(f"overhead: jaxpipe p={p} {res['median_s'] * 1e3:.1f} ms "
-             f"(x{out['ratios'][f'p{p}']['wall']:.2f} wall, "
-             f"x{out['ratios'][f'p{p}']['cpu']:.2f} cpu), compile {res['compile_s']:.1f}s")
-        del pipe
-        gc.collect()
+        compiled, info = _compile(pipe._vg, (params, batch))
+        info.update({"build_s": build_s, "num_ticks": int(pipe.lowered.num_ticks)})
+        group[f"p{p}"] = Prepared(compiled, (params, batch), info, flops, p)
+        _log(f"overhead: p={p} built in {build_s:.1f}s, compiled in {info['compile_s']:.1f}s")
+    res = _time_group(group, s)
+    plain = res.pop("plain")
+    out: dict[str, Any] = {"p_values": p_values, "microbatches": m, "mb_size": mb,
+                           "model": "gpt (embedding + blocks + head)", "schedule": "1F1B",
+                           "program": "public Pipeline.value_and_grad (user pytree in/out)",
+                           "flops_per_step": flops, "plain": plain, "jaxpipe": res,
+                           "ratios": {k: _ratios(v, plain) for k, v in res.items()}}
+    for k, v in out["ratios"].items():
+        _log(f"overhead: jaxpipe {k} x{v['cpu']:.2f} cpu, x{v['wall']:.2f} wall "
+             f"(plain {plain['median_s'] * 1e3:.1f} ms)")
     return out
 
 
@@ -308,20 +358,28 @@ def section_baseline(r: Runner) -> dict[str, Any]:
     rows = []
     for f in s.m_factors:
         m = f * p
-        base = r.baseline_blocks(p, m)
+        scheds = {"GPipe": jp.GPipe(p, m), "1F1B": jp.OneFOneB(p, m)}
+        bkey = ("blocks", "spmd_gpipe", p, m, 1)
+        group: dict[tuple, Callable[[], Prepared]] = {
+            bkey: lambda m=m: r.prepare_baseline(p, m)}
+        for name, sched in scheds.items():
+            group[r.key(name, sched)] = lambda name=name, sched=sched: r.prepare_jaxpipe(
+                name, sched)
+        res = r.measure(group)
+        base = res[bkey]
         row: dict[str, Any] = {"m": m, "spmd_gpipe": base, "jaxpipe": {}, "step_ratio": {},
                                "memory_ratio": {}, "temp_ratio": {}}
-        for name, sched in (("GPipe", jp.GPipe(p, m)), ("1F1B", jp.OneFOneB(p, m))):
-            res = r.jaxpipe_blocks(name, sched)
-            row["jaxpipe"][name] = res
-            row["step_ratio"][name] = _ratio(res["median_s"], base["median_s"])
-            row["memory_ratio"][name] = _ratio(res["memory"]["total_bytes"],
+        for name, sched in scheds.items():
+            run = res[r.key(name, sched)]
+            row["jaxpipe"][name] = run
+            row["step_ratio"][name] = _ratios(run, base)
+            row["memory_ratio"][name] = _ratio(run["memory"]["total_bytes"],
                                                base["memory"]["total_bytes"])
-            row["temp_ratio"][name] = _ratio(res["memory"]["temp_bytes"],
+            row["temp_ratio"][name] = _ratio(run["memory"]["temp_bytes"],
                                              base["memory"]["temp_bytes"])
         _log(f"baseline m={m}: spmd_gpipe {base['median_s'] * 1e3:.1f} ms "
-             f"{base['memory']['total_bytes'] / 2**20:.1f} MiB | step x"
-             + ", ".join(f"{k} {v:.2f}" for k, v in row["step_ratio"].items())
+             f"{base['memory']['total_bytes'] / 2**20:.1f} MiB | step (cpu) x"
+             + ", ".join(f"{k} {v['cpu']:.2f}" for k, v in row["step_ratio"].items())
              + " | memory x" + ", ".join(f"{k} {v:.2f}" for k, v in row["memory_ratio"].items()))
         rows.append(row)
     return {
@@ -384,7 +442,7 @@ def section_sweep(r: Runner) -> dict[str, Any]:
                                        f"{cfg.n_layers} blocks (use --layers)"})
                 rows.append(row)
                 continue
-            if not s.sweep_compile and not r.has("blocks", name, sched):
+            if not s.sweep_compile and not r.has(name, sched):
                 tl = sched.simulate()
                 row.update({"bubble": float(tl.bubble_fraction), "makespan": float(tl.makespan),
                             "skipped": "quick mode: simulated only"})
@@ -444,13 +502,16 @@ def section_concurrency(r: Runner, workdir: Path) -> dict[str, Any]:
     from benchmarks.concurrency import run_concurrency
 
     s = r.s
-    res = run_concurrency(s.model.asdict(), s.conc_m, s.mb, warmup=s.warmup,
-                          repeats=s.repeats, timeout=s.conc_timeout, workdir=workdir)
+    res = run_concurrency(s.model.asdict(), s.conc_m, s.conc_mb, schedules=s.conc_schedules,
+                          warmup=s.warmup, repeats=s.repeats, timeout=s.conc_timeout,
+                          workdir=workdir)
     if res.get("error"):
         _log(f"concurrency: {res['error']}")
     else:
-        _log(f"concurrency: speedup {res['speedup']:.2f} vs ideal {res['ideal']:.2f} "
-             f"({res['fraction_of_ideal']:.2f} of ideal)")
+        for spec, v in res["per_schedule"].items():
+            _log(f"concurrency {spec}: speedup {v['speedup']:.2f} vs ideal {res['ideal']:.2f} "
+                 f"({v['fraction_of_ideal']:.2f} of ideal; lock-step bound "
+                 f"{v['lockstep_ideal']:.2f})")
     return res
 
 
@@ -491,7 +552,10 @@ def make_plots(results: dict[str, Any], out: Path) -> list[str]:
         ms = [row["m"] for row in bl["rows"]]
         fig, axs = plt.subplots(1, 2, figsize=(10, 3.5))
         for name in ("GPipe", "1F1B"):
-            axs[0].plot(ms, [row["step_ratio"][name] for row in bl["rows"]], "o-", label=name)
+            axs[0].plot(ms, [row["step_ratio"][name]["cpu"] for row in bl["rows"]], "o-",
+                        label=f"{name} (CPU time)")
+            axs[0].plot(ms, [row["step_ratio"][name]["wall"] for row in bl["rows"]], "x--",
+                        label=f"{name} (wall)")
             axs[1].plot(ms, [row["memory_ratio"][name] for row in bl["rows"]], "o-",
                         label=f"{name} total")
             axs[1].plot(ms, [row["temp_ratio"][name] for row in bl["rows"]], "x--",
@@ -582,7 +646,87 @@ def _headline(res: dict[str, Any], s: Settings) -> dict[str, Any]:
     h["concurrency_speedup"] = cc.get("speedup")
     h["concurrency_ideal"] = cc.get("ideal")
     h["concurrency_fraction_of_ideal"] = cc.get("fraction_of_ideal")
+    per = cc.get("per_schedule") or {}
+    if per:
+        best = max(per, key=lambda k: per[k]["speedup"])
+        h["concurrency_best"] = {"schedule": best, **{k: per[best][k] for k in (
+            "speedup", "fraction_of_ideal", "lockstep_ideal")}}
     return h
+
+
+def _f(x: Any, fmt: str = "{:.2f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def markdown_summary(res: dict[str, Any]) -> str:
+    """Markdown tables of a results dict (written to ``<out>/summary.md``)."""
+    meta, lines = res["meta"], []
+    lines.append(f"Backend {meta['backend']} ({meta['device_kind']}), {meta['num_devices']} "
+                 f"devices, {meta.get('cores_used')} core(s) used of {meta['cpu_count']}; "
+                 f"model {meta['config']}; suite took {_f(meta['duration_s'], '{:.0f}')} s.")
+    ov = res.get("overhead")
+    if ov:
+        lines += ["", f"**Executor overhead** (GPT, 1F1B, m={ov['microbatches']}, "
+                  f"{ov['mb_size']} seq/microbatch; ratio to plain JAX "
+                  f"{ov['plain']['median_s'] * 1e3:.1f} ms)", "",
+                  "| p | step ms | ratio (CPU time) | ratio (wall) | compile s |",
+                  "|---|---|---|---|---|"]
+        for k, v in ov["jaxpipe"].items():
+            rt = ov["ratios"][k]
+            lines.append(f"| {k[1:]} | {v['median_s'] * 1e3:.1f} | {_f(rt['cpu'])} | "
+                         f"{_f(rt['wall'])} | {v['compile_s']:.1f} |")
+    bl = res.get("baseline")
+    if bl:
+        lines += ["", f"**vs MaxText-style SPMD GPipe** (block stack, p={bl['p']}; ratios "
+                  "jaxpipe / baseline; memory = per-device arg+out+temp-alias)", "",
+                  "| m | baseline ms | baseline MiB | GPipe step | 1F1B step | GPipe mem | "
+                  "1F1B mem | 1F1B temp |", "|---|---|---|---|---|---|---|---|"]
+        for row in bl["rows"]:
+            b = row["spmd_gpipe"]
+            lines.append(
+                f"| {row['m']} | {b['median_s'] * 1e3:.1f} | "
+                f"{b['memory']['total_bytes'] / 2**20:.1f} | "
+                f"{_f(row['step_ratio']['GPipe']['cpu'])} | "
+                f"{_f(row['step_ratio']['1F1B']['cpu'])} | {_f(row['memory_ratio']['GPipe'])} | "
+                f"{_f(row['memory_ratio']['1F1B'])} | {_f(row['temp_ratio']['1F1B'])} |")
+    sw = res.get("sweep")
+    if sw:
+        lines += ["", f"**Schedule sweep** (block stack, m={sw['microbatches_per_p']}p)", "",
+                  "| schedule | p | m | bubble (sim.) | MiB/device | step ms | compile s | note |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in sw["rows"]:
+            mem = row["memory"]["total_bytes"] / 2**20 if row["memory"] else None
+            ms = row["median_s"] * 1e3 if row["median_s"] is not None else None
+            lines.append(f"| {row['schedule']} | {row['p']} | {row['m']} | "
+                         f"{_f(row['bubble'], '{:.3f}')} | {_f(mem, '{:.1f}')} | "
+                         f"{_f(ms, '{:.1f}')} | {_f(row['compile_s'], '{:.1f}')} | "
+                         f"{(row['skipped'] or '')[:60]} |")
+    sc = res.get("scaling")
+    if sc:
+        lines += ["", f"**Scaling** (1F1B, p={sc['p']}): compile time spread (max/min) "
+                  f"{_f(sc['compile_time_spread'])}, step-time linear fit R^2 "
+                  f"{_f(sc['step_time_fit']['r2'], '{:.3f}')}", "",
+                  "| m | ticks | compile s | step ms | ms / microbatch |", "|---|---|---|---|---|"]
+        for row in sc["rows"]:
+            lines.append(f"| {row['m']} | {row['num_ticks']} | {row['compile_s']:.1f} | "
+                         f"{row['median_s'] * 1e3:.1f} | {row['per_microbatch_s'] * 1e3:.2f} |")
+    cc = res.get("concurrency")
+    if cc and cc.get("per_schedule"):
+        single = cc["single"]
+        lines += ["", f"**Real concurrency** (2 processes x 1 device, gloo, p=2, "
+                  f"m={cc['microbatches']}, {cc['mb_size']} seq/microbatch; 1 process: jaxpipe "
+                  f"p=1 {single['jaxpipe_p1']['median_s'] * 1e3:.0f} ms, plain JAX "
+                  f"{single['plain']['median_s'] * 1e3:.0f} ms; gloo ppermute "
+                  f"{cc['two_process']['ppermute_latency_s'] * 1e3:.2f} ms)", "",
+                  "| schedule | 2-proc ms | speed-up | ideal 2m/(m+1) | fraction of ideal | "
+                  "lock-step bound |", "|---|---|---|---|---|---|"]
+        for spec, v in cc["per_schedule"].items():
+            lines.append(f"| {spec.split(':')[-1]} | {v['median_s'] * 1e3:.0f} | "
+                         f"{v['speedup']:.2f} | {cc['ideal']:.2f} | "
+                         f"{v['fraction_of_ideal']:.2f} | {v['lockstep_ideal']:.2f} |")
+    elif cc:
+        lines += ["", f"**Real concurrency**: {cc.get('error')}"]
+    return "\n".join(lines) + "\n"
 
 
 def _json_default(x: Any) -> Any:
@@ -601,6 +745,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="virtual CPU devices (before jax starts) / real devices to use")
     ap.add_argument("--threads", choices=["single", "multi"], default="single",
                     help="CPU: single-threaded XLA (default) or XLA's own thread pool")
+    ap.add_argument("--cores", type=int, default=1,
+                    help="CPU: pin this process to this many cores (0: no pinning)")
     ap.add_argument("--out", default="results", help="directory for JSON and PNG")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated subset of {','.join(SECTIONS)}")
@@ -646,6 +792,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "backend": jax.default_backend(), "device_kind": dev.device_kind,
         "num_devices": ndev, "jax_version": jax.__version__, "jaxpipe_version": jp.__version__,
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "cores_used": (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else None),
         "machine": f"{platform.machine()} {platform.processor()}".strip(),
         "quick": s.quick, "config": s.model.asdict(),
         "settings": {k: v for k, v in s.__dict__.items() if k not in ("model", "extra")},
@@ -678,6 +826,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if s.plots:
         results["meta"]["plots"] = make_plots(results, out)
     (out / "benchmarks.json").write_text(json.dumps(results, indent=2, default=_json_default))
+    (out / "summary.md").write_text(markdown_summary(results))
     _log("headline: " + json.dumps(results["headline"], default=_json_default))
     _log(f"wrote {out}/benchmarks.json in {results['meta']['duration_s']:.0f}s")
     return results
