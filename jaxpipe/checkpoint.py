@@ -222,12 +222,12 @@ def _abstract_state(pipe):
     p, spd = pipe.schedule.num_devices, pipe.lowered.stages_per_device
     sh = pipe._pbuf_sharding
 
-    def buf(widths):
-        return {dt: jax.ShapeDtypeStruct((p, spd, w), np.dtype(dt), sharding=sh)
-                for dt, w in widths.items()}
-
+    params = [jax.ShapeDtypeStruct(shape, np.dtype(dt), sharding=sh)
+              for shape, dt in zip(pipe.staged_shapes(), pipe.layouts.slots.dtypes, strict=True)]
+    opt = {dt: jax.ShapeDtypeStruct((p, spd, w), np.dtype(dt), sharding=sh)
+           for dt, w in tr.opt_width.items()}
     step = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(pipe.mesh, P()))
-    return TrainState(buf(pipe.layouts.param_width), buf(tr.opt_width), step)
+    return TrainState(params, opt, step)
 
 
 # ----------------------------------------------------------------------- parameters
@@ -238,7 +238,7 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
     Args:
       path: a new directory.
       pipe: the pipeline the state belongs to (it knows the stage layout).
-      state_or_params: a :class:`~jaxpipe.train.TrainState`, a staged parameter dict
+      state_or_params: a :class:`~jaxpipe.train.TrainState`, the staged parameter list
         from ``pipe.shard``, or already the user's parameter pytree.
       overwrite: replace ``path`` if it exists.
     """
@@ -257,8 +257,8 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
 
 
 def _is_staged(pipe, x) -> bool:
-    return (isinstance(x, dict) and set(x) == set(pipe.layouts.param_width)
-            and all(getattr(v, "ndim", 0) == 3 for v in x.values())
+    return (isinstance(x, (list, tuple))
+            and [tuple(np.shape(v)) for v in x] == pipe.staged_shapes()
             and jax.tree.structure(x) != pipe.traced.params_treedef)
 
 

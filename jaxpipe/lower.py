@@ -135,7 +135,7 @@ def lower(
     offsets = sorted({(place[c.stage] - place[p.stage]) % D for p, c in messages} - {0})
     dtypes_res = sorted({k for r in res_sizes for k in r})
     dtypes_wres = sorted({k for r in wres_sizes for k in r})
-    names = ["branch", "mb", "in_slot", "grad_k", "local_dst"]
+    names = ["branch", "mb", "in_slot", "local_dst"]
     names += [f"recv{j}" for j in range(len(offsets))]
     for k in dtypes_res:
         names += [f"res_w:{k}", f"res_wlen:{k}", f"res_r:{k}"]
@@ -187,10 +187,9 @@ def lower(
         msg_slot.update(off)
         num_inbox = max(num_inbox, top)
 
-    dummy_slot, dummy_k = num_inbox, spd
+    dummy_slot = num_inbox
     table = np.zeros((T, D, len(cols)), np.int32)
     table[:, :, cols["in_slot"]] = dummy_slot
-    table[:, :, cols["grad_k"]] = dummy_k
     table[:, :, cols["local_dst"]] = dummy_slot
     for j in range(len(offsets)):
         table[:, :, cols[f"recv{j}"]] = dummy_slot
@@ -215,8 +214,6 @@ def lower(
         if a.kind == "W":
             for k in dtypes_wres:
                 row[cols[f"wres_r:{k}"]] = wres_off[((s, mb), k)]
-        if a.kind in ("B", "W"):
-            row[cols["grad_k"]] = local_index[s]
     for p, c in messages:
         (dp, tp), (dc, tc) = when[p], when[c]
         slot = msg_slot[(p, c)]

@@ -64,3 +64,44 @@ def merge_widths(layouts: Iterable[Layout]) -> dict[str, int]:
         for k, n in lay.sizes.items():
             w[k] = max(w.get(k, 0), n)
     return dict(sorted(w.items()))
+
+
+class ParamSlots:
+    """Parameters as a list of whole arrays ("slots") that every device holds.
+
+    Each stage's parameter leaves are assigned to slots of the same shape and dtype on
+    its device; a device needs as many slots of a shape as its stages have leaves of
+    that shape, and every device gets the maximum. Homogeneous stages need no padding
+    at all; a heterogeneous stage (an embedding) costs one slot of its shape on every
+    device. Whole arrays (no flat packing) let the stage code use parameters and
+    accumulate gradients in place, without per-tick copies.
+    """
+
+    def __init__(self, stages, param_avals: Sequence, device_stages: Sequence[Sequence[int]]):
+        counts: dict[tuple, int] = {}
+        assign: dict[tuple[int, int], tuple[tuple, int]] = {}
+        for mine in device_stages:
+            used: dict[tuple, int] = {}
+            for s in mine:
+                for j, pid in enumerate(stages[s].param_ids):
+                    a = param_avals[pid]
+                    key = (tuple(a.shape), _key(a.dtype))
+                    assign[(s, j)] = (key, used.get(key, 0))
+                    used[key] = used.get(key, 0) + 1
+            for key, n in used.items():
+                counts[key] = max(counts.get(key, 0), n)
+        self.slots = [(key, i) for key in sorted(counts) for i in range(counts[key])]
+        index = {slot: n for n, slot in enumerate(self.slots)}
+        self.shapes = [key[0] for key, _ in self.slots]
+        self.dtypes = [key[1] for key, _ in self.slots]
+        self.stage_slots: list[list[int]] = [
+            [index[assign[(st.index, j)]] for j in range(len(st.param_ids))] for st in stages
+        ]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def nbytes(self) -> int:
+        """Bytes of one device's slots."""
+        return sum(math.prod(s) * np.dtype(d).itemsize
+                   for s, d in zip(self.shapes, self.dtypes, strict=True))

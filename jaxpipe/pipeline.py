@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -113,7 +114,9 @@ class Pipeline:
         self._param_avals = [v.aval for v in self.traced.jaxpr.invars[: self.traced.num_params]]
         self.cuts, self.cut_report = _resolve_cuts(self.traced, schedule, cut)
         self.stages: list[StageFn] = split(self.traced, self.cuts)
-        self.layouts = StageLayouts.build(self.stages, self._param_avals)
+        self.layouts = StageLayouts.build(
+            self.stages, self._param_avals,
+            [schedule.device_stages(d) for d in range(schedule.num_devices)])
         self.lowered: Lowered = lower(
             schedule,
             [lay.sizes for lay in self.layouts.res],
@@ -128,9 +131,10 @@ class Pipeline:
         self._vg = jax.jit(self._value_and_grad)
         self._pbuf_sharding = NamedSharding(mesh, P(axis))
         self._shard_jit = jax.jit(
-            lambda leaves: self._pack(leaves, self.layouts.params),
+            self._pack,
             out_shardings=self._pbuf_sharding,
         )
+        self._unshard_jit = jax.jit(lambda staged: self._gather(staged, owner_only=True))
         self._trainer = None
         self._plan = None
         if jax.process_count() > 1:
@@ -167,11 +171,14 @@ class Pipeline:
                 )
         return leaves
 
+    def staged_shapes(self) -> list[tuple[int, ...]]:
+        """Global shapes of the staged parameter arrays (one per slot)."""
+        return [(self.schedule.num_devices, *shape) for shape in self.layouts.slots.shapes]
+
     def _check_staged(self, staged, what: str) -> None:
-        want = {dt: (self.schedule.num_devices, self._spd, w)
-                for dt, w in self.layouts.param_width.items()}
-        got = ({dt: tuple(np.shape(v)) for dt, v in staged.items()}
-               if isinstance(staged, dict) else None)
+        want = self.staged_shapes()
+        got = ([tuple(np.shape(v)) for v in staged] if isinstance(staged, (list, tuple))
+               else None)
         if got != want:
             raise PipelineError(
                 f"{what} expects parameters in this pipeline's stage layout {want} (from "
@@ -203,19 +210,74 @@ class Pipeline:
         return [jnp.reshape(x, (m, -1, *jnp.shape(x)[1:])) for x in leaves]
 
     # ---------------------------------------------------------------- layout
-    def shard(self, params) -> dict[str, jax.Array]:
-        """Pack ``params`` into the per-device stage layout (sharded over the pipe axis).
+    def shard(self, params) -> list[jax.Array]:
+        """Move ``params`` into the per-device stage layout (sharded over the pipe axis).
 
-        Returns ``{dtype: array[devices, stages_per_device, width]}``; tied parameters are
-        copied onto every stage that reads them.
+        Returns one array ``[devices, *shape]`` per parameter slot (see
+        :class:`jaxpipe.packing.ParamSlots`); tied parameters are copied onto every stage
+        that reads them.
         """
         leaves = self._check_params(params)
         return self._shard_jit(leaves)
 
-    def _pack(self, leaves, layouts) -> dict:
-        rows = [layouts[st.index].pack([leaves[i] for i in st.param_ids], self.layouts.param_width)
-                for st in self.stages]
-        return self._stack_rows(rows, self.layouts.param_width)
+    def _pack(self, leaves) -> list:
+        """User leaves (replicated) -> one ``[devices, *shape]`` array per parameter slot.
+
+        Runs as a shard_map: each device copies just its own stages' leaves into its
+        slots (one copy of its parameters), instead of XLA partitioning a global stack.
+        """
+        slots, sched = self.layouts.slots, self.schedule
+        owner = [[None] * len(slots) for _ in range(sched.num_devices)]
+        for st in self.stages:
+            for pid, n in zip(st.param_ids, slots.stage_slots[st.index], strict=True):
+                owner[sched.placement(st.index)][n] = pid
+
+        def branch(d):
+            return lambda lv: [lv[pid].astype(dt) if pid is not None else jnp.zeros(shape, dt)
+                               for pid, shape, dt in zip(owner[d], slots.shapes, slots.dtypes,
+                                                         strict=True)]
+
+        def local(lv):
+            out = lax.switch(lax.axis_index(self.axis),
+                             [branch(d) for d in range(sched.num_devices)], lv)
+            return [x[None] for x in out]
+
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(),),
+                           out_specs=[P(self.axis)] * len(slots), check_vma=False)
+        return fn([place(x, self.mesh, P()) for x in leaves])
+
+    def _gather(self, staged, owner_only: bool) -> list:
+        """Slots -> user leaves, replicated: the sum over the stages holding each leaf
+        (``owner_only``: the first such stage's copy, for parameters)."""
+        slots, sched = self.layouts.slots, self.schedule
+        first: dict[int, int] = {}
+        for st in self.stages:
+            for pid in st.param_ids:
+                first.setdefault(pid, st.index)
+        avals = self._param_avals
+
+        def branch(d):
+            def f(local):
+                out = [None] * len(avals)
+                for s in sched.device_stages(d):
+                    for pid, n in zip(self.stages[s].param_ids, slots.stage_slots[s],
+                                      strict=True):
+                        if owner_only and first[pid] != s:
+                            continue
+                        out[pid] = local[n] if out[pid] is None else out[pid] + local[n]
+                return [jnp.zeros(a.shape, a.dtype) if x is None else x
+                        for x, a in zip(out, avals, strict=True)]
+            return f
+
+        def local(buf):
+            buf = [x[0] for x in buf]
+            out = lax.switch(lax.axis_index(self.axis),
+                             [branch(d) for d in range(sched.num_devices)], buf)
+            return [lax.psum(x, self.axis) for x in out]
+
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=([P(self.axis)] * len(slots),),
+                           out_specs=[P()] * len(avals), check_vma=False)
+        return fn([place(x, self.mesh, P(self.axis)) for x in staged])
 
     def _stack_rows(self, rows: list[dict], width: dict[str, int]) -> dict:
         """Per-stage flat rows -> ``{dtype: [devices, stages_per_device, width]}``."""
@@ -231,42 +293,21 @@ class Pipeline:
         return out
 
     def _per_stage(self, staged) -> list[list]:
-        # Gather to replicated first: user pytrees are replicated, and Explicit-axis meshes
-        # do not allow slicing a pipe-sharded dimension down to one device's row.
-        staged = {dt: place(v, self.mesh, P()) for dt, v in staged.items()}
-        out = []
-        for st in self.stages:
-            d = self.schedule.placement(st.index)
-            k = self.lowered.local_index[st.index]
-            out.append(self.layouts.params[st.index].unpack({dt: v[d, k]
-                                                             for dt, v in staged.items()}))
-        return out
+        """Each stage's parameter leaves from a staged buffer (for inspection and tests)."""
+        staged = [place(v, self.mesh, P()) for v in staged]
+        return [[staged[n][self.schedule.placement(st.index)]
+                 for n in self.layouts.slots.stage_slots[st.index]] for st in self.stages]
 
     def unshard(self, staged) -> Any:
-        """Inverse of :meth:`shard`: the user's parameter pytree (first copy of tied leaves)."""
+        """Inverse of :meth:`shard`: the user's parameter pytree (replicated)."""
         self._check_staged(staged, "unshard")
-        leaves: list = [None] * self.traced.num_params
-        for st, vals in zip(self.stages, self._per_stage(staged), strict=True):
-            for pid, x in zip(st.param_ids, vals, strict=True):
-                if leaves[pid] is None:
-                    leaves[pid] = x
-        leaves = [jnp.zeros(a.shape, a.dtype) if x is None else x
-                  for x, a in zip(leaves, self._param_avals, strict=True)]
-        return jax.tree.unflatten(self.traced.params_treedef, leaves)
-
-    def _sum_grads(self, gstaged) -> list:
-        """Per-leaf gradients: the sum over every stage that read the leaf."""
-        grads = [jnp.zeros(a.shape, a.dtype) for a in self._param_avals]
-        for st, vals in zip(self.stages, self._per_stage(gstaged), strict=True):
-            for pid, g in zip(st.param_ids, vals, strict=True):
-                grads[pid] = grads[pid] + g
-        return grads
+        return jax.tree.unflatten(self.traced.params_treedef, self._unshard_jit(list(staged)))
 
     # ---------------------------------------------------------------- compute
     def _value_and_grad(self, params, batch):
-        pbuf = self._pack(self._check_params(params), self.layouts.params)
+        pbuf = self._pack(self._check_params(params))
         gbuf, loss = self._step(pbuf, self._microbatches(batch))
-        grads = self._sum_grads(gbuf)
+        grads = self._gather(gbuf, owner_only=False)
         return loss, jax.tree.unflatten(self.traced.params_treedef, grads)
 
     def value_and_grad(self, params, batch) -> tuple[jax.Array, Any]:

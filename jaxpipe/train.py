@@ -66,153 +66,115 @@ def _stage_tree(pipe, s: int, leaves) -> Any:
 def _build(pipe, optimizer, skip_nonfinite: bool, clip_global_norm: float | None) -> _Trainer:
     stages, low, L = pipe.stages, pipe.lowered, pipe.layouts
     sched, axis = pipe.schedule, pipe.axis
-    spd = low.stages_per_device
+    spd, D = low.stages_per_device, sched.num_devices
+    slots = L.slots
+    avals = pipe._param_avals
     opt_layouts, opt_treedefs = [], []
     for st in stages:
-        avals = [jax.ShapeDtypeStruct(pipe._param_avals[i].shape, pipe._param_avals[i].dtype)
-                 for i in st.param_ids]
-        shape = jax.eval_shape(optimizer.init, _stage_tree(pipe, st.index, avals))
+        sds = [jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in st.param_ids]
+        shape = jax.eval_shape(optimizer.init, _stage_tree(pipe, st.index, sds))
         leaves, tdef = jax.tree.flatten(shape)
         opt_layouts.append(Layout(leaves))
         opt_treedefs.append(tdef)
     opt_width = merge_widths(opt_layouts)
 
-    # Parameters read by several stages: their gradients are summed over those stages.
+    # Parameters read by several stages (tied): gradients summed over those stages, and
+    # the first owner's updated value copied to the others.
     owners: dict[int, list[int]] = {}
     for st in stages:
         for pid in st.param_ids:
             owners.setdefault(pid, []).append(st.index)
     tied = sorted(pid for pid, o in owners.items() if len(o) > 1)
-    tied_layout = Layout([pipe._param_avals[i] for i in tied])
-    tied_width = dict(tied_layout.sizes)
-    # stages_at[k]: the stages that sit in local slot k on some device.
-    stages_at = [[s for s in range(sched.num_stages) if low.local_index[s] == k]
-                 for k in range(spd)]
-    pos = np.zeros((sched.num_devices, spd), np.int32)
-    for d in range(sched.num_devices):
-        mine = sched.device_stages(d)
-        for k in range(spd):
-            pos[d, k] = stages_at[k].index(mine[k]) if k < len(mine) else len(stages_at[k])
-    pos = jnp.asarray(pos)
 
-    def tied_part(s, row, owner_only=False):
-        # This stage's values of the tied leaves, in the (device-independent) tied layout.
-        vals = [jnp.zeros(pipe._param_avals[pid].shape, pipe._param_avals[pid].dtype)
-                for pid in tied]
-        for pid, x in zip(stages[s].param_ids, L.params[s].unpack(row), strict=True):
-            if pid in tied and (not owner_only or owners[pid][0] == s):
-                vals[tied.index(pid)] = x
-        return tied_layout.pack(vals, tied_width)
+    def zeros(pid):
+        return jnp.zeros(avals[pid].shape, avals[pid].dtype)
 
-    def set_tied(s, row, total):
-        tvals = tied_layout.unpack(total)
-        vals = [tvals[tied.index(pid)] if pid in tied else x
-                for pid, x in zip(stages[s].param_ids, L.params[s].unpack(row), strict=True)]
-        return L.params[s].pack(vals, L.param_width)
-
-    def tied_sum(buf, owner_only=False):
-        total = {dt: jnp.zeros((w,), dt) for dt, w in tied_width.items()}
-        for k in range(spd):
-            part = lax.switch(
-                pos_local_ref[0][k],
-                [lambda r, s=s: tied_part(s, r, owner_only) for s in stages_at[k]]
-                + [lambda r: {dt: jnp.zeros((w,), dt) for dt, w in tied_width.items()}],
-                {dt: v[k] for dt, v in buf.items()},
-            )
-            total = {dt: total[dt] + part[dt] for dt in total}
-        return {dt: lax.psum(v, axis) for dt, v in total.items()}
-
-    pos_local_ref: list = [None]
-
-    def sq_norm(s, g_row):
-        # Each tied leaf is counted once (from the total), every other leaf from its stage.
-        grads = L.params[s].unpack(g_row)
-        out = jnp.zeros((), jnp.float32)
-        for pid, g in zip(stages[s].param_ids, grads, strict=True):
-            if pid not in tied and jnp.issubdtype(g.dtype, jnp.inexact):
-                out = out + jnp.sum(jnp.square(g.astype(jnp.float32)))
+    def local_tied(d, buf, owner_only):
+        """Device d's contribution to each tied leaf (sum, or the first owner's value)."""
+        out = [zeros(pid) for pid in tied]
+        for s in sched.device_stages(d):
+            for pid, n in zip(stages[s].param_ids, slots.stage_slots[s], strict=True):
+                if pid in tied and (not owner_only or owners[pid][0] == s):
+                    out[tied.index(pid)] = out[tied.index(pid)] + buf[n]
         return out
 
-    def update(s, p_row, g_row, o_row, tied_total, scale):
-        st = stages[s]
-        params = L.params[s].unpack(p_row)
-        grads = L.params[s].unpack(g_row)
-        tvals = tied_layout.unpack(tied_total)
-        grads = [tvals[tied.index(pid)] if pid in tied else g
-                 for pid, g in zip(st.param_ids, grads, strict=True)]
-        grads = [(g * scale).astype(g.dtype) for g in grads]
-        p_tree = _stage_tree(pipe, s, params)
-        g_tree = _stage_tree(pipe, s, grads)
-        o_tree = jax.tree.unflatten(opt_treedefs[s], opt_layouts[s].unpack(o_row))
-        updates, o_new = optimizer.update(g_tree, o_tree, p_tree)
-        p_new = optax.apply_updates(p_tree, updates)
-        # stage param_ids are ascending, i.e. the tree's leaf order
-        new_p = L.params[s].pack(jax.tree.leaves(p_new), L.param_width)
-        new_o = opt_layouts[s].pack(jax.tree.leaves(o_new), opt_width)
-        return new_p, new_o
+    def local_sq(d, gbuf):
+        out = jnp.zeros((), jnp.float32)
+        for s in sched.device_stages(d):
+            for pid, n in zip(stages[s].param_ids, slots.stage_slots[s], strict=True):
+                if pid not in tied and jnp.issubdtype(avals[pid].dtype, jnp.inexact):
+                    out = out + jnp.sum(jnp.square(gbuf[n].astype(jnp.float32)))
+        return out
 
-    def epilogue(pbuf, gout, loss, obuf, pos_local):
+    def update_device(d, pbuf, gbuf, obuf, tied_total, scale):
+        pbuf, new_o = list(pbuf), {dt: [v[k] for k in range(spd)] for dt, v in obuf.items()}
+        for k, s in enumerate(sched.device_stages(d)):
+            st, ns = stages[s], slots.stage_slots[s]
+            grads = [tied_total[tied.index(pid)] if pid in tied else gbuf[n]
+                     for pid, n in zip(st.param_ids, ns, strict=True)]
+            grads = [(g * scale).astype(g.dtype) for g in grads]
+            p_tree = _stage_tree(pipe, s, [pbuf[n] for n in ns])
+            g_tree = _stage_tree(pipe, s, grads)
+            o_tree = jax.tree.unflatten(opt_treedefs[s], opt_layouts[s].unpack(
+                {dt: v[k] for dt, v in obuf.items()}))
+            updates, o_tree = optimizer.update(g_tree, o_tree, p_tree)
+            # stage param_ids are ascending, i.e. the tree's leaf order
+            for n, x in zip(ns, jax.tree.leaves(optax.apply_updates(p_tree, updates)),
+                            strict=True):
+                pbuf[n] = x
+            packed = opt_layouts[s].pack(jax.tree.leaves(o_tree), opt_width)
+            for dt in new_o:
+                new_o[dt][k] = packed[dt]
+        return pbuf, {dt: jnp.stack(v) for dt, v in new_o.items()}
+
+    def set_tied(d, pbuf, owned):
+        pbuf = list(pbuf)
+        for s in sched.device_stages(d):
+            for pid, n in zip(stages[s].param_ids, slots.stage_slots[s], strict=True):
+                if pid in tied:
+                    pbuf[n] = owned[tied.index(pid)]
+        return pbuf
+
+    def per_device(fn, *args):
+        return lax.switch(lax.axis_index(axis),
+                          [lambda *a, d=d: fn(d, *a) for d in range(D)], *args)
+
+    def epilogue(pbuf, gout, loss, obuf):
         obuf = {k: v[0] for k, v in obuf.items()}
-        pos_local = pos_local[0]
-        pos_local_ref[0] = pos_local
-        rows = lambda buf, k: {dt: v[k] for dt, v in buf.items()}  # noqa: E731
-        tied_total = tied_sum(gout)
-        sq = sum(jnp.sum(jnp.square(v.astype(jnp.float32))) for v in tied_total.values())
-        local_sq = jnp.zeros((), jnp.float32)
-        for k in range(spd):
-            local_sq = local_sq + lax.switch(
-                pos_local[k],
-                [lambda g, s=s: sq_norm(s, g) for s in stages_at[k]]
-                + [lambda g: jnp.zeros((), jnp.float32)],
-                rows(gout, k),
-            )
-        gnorm = jnp.sqrt(sq + lax.psum(local_sq, axis))
+        tied_total = [lax.psum(x, axis) for x in per_device(
+            lambda d, g: local_tied(d, g, False), gout)]
+        sq = sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in tied_total),
+                 jnp.zeros((), jnp.float32))
+        gnorm = jnp.sqrt(sq + lax.psum(per_device(local_sq, gout), axis))
         scale = jnp.ones((), jnp.float32)
         if clip_global_norm is not None:
             scale = jnp.minimum(1.0, clip_global_norm / jnp.maximum(gnorm, 1e-12))
-        new_p, new_o = {dt: [] for dt in pbuf}, {dt: [] for dt in obuf}
-        for k in range(spd):
-            np_k, no_k = lax.switch(
-                pos_local[k],
-                [lambda p, g, o, s=s: update(s, p, g, o, tied_total, scale)
-                 for s in stages_at[k]] + [lambda p, g, o: (p, o)],
-                rows(pbuf, k), rows(gout, k), rows(obuf, k),
-            )
-            for dt in new_p:
-                new_p[dt].append(np_k[dt])
-            for dt in new_o:
-                new_o[dt].append(no_k[dt])
-        new_p = {dt: jnp.stack(v) for dt, v in new_p.items()}
-        new_o = {dt: jnp.stack(v) for dt, v in new_o.items()}
+        new_p, new_o = per_device(
+            lambda d, p, g, o: update_device(d, p, g, o, tied_total, scale), pbuf, gout, obuf)
         if tied:
-            # Copies get the same update, but branches may round differently: take the
+            # Copies got the same update, but branches may round differently: take the
             # first owner's result everywhere so tied copies stay bit-identical.
-            owned = tied_sum(new_p, owner_only=True)
-            fixed = [lax.switch(pos_local[k],
-                                [lambda r, s=s: set_tied(s, r, owned) for s in stages_at[k]]
-                                + [lambda r: r],
-                                rows(new_p, k)) for k in range(spd)]
-            new_p = {dt: jnp.stack([f[dt] for f in fixed]) for dt in new_p}
+            owned = [lax.psum(x, axis) for x in per_device(
+                lambda d, p: local_tied(d, p, True), new_p)]
+            new_p = per_device(lambda d, p: set_tied(d, p, owned), new_p)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         if skip_nonfinite:
-            new_p = {dt: jnp.where(finite, new_p[dt], pbuf[dt]) for dt in new_p}
+            new_p = [jnp.where(finite, a, b) for a, b in zip(new_p, pbuf, strict=True)]
             new_o = {dt: jnp.where(finite, new_o[dt], obuf[dt]) for dt in new_o}
         metrics = {"loss": loss, "grad_norm": gnorm,
                    "skipped": jnp.logical_and(skip_nonfinite, ~finite).astype(jnp.int32)}
-        return ({dt: v[None] for dt, v in new_p.items()},
-                {dt: v[None] for dt, v in new_o.items()}, metrics)
+        return [x[None] for x in new_p], {dt: v[None] for dt, v in new_o.items()}, metrics
 
-    pspec = {dt: P(axis) for dt in L.param_width}
+    pspec = [P(axis)] * len(slots)
     ospec = {dt: P(axis) for dt in opt_width}
     core = build_step(
         stages, L, low, pipe.mesh, axis, pipe.data_axes, pipe.num_microbatches,
-        len(pipe._batch_ndims), epilogue=epilogue, extra_in_specs=(ospec, P(axis)),
+        len(pipe._batch_ndims), epilogue=epilogue, extra_in_specs=(ospec,),
         epilogue_out_specs=(pspec, ospec, {"loss": P(), "grad_norm": P(), "skipped": P()}),
     )
 
     def step_fn(state: TrainState, batch):
-        new_p, new_o, metrics = core(state.params, pipe._microbatches(batch),
-                                     state.opt_state, pos)
+        new_p, new_o, metrics = core(state.params, pipe._microbatches(batch), state.opt_state)
         return TrainState(new_p, new_o, state.step + 1), metrics
 
     return _Trainer(optimizer, opt_layouts, opt_treedefs, opt_width,
@@ -255,11 +217,13 @@ def train_step(pipe, state: TrainState, batch) -> tuple[TrainState, dict]:
         )
     tr = pipe._trainer
     p, spd = pipe.schedule.num_devices, pipe.lowered.stages_per_device
-    for name, widths in (("params", pipe.layouts.param_width), ("opt_state", tr.opt_width)):
-        part = getattr(state, name)
-        got = ({dt: tuple(np.shape(v)) for dt, v in part.items()}
-               if isinstance(part, dict) else type(part).__name__)
-        want = {dt: (p, spd, w) for dt, w in widths.items()}
+    layouts = (("params", [tuple(np.shape(v)) for v in state.params]
+                if isinstance(state.params, (list, tuple)) else type(state.params).__name__,
+                pipe.staged_shapes()),
+               ("opt_state", {dt: tuple(np.shape(v)) for dt, v in state.opt_state.items()}
+                if isinstance(state.opt_state, dict) else type(state.opt_state).__name__,
+                {dt: (p, spd, w) for dt, w in tr.opt_width.items()}))
+    for name, got, want in layouts:
         if got != want:
             raise PipelineError(
                 f"state.{name} has the layout {got} but this pipeline and optimizer expect "

@@ -88,7 +88,7 @@ def test_shard_unshard_roundtrip():
     mesh = jax.make_mesh((4,), ("pipe",))
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.GPipe(4, 2), cut="markers")
     staged = pipe.shard(params)
-    for v in staged.values():
+    for v in staged:
         assert v.shape[0] == 4 and v.sharding.spec[0] == "pipe"
     back = pipe.unshard(staged)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
