@@ -53,24 +53,22 @@ def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any) -> tuple[list[in
             f"({len(traced.markers)} markers); add jaxpipe.boundary / @jaxpipe.layer markers "
             "or use fewer stages."
         )
+    from jaxpipe import cut as cutmod
+    from jaxpipe.cost import segment_costs
+
     if cut == "markers":
         # Group segments evenly: segment boundaries at round(i * n_seg / S).
-        return [round(i * n_seg / S) - 1 for i in range(1, S)], None
-    from jaxpipe import cut as cutmod
+        cut = cutmod.Cut(indices=[round(i * n_seg / S) - 1 for i in range(1, S)])
 
     if cut == "auto":
         cut = cutmod.Cut()
     if isinstance(cut, cutmod.Cut):
-        if cut.indices is not None:
-            idx = list(cut.indices)
-            if len(idx) != S - 1:
-                raise PipelineError(
-                    f"Cut(indices={idx}) gives {len(idx) + 1} stages but the schedule has "
-                    f"{S}; pass {S - 1} marker indices."
-                )
-            return idx, None
-        from jaxpipe.cost import segment_costs
-
+        if cut.indices is not None and len(cut.indices) != S - 1:
+            raise PipelineError(
+                f"Cut(indices={list(cut.indices)}) gives {len(cut.indices) + 1} stages but "
+                f"the schedule has {S}; pass {S - 1} marker indices."
+            )
+        # Explicit cuts go through the cutter too: it reports their predicted costs.
         result = cutmod.choose_cuts(segment_costs(traced), schedule, cut)
         return list(result.cuts), result
     raise PipelineError(
@@ -364,6 +362,12 @@ class Pipeline:
 
             self._plan = Plan.build(self)
         return self._plan
+
+    def compare_compiled(self, params, batch) -> dict:
+        """Predicted per-device bytes next to the compiled program's ``memory_analysis()``."""
+        from jaxpipe.plan import Plan
+
+        return Plan.compare_compiled(self, params, batch)
 
 
 def pipeline(

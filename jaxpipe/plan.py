@@ -1,0 +1,121 @@
+"""``Pipeline.plan``: what each stage and device holds, and what the schedule predicts.
+
+Two memory figures are shown per device:
+
+- *predicted*: the cutter's model (parameters, gradients and optimizer state of the
+  device's stages + in-flight x residual bytes + transfers + workspace), the number the
+  cutter balances;
+- *buffers*: what the lowered SPMD program actually allocates for parameters, gradients,
+  residual pools and message slots (liveness-sized, padded to one shape on every device).
+
+``compare_compiled`` puts the compiled program's ``memory_analysis()`` next to them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Plan"]
+
+
+def _fmt(b: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{int(b)} B"
+
+
+def _nbytes(layout) -> int:
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in layout.avals)
+
+
+@dataclass
+class Plan:
+    """Per-stage and per-device summary of a pipeline; ``print(plan)`` shows a table."""
+
+    stage_rows: list[dict]
+    device_rows: list[dict]
+    makespan: float
+    bubble_fraction: float
+    schedule_name: str
+    objective: str
+    buffer_bytes: int  # what the lowered program allocates per device (same on all)
+
+    @classmethod
+    def build(cls, pipe) -> Plan:
+        res = pipe.cut_report
+        sched, low, L = pipe.schedule, pipe.lowered, pipe.layouts
+        total_flops = sum(res.stage_fwd) or 1.0
+        stage_rows = []
+        for st in pipe.stages:
+            s = st.index
+            stage_rows.append({
+                "stage": s,
+                "device": sched.placement(s),
+                "layers": ",".join(st.names) if st.names else "-",
+                "flops_share": res.stage_fwd[s] / total_flops,
+                "param_bytes": int(sum(math.prod(pipe._param_avals[i].shape)
+                                       * np.dtype(pipe._param_avals[i].dtype).itemsize
+                                       for i in st.param_ids)),
+                "residual_bytes": _nbytes(L.res[s]),
+                "in_flight": res.in_flight[s],
+            })
+        slot_bytes = L.slots.nbytes()
+        itemsize = {k: np.dtype(k).itemsize for k in list(low.res_pool) + list(low.wres_pool)}
+        res_pool = sum(n * itemsize[k] for k, n in low.res_pool.items())
+        wres_pool = sum(n * itemsize[k] for k, n in low.wres_pool.items())
+        msg = sum(w * np.dtype(k).itemsize for k, w in L.msg_width.items()) * (low.num_inbox + 1)
+        buffers = 2 * slot_bytes + res_pool + wres_pool + msg
+        device_rows = []
+        for d in range(sched.num_devices):
+            mine = low.res_pool_per_device[d]
+            device_rows.append({
+                "device": d,
+                "stages": list(sched.device_stages(d)),
+                "predicted_bytes": res.device_memory[d].total,
+                "residual_peak": low.res_peak[d],
+                "residual_bytes": sum(n * itemsize[k] for k, n in mine.items()),
+            })
+        return cls(stage_rows, device_rows, float(res.makespan or 0.0),
+                   float(res.bubble_fraction or 0.0), type(sched).__name__, res.objective,
+                   int(buffers))
+
+    def __str__(self) -> str:
+        head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
+                f"{'in-flight':>9}  layers")
+        lines = [f"jaxpipe plan: {self.schedule_name}, cut objective '{self.objective}', "
+                 f"predicted bubble {self.bubble_fraction:.3f}", head]
+        for r in self.stage_rows:
+            layers = r["layers"] if len(r["layers"]) <= 40 else r["layers"][:37] + "..."
+            lines.append(f"{r['stage']:>5} {r['device']:>3} {r['flops_share']:>6.1%} "
+                         f"{_fmt(r['param_bytes']):>10} {_fmt(r['residual_bytes']):>10} "
+                         f"{r['in_flight']:>9}  {layers}")
+        lines.append(f"{'dev':>5} {'stages':>10} {'predicted':>11} {'live resid':>10} "
+                     f"{'resid bytes':>11}")
+        for r in self.device_rows:
+            lines.append(f"{r['device']:>5} {str(r['stages']):>10} "
+                         f"{_fmt(r['predicted_bytes']):>11} {r['residual_peak']:>10} "
+                         f"{_fmt(r['residual_bytes']):>11}")
+        lines.append(f"runtime buffers per device (params+grads+residual pools+messages): "
+                     f"{_fmt(self.buffer_bytes)}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    @staticmethod
+    def compare_compiled(pipe, params: Any, batch: Any) -> dict:
+        """Compile the value-and-grad step and return predicted vs compiled bytes."""
+        ma = pipe.lower_step(params, batch).compile().memory_analysis()
+        plan = pipe.plan
+        compiled = {k: int(getattr(ma, k, 0) or 0) for k in (
+            "temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+            "generated_code_size_in_bytes")}
+        return {
+            "predicted_max_device_bytes": max(r["predicted_bytes"] for r in plan.device_rows),
+            "runtime_buffer_bytes": plan.buffer_bytes,
+            **compiled,
+        }
