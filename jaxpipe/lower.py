@@ -47,15 +47,23 @@ class Lowered:
     perm_offsets: tuple[int, ...]  # each ppermute sends device d -> (d + offset) % D
     perm_active: np.ndarray  # bool [ticks, len(perm_offsets)]: someone sends this tick
     local_index: dict[int, int]  # stage -> index among its device's stages
-    res_pool: dict[str, int]  # dtype -> residual pool elements needed (max over devices)
-    wres_pool: dict[str, int]
+    pools: dict[str, dict[str, int]]  # pool -> dtype -> elements needed (max over devices)
     num_inbox: int  # message slots (max over devices)
     res_peak: list[int] = field(default_factory=list)  # per device: live residual sets
     inbox_peak: list[int] = field(default_factory=list)
-    res_pool_per_device: list[dict[str, int]] = field(default_factory=list)
+    pool_per_device: list[dict[str, int]] = field(default_factory=list)  # "pool:dtype" -> n
 
     def col(self, name: str) -> int:
         return self.columns[name]
+
+    @property
+    def res_pool(self) -> dict[str, int]:
+        """Residual elements per dtype (both parts) the program allocates per device."""
+        out: dict[str, int] = {}
+        for name in ("resa", "resb"):
+            for k, n in self.pools.get(name, {}).items():
+                out[k] = out.get(k, 0) + n
+        return out
 
 
 def _first_fit(intervals: list[tuple[int, int, int, object]]) -> tuple[dict, int]:
@@ -89,23 +97,29 @@ def _peak(intervals) -> int:
     return peak
 
 
-def lower(
-    schedule: Schedule,
-    res_sizes: list[dict[str, int]],
-    wres_sizes: list[dict[str, int]] | None = None,
-) -> Lowered:
+# Storage pools: (action kind that writes, action kinds that read). Residuals are stored
+# in two parts: "resa" (what only the input-gradient needs: freed after B or I) and "resb"
+# (what the weight-gradient W also needs: freed after B or W). "wres" is what I hands to W.
+POOLS = {
+    "resa": ("F", ("B", "I")),
+    "resb": ("F", ("B", "I", "W")),
+    "wres": ("I", ("W",)),
+}
+
+
+def lower(schedule: Schedule, pool_sizes: dict[str, list[dict[str, int]]]) -> Lowered:
     """Build the tick tables for ``schedule``.
 
     Args:
       schedule: a schedule (validated here).
-      res_sizes: per stage, elements of stored residuals per dtype.
-      wres_sizes: per stage, elements the I half hands to the W half, per dtype.
+      pool_sizes: for each pool in :data:`POOLS`, per stage, elements per dtype that one
+        microbatch stores there.
     """
     schedule.validate()
     S, D = schedule.num_stages, schedule.num_devices
     # SPMD buffers need one shape: size by the device holding the most stages.
     spd = max(len(schedule.device_stages(d)) for d in range(D))
-    wres_sizes = wres_sizes or [{} for _ in range(S)]
+    pool_sizes = {name: pool_sizes.get(name) or [{} for _ in range(S)] for name in POOLS}
     timeline = schedule.simulate(costs=UNIT_COSTS)
     when: dict[Action, tuple[int, int]] = {}
     for ev in timeline.events:
@@ -133,53 +147,47 @@ def lower(
             messages.append((a, bwd_in(a.stage - 1, a.microbatch)))
 
     offsets = sorted({(place[c.stage] - place[p.stage]) % D for p, c in messages} - {0})
-    dtypes_res = sorted({k for r in res_sizes for k in r})
-    dtypes_wres = sorted({k for r in wres_sizes for k in r})
+    dtypes = {name: sorted({k for r in sizes for k in r}) for name, sizes in pool_sizes.items()}
     names = ["branch", "mb", "in_slot", "local_dst"]
     names += [f"recv{j}" for j in range(len(offsets))]
-    for k in dtypes_res:
-        names += [f"res_w:{k}", f"res_wlen:{k}", f"res_r:{k}"]
-    for k in dtypes_wres:
-        names += [f"wres_w:{k}", f"wres_wlen:{k}", f"wres_r:{k}"]
+    for name in POOLS:
+        for k in dtypes[name]:
+            names += [f"{name}_w:{k}", f"{name}_r:{k}"]
     cols = {n: i for i, n in enumerate(names)}
 
-    # Per-device liveness: residual sets and messages.
-    res_iv = defaultdict(list)  # device -> (start, end, (s, mb))
-    wres_iv = defaultdict(list)
-    last_bwd: dict = {}
+    # Liveness per pool: from the writer's tick to the last reader's tick.
+    actions_of: dict = defaultdict(dict)  # (s, mb) -> kind -> tick
     for a, (_, t) in when.items():
-        if a.kind != "F":
-            key = (a.stage, a.microbatch)
-            last_bwd[key] = max(last_bwd.get(key, t), t)
-    for a, (d, t) in when.items():
-        if a.kind == "F":
-            res_iv[d].append((t, last_bwd[(a.stage, a.microbatch)], (a.stage, a.microbatch)))
-        elif a.kind == "I":
-            tw = when[Action("W", a.stage, a.microbatch)][1]
-            wres_iv[d].append((t, tw, (a.stage, a.microbatch)))
+        actions_of[(a.stage, a.microbatch)][a.kind] = t
+    pool_off: dict = {}
+    pool_top = {name: {k: 0 for k in dtypes[name]} for name in POOLS}
+    per_dev_pool = []
+    res_peak = []
+    for d in range(D):
+        mine = {}
+        keys = [(a.stage, a.microbatch) for a, (dd, _) in when.items()
+                if dd == d and a.kind == "F"]
+        for name, (writer, readers) in POOLS.items():
+            ivs = []
+            for key in keys:
+                ticks = actions_of[key]
+                if writer not in ticks:
+                    continue
+                last = max((ticks[r] for r in readers if r in ticks), default=ticks[writer])
+                ivs.append((ticks[writer], last, key))
+            for k in dtypes[name]:
+                off, top = _first_fit([(a, b, pool_sizes[name][key[0]].get(k, 0), key)
+                                       for a, b, key in ivs])
+                pool_off.update({(name, key, k): o for key, o in off.items()})
+                pool_top[name][k] = max(pool_top[name][k], top)
+                mine[f"{name}:{k}"] = top
+        per_dev_pool.append(mine)
+        # residual *sets* live from F to the last backward action (the simulator's count)
+        res_peak.append(_peak([(actions_of[key]["F"], max(t for kd, t in actions_of[key].items()
+                                                          if kd != "F")) for key in keys]))
     msg_iv = defaultdict(list)
     for p, c in messages:
         msg_iv[when[c][0]].append((when[p][1], when[c][1], (p, c)))
-
-    res_off: dict = {}
-    wres_off: dict = {}
-    res_pool: dict[str, int] = {k: 0 for k in dtypes_res}
-    wres_pool: dict[str, int] = {k: 0 for k in dtypes_wres}
-    per_dev_pool = []
-    for d in range(D):
-        mine = {}
-        for k in dtypes_res:
-            ivs = [(a, b, res_sizes[s].get(k, 0), (s, mb)) for a, b, (s, mb) in res_iv[d]]
-            off, top = _first_fit(ivs)
-            res_off.update({(key, k): o for key, o in off.items()})
-            res_pool[k] = max(res_pool[k], top)
-            mine[k] = top
-        per_dev_pool.append(mine)
-        for k in dtypes_wres:
-            ivs = [(a, b, wres_sizes[s].get(k, 0), (s, mb)) for a, b, (s, mb) in wres_iv[d]]
-            off, top = _first_fit(ivs)
-            wres_off.update({(key, k): o for key, o in off.items()})
-            wres_pool[k] = max(wres_pool[k], top)
     msg_slot = {}
     num_inbox = 0
     for d in range(D):
@@ -197,23 +205,18 @@ def lower(
 
     for a, (d, t) in when.items():
         row = table[t, d]
-        s, mb = a.stage, a.microbatch
-        row[cols["branch"]] = branch_index(a.kind, s, S)
-        row[cols["mb"]] = mb
-        if a.kind == "F":
-            for k in dtypes_res:
-                row[cols[f"res_w:{k}"]] = res_off[((s, mb), k)]
-                row[cols[f"res_wlen:{k}"]] = res_sizes[s].get(k, 0)
-        else:
-            for k in dtypes_res:
-                row[cols[f"res_r:{k}"]] = res_off[((s, mb), k)]
-        if a.kind == "I":
-            for k in dtypes_wres:
-                row[cols[f"wres_w:{k}"]] = wres_off[((s, mb), k)]
-                row[cols[f"wres_wlen:{k}"]] = wres_sizes[s].get(k, 0)
-        if a.kind == "W":
-            for k in dtypes_wres:
-                row[cols[f"wres_r:{k}"]] = wres_off[((s, mb), k)]
+        key = (a.stage, a.microbatch)
+        row[cols["branch"]] = branch_index(a.kind, a.stage, S)
+        row[cols["mb"]] = a.microbatch
+        for name, (writer, readers) in POOLS.items():
+            for k in dtypes[name]:
+                off = pool_off.get((name, key, k))
+                if off is None:
+                    continue
+                if a.kind == writer:
+                    row[cols[f"{name}_w:{k}"]] = off
+                elif a.kind in readers:
+                    row[cols[f"{name}_r:{k}"]] = off
     for p, c in messages:
         (dp, tp), (dc, tc) = when[p], when[c]
         slot = msg_slot[(p, c)]
@@ -228,9 +231,7 @@ def lower(
     return Lowered(
         num_ticks=T, num_devices=D, num_stages=S, stages_per_device=spd, columns=cols,
         table=table, perm_offsets=tuple(offsets), perm_active=perm_active,
-        local_index=local_index, res_pool=res_pool, wres_pool=wres_pool,
-        num_inbox=num_inbox,
-        res_peak=[_peak([(a, b) for a, b, _ in res_iv[d]]) for d in range(D)],
+        local_index=local_index, pools=pool_top, num_inbox=num_inbox, res_peak=res_peak,
         inbox_peak=[_peak([(a, b) for a, b, _ in msg_iv[d]]) for d in range(D)],
-        res_pool_per_device=per_dev_pool,
+        pool_per_device=per_dev_pool,
     )

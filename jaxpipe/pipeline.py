@@ -115,11 +115,11 @@ class Pipeline:
         self.layouts = StageLayouts.build(
             self.stages, self._param_avals,
             [schedule.device_stages(d) for d in range(schedule.num_devices)])
-        self.lowered: Lowered = lower(
-            schedule,
-            [lay.sizes for lay in self.layouts.res],
-            [lay.sizes for lay in self.layouts.wres],
-        )
+        self.lowered: Lowered = lower(schedule, {
+            "resa": [lay.sizes for lay in self.layouts.resa],
+            "resb": [lay.sizes for lay in self.layouts.resb],
+            "wres": [lay.sizes for lay in self.layouts.wres],
+        })
         self._spd = self.lowered.stages_per_device
         self._batch_ndims = [len(a.shape) for a in jax.tree.leaves(mb)]
         self._step = build_step(

@@ -65,20 +65,20 @@ class Plan:
                 "in_flight": res.in_flight[s],
             })
         slot_bytes = L.slots.nbytes()
-        itemsize = {k: np.dtype(k).itemsize for k in list(low.res_pool) + list(low.wres_pool)}
-        res_pool = sum(n * itemsize[k] for k, n in low.res_pool.items())
-        wres_pool = sum(n * itemsize[k] for k, n in low.wres_pool.items())
+        pool_bytes = sum(n * np.dtype(k).itemsize for sizes in low.pools.values()
+                         for k, n in sizes.items())
         msg = sum(w * np.dtype(k).itemsize for k, w in L.msg_width.items()) * (low.num_inbox + 1)
-        buffers = 2 * slot_bytes + res_pool + wres_pool + msg
+        buffers = 2 * slot_bytes + pool_bytes + msg
         device_rows = []
         for d in range(sched.num_devices):
-            mine = low.res_pool_per_device[d]
+            mine = low.pool_per_device[d]
             device_rows.append({
                 "device": d,
                 "stages": list(sched.device_stages(d)),
                 "predicted_bytes": res.device_memory[d].total,
                 "residual_peak": low.res_peak[d],
-                "residual_bytes": sum(n * itemsize[k] for k, n in mine.items()),
+                "residual_bytes": sum(n * np.dtype(key.split(":")[1]).itemsize
+                                      for key, n in mine.items()),
             })
         return cls(stage_rows, device_rows, float(res.makespan or 0.0),
                    float(res.bubble_fraction or 0.0), type(sched).__name__, res.objective,

@@ -11,7 +11,7 @@ Every stage is turned into closed jaxprs once, here, so the runtimes only evalua
 - ``fwd``: (params, batch, carry_in) -> (carry_out, stored residuals)
 - ``bwd``: (params, batch, stored residuals, ct_out) -> (ct_params, ct_carry_in)
 - ``bwd_i``: same inputs -> (ct_carry_in, w_residuals)   (backward w.r.t. inputs only)
-- ``bwd_w``: (params, batch, stored residuals, w_residuals) -> ct_params
+- ``bwd_w``: (params, batch, stored residuals[w_res_ids], w_residuals) -> ct_params
 
 Residuals that are just a parameter or a microbatch leaf are not stored: the backward
 re-reads them (parameters are resident on the device anyway). Only inexact (float)
@@ -59,6 +59,7 @@ class StageFn:
     diff_out_mask: tuple[bool, ...] = field(default=())  # per out_avals
     names: tuple[str, ...] = ()
     is_last: bool = False
+    w_res_ids: tuple[int, ...] = ()  # stored residuals the W half reads (others die at I)
 
     def ct_in_avals(self) -> list:
         """Cotangents this stage's backward sends to the previous stage."""
@@ -254,16 +255,17 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
         [_sds(a) for a in residual_avals], [_sds(a) for a in ct_out_avals],
     )
     n_ctp = sum(dp)
-    bwd_i, bwd_w, w_avals = _split_backward(bwd_jaxpr, n_ctp, len(ct_out_avals))
+    bwd_i, bwd_w, w_avals, w_res_ids = _split_backward(
+        bwd_jaxpr, n_ctp, len(p_avals) + len(b_avals), len(ct_out_avals))
     return StageFn(
         index=s, eqn_range=rng, param_ids=p_ids, batch_ids=b_ids, in_avals=in_avals,
         out_avals=out_avals, residual_avals=residual_avals, w_residual_avals=w_avals,
         fwd=fwd_jaxpr, bwd=bwd_jaxpr, bwd_i=bwd_i, bwd_w=bwd_w, diff_param_mask=dp,
-        diff_in_mask=di, diff_out_mask=do, names=names, is_last=is_last,
+        diff_in_mask=di, diff_out_mask=do, names=names, is_last=is_last, w_res_ids=w_res_ids,
     )
 
 
-def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_ct_out: int):
+def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_pb: int, n_ct_out: int):
     """Split the backward into I (input cotangents) and W (parameter cotangents).
 
     I keeps every equation the input cotangents need. W keeps the remaining equations the
@@ -300,10 +302,16 @@ def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_ct_out: int):
     eqns_i = [j.eqns[k] for k in i_idx]
     eqns_w = [j.eqns[k] for k in w_idx]
     jaxpr_i = j.replace(eqns=eqns_i, outvars=list(ct_c) + handoff)
-    jaxpr_w = j.replace(invars=list(j.invars[: len(j.invars) - n_ct_out]) + handoff,
+    # W reads parameters, the microbatch, the stored residuals it needs and the hand-off;
+    # residuals only I needs can be freed as soon as I has run.
+    w_used = set(w_reads)
+    stored = j.invars[n_pb: len(j.invars) - n_ct_out]
+    w_res_ids = tuple(i for i, v in enumerate(stored) if v in w_used)
+    jaxpr_w = j.replace(invars=list(j.invars[:n_pb]) + [stored[i] for i in w_res_ids] + handoff,
                         eqns=eqns_w, outvars=list(ct_p))
     return (
         jcore.ClosedJaxpr(jaxpr_i, bwd.consts),
         jcore.ClosedJaxpr(jaxpr_w, bwd.consts),
         [v.aval for v in handoff],
+        w_res_ids,
     )

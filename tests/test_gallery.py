@@ -201,7 +201,7 @@ def test_dualpipe_v_turn_is_a_local_hand_off():
     from jaxpipe.lower import lower
 
     p, m = 4, 8
-    lowered = lower(DualPipeV(p, m), [{} for _ in range(2 * p)])
+    lowered = lower(DualPipeV(p, m), {})
     local = lowered.table[:, :, lowered.col("local_dst")] != lowered.num_inbox
     assert local.sum() == 2 * m
     assert set(np.argwhere(local)[:, 1].tolist()) == {p - 1}

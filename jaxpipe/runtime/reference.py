@@ -79,7 +79,8 @@ def run_reference(
             if a.stage > 0:
                 cts[(a.stage - 1, a.microbatch)] = ct_in
         else:  # W
-            add_grads(st, fns[a.stage]["bwd_w"](*params, *batch, *res[key], *handoff.pop(key)))
+            stored = [res[key][i] for i in st.w_res_ids]
+            add_grads(st, fns[a.stage]["bwd_w"](*params, *batch, *stored, *handoff.pop(key)))
         if a.kind in ("B", "W"):
             del res[key]
             live[d] -= 1

@@ -35,7 +35,9 @@ class StageLayouts:
     """Flat-buffer layouts of every stage's parameters, residuals and messages."""
 
     slots: ParamSlots
-    res: list[Layout]
+    res: list[Layout]  # all stored residuals (for sizes)
+    resa: list[Layout]  # the part only the input-gradient reads (freed at B or I)
+    resb: list[Layout]  # the part W reads too (freed at B or W); stage.w_res_ids
     wres: list[Layout]
     act_out: list[Layout]  # forward message a stage sends (its carry out)
     ct_out: list[Layout]  # cotangent message a stage receives (for its float carry out)
@@ -49,13 +51,16 @@ class StageLayouts:
     def build(cls, stages: list[StageFn], param_avals: list, device_stages) -> StageLayouts:
         slots = ParamSlots(stages, param_avals, device_stages)
         res = [Layout(st.residual_avals) for st in stages]
+        resa = [Layout([a for i, a in enumerate(st.residual_avals) if i not in st.w_res_ids])
+                for st in stages]
+        resb = [Layout([st.residual_avals[i] for i in st.w_res_ids]) for st in stages]
         wres = [Layout(st.w_residual_avals) for st in stages]
         act_out = [Layout([] if st.is_last else st.out_avals) for st in stages]
         ct_out = [Layout([] if st.is_last else st.ct_out_avals()) for st in stages]
         act_in = [Layout(st.in_avals) for st in stages]
         ct_in = [Layout(st.ct_in_avals()) for st in stages]
         return cls(
-            slots, res, wres, act_out, ct_out, act_in, ct_in,
+            slots, res, resa, resb, wres, act_out, ct_out, act_in, ct_in,
             res_width=merge_widths(res),
             wres_width=merge_widths(wres), msg_width=merge_widths(act_out + ct_in),
         )
@@ -90,7 +95,6 @@ def build_step(
     m = num_microbatches
     L = layouts
     col = low.columns
-    res_keys, wres_keys = list(low.res_pool), list(low.wres_pool)
     perms = [[(d, (d + off) % low.num_devices) for d in range(low.num_devices)]
              for off in low.perm_offsets]
 
@@ -105,6 +109,30 @@ def build_step(
         vals = layout.pack(leaves, layout.sizes)
         return {k: (lax.dynamic_update_slice(v, vals[k], (row[col[f"{prefix}:{k}"]],))
                     if k in vals else v) for k, v in buf.items()}
+
+    def split_ids(st):
+        b_ids = set(st.w_res_ids)
+        return [i for i in range(len(st.residual_avals)) if i not in b_ids], list(st.w_res_ids)
+
+    def store(st, pools, row, stored):
+        a_ids, b_ids = split_ids(st)
+        pools = dict(pools)
+        pools["resa"] = write(L.resa[st.index], pools["resa"], row, "resa_w",
+                              [stored[i] for i in a_ids])
+        pools["resb"] = write(L.resb[st.index], pools["resb"], row, "resb_w",
+                              [stored[i] for i in b_ids])
+        return pools
+
+    def load(st, pools, row):
+        a_ids, b_ids = split_ids(st)
+        out = [None] * len(st.residual_avals)
+        for i, x in zip(a_ids, read(L.resa[st.index], pools["resa"], row, "resa_r"),
+                        strict=True):
+            out[i] = x
+        for i, x in zip(b_ids, read(L.resb[st.index], pools["resb"], row, "resb_r"),
+                        strict=True):
+            out[i] = x
+        return out
 
     def accumulate(st, gbuf, ct_par):
         gbuf = list(gbuf)
@@ -131,45 +159,45 @@ def build_step(
     def make_branch(kind: str, st: StageFn):
         s = st.index
 
-        def f_branch(row, pbuf, mbd, res, wres, inbox, gbuf):
+        def f_branch(row, pbuf, mbd, pools, inbox, gbuf):
             params, batch = stage_inputs(st, pbuf, mbd)
             carry = msg_in(L.act_in[s], inbox, row) if s > 0 else []
             outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry)
             n = len(st.out_avals)
-            res = write(L.res[s], res, row, "res_w", outs[n:])
+            pools = store(st, pools, row, outs[n:])
             if st.is_last:
-                return res, wres, gbuf, _zeros(L.msg_width), outs[0].astype(jnp.float32)
-            return res, wres, gbuf, L.act_out[s].pack(outs[:n], L.msg_width), zero_loss
+                return pools, gbuf, _zeros(L.msg_width), outs[0].astype(jnp.float32)
+            return pools, gbuf, L.act_out[s].pack(outs[:n], L.msg_width), zero_loss
 
-        def b_branch(row, pbuf, mbd, res, wres, inbox, gbuf):
+        def b_branch(row, pbuf, mbd, pools, inbox, gbuf):
             params, batch = stage_inputs(st, pbuf, mbd)
-            stored = read(L.res[s], res, row, "res_r")
-            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *stored, *ct_received(st, inbox, row))
+            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *load(st, pools, row),
+                                        *ct_received(st, inbox, row))
             n = sum(st.diff_param_mask)
             msg = L.ct_in[s].pack(outs[n:], L.msg_width) if s > 0 else _zeros(L.msg_width)
-            return res, wres, accumulate(st, gbuf, outs[:n]), msg, zero_loss
+            return pools, accumulate(st, gbuf, outs[:n]), msg, zero_loss
 
-        def i_branch(row, pbuf, mbd, res, wres, inbox, gbuf):
+        def i_branch(row, pbuf, mbd, pools, inbox, gbuf):
             params, batch = stage_inputs(st, pbuf, mbd)
-            stored = read(L.res[s], res, row, "res_r")
-            outs = jaxpr_as_fun(st.bwd_i)(*params, *batch, *stored,
+            outs = jaxpr_as_fun(st.bwd_i)(*params, *batch, *load(st, pools, row),
                                           *ct_received(st, inbox, row))
             n = len(st.ct_in_avals())
             msg = L.ct_in[s].pack(outs[:n], L.msg_width) if s > 0 else _zeros(L.msg_width)
-            wres = write(L.wres[s], wres, row, "wres_w", outs[n:])
-            return res, wres, gbuf, msg, zero_loss
+            pools = dict(pools)
+            pools["wres"] = write(L.wres[s], pools["wres"], row, "wres_w", outs[n:])
+            return pools, gbuf, msg, zero_loss
 
-        def w_branch(row, pbuf, mbd, res, wres, inbox, gbuf):
+        def w_branch(row, pbuf, mbd, pools, inbox, gbuf):
             params, batch = stage_inputs(st, pbuf, mbd)
-            stored = read(L.res[s], res, row, "res_r")
-            handoff = read(L.wres[s], wres, row, "wres_r")
+            stored = read(L.resb[s], pools["resb"], row, "resb_r")
+            handoff = read(L.wres[s], pools["wres"], row, "wres_r")
             ct_par = jaxpr_as_fun(st.bwd_w)(*params, *batch, *stored, *handoff)
-            return res, wres, accumulate(st, gbuf, ct_par), _zeros(L.msg_width), zero_loss
+            return pools, accumulate(st, gbuf, ct_par), _zeros(L.msg_width), zero_loss
 
         return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch}[kind]
 
-    def idle(row, pbuf, mbd, res, wres, inbox, gbuf):
-        return res, wres, gbuf, _zeros(L.msg_width), zero_loss
+    def idle(row, pbuf, mbd, pools, inbox, gbuf):
+        return pools, gbuf, _zeros(L.msg_width), zero_loss
 
     # Only (kind, stage) pairs the schedule runs get a branch (e.g. no I/W for 1F1B):
     # fewer branches to compile, and pools sized for what runs.
@@ -183,33 +211,33 @@ def build_step(
     def per_device(pbuf, batch, table, active, *extra):
         pbuf = [v[0] for v in pbuf]
         table = table[:, 0]
-        res = {k: jnp.zeros((low.res_pool[k],), k) for k in res_keys}
-        wres = {k: jnp.zeros((low.wres_pool[k],), k) for k in wres_keys}
+        pools = {name: {k: jnp.zeros((n,), k) for k, n in sizes.items()}
+                 for name, sizes in low.pools.items()}
         inbox = {k: jnp.zeros((low.num_inbox + 1, w), k) for k, w in L.msg_width.items()}
         gbuf = [jnp.zeros(shape, dt) for shape, dt in zip(L.slots.shapes, L.slots.dtypes,
                                                            strict=True)]
 
         def tick(carry, xs):
-            res, wres, inbox, gbuf, loss = carry
+            pools, inbox, gbuf, loss = carry
             row, act = xs
             mbd = [lax.dynamic_index_in_dim(x, row[col["mb"]], 0, keepdims=False)
                    for x in batch]
             # One zero-or-one-trip while loop per branch instead of lax.switch: a
             # conditional copies every buffer its untaken branches pass through, while a
             # while loop updates its carry in place.
-            state = (res, wres, gbuf, _zeros(L.msg_width), zero_loss)
+            state = (pools, gbuf, _zeros(L.msg_width), zero_loss)
             br = row[col["branch"]]
             for b in sorted(used - {0}):
                 def body(c, b=b):
                     # The barrier ties the loop-invariant inputs to the trip counter, or
                     # XLA's loop-invariant code motion hoists the stage's compute out of
                     # the zero-trip loop and runs it on every tick.
-                    i, (r, w, g, _, _) = c
+                    i, (pl, g, _, _) = c
                     i, (rw, pb, mb, ib) = lax.optimization_barrier((i, (row, pbuf, mbd, inbox)))
-                    return i + 1, branches[b](rw, pb, mb, r, w, ib, g)
+                    return i + 1, branches[b](rw, pb, mb, pl, ib, g)
                 state = lax.while_loop(lambda c, b=b: c[0] < (br == b).astype(jnp.int32),
                                        body, (jnp.int32(0), state))[1]
-            res, wres, gbuf, msg, loss_t = state
+            pools, gbuf, msg, loss_t = state
             inbox = {k: inbox[k].at[row[col["local_dst"]]].set(msg[k]) for k in inbox}
             for j, perm in enumerate(perms):
                 recv = lax.cond(
@@ -220,10 +248,10 @@ def build_step(
                 )
                 dst = row[col[f"recv{j}"]]
                 inbox = {k: inbox[k].at[dst].set(recv[k]) for k in inbox}
-            return (res, wres, inbox, gbuf, loss + loss_t), None
+            return (pools, inbox, gbuf, loss + loss_t), None
 
-        init = (res, wres, inbox, gbuf, jnp.zeros((), jnp.float32))
-        (_, _, _, gbuf, loss), _ = lax.scan(tick, init, (table, active))
+        init = (pools, inbox, gbuf, jnp.zeros((), jnp.float32))
+        (_, _, gbuf, loss), _ = lax.scan(tick, init, (table, active))
         loss = lax.psum(loss, axis) / m
         gout = gbuf
         if data_axes:
