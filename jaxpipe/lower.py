@@ -47,23 +47,19 @@ class Lowered:
     perm_offsets: tuple[int, ...]  # each ppermute sends device d -> (d + offset) % D
     perm_active: np.ndarray  # bool [ticks, len(perm_offsets)]: someone sends this tick
     local_index: dict[int, int]  # stage -> index among its device's stages
-    pools: dict[str, dict[str, int]]  # pool -> dtype -> elements needed (max over devices)
+    store: dict[str, int]  # dtype -> elements of residual storage (max over devices)
     num_inbox: int  # message slots (max over devices)
     res_peak: list[int] = field(default_factory=list)  # per device: live residual sets
     inbox_peak: list[int] = field(default_factory=list)
-    pool_per_device: list[dict[str, int]] = field(default_factory=list)  # "pool:dtype" -> n
+    pool_per_device: list[dict[str, int]] = field(default_factory=list)  # dtype -> elements
 
     def col(self, name: str) -> int:
         return self.columns[name]
 
     @property
     def res_pool(self) -> dict[str, int]:
-        """Residual elements per dtype (both parts) the program allocates per device."""
-        out: dict[str, int] = {}
-        for name in ("resa", "resb"):
-            for k, n in self.pools.get(name, {}).items():
-                out[k] = out.get(k, 0) + n
-        return out
+        """Residual storage elements per dtype the program allocates per device."""
+        return dict(self.store)
 
 
 def _first_fit(intervals: list[tuple[int, int, int, object]]) -> tuple[dict, int]:
@@ -155,32 +151,34 @@ def lower(schedule: Schedule, pool_sizes: dict[str, list[dict[str, int]]]) -> Lo
             names += [f"{name}_w:{k}", f"{name}_r:{k}"]
     cols = {n: i for i, n in enumerate(names)}
 
-    # Liveness per pool: from the writer's tick to the last reader's tick.
+    # Liveness per pool: from the writer's tick to the last reader's tick. All pools share
+    # one storage per dtype, so parts freed early (I-only residuals) make room for others
+    # and the size is the peak of what is live at once, not a sum of per-pool peaks.
     actions_of: dict = defaultdict(dict)  # (s, mb) -> kind -> tick
     for a, (_, t) in when.items():
         actions_of[(a.stage, a.microbatch)][a.kind] = t
+    store_keys = sorted({k for name in POOLS for k in dtypes[name]})
     pool_off: dict = {}
-    pool_top = {name: {k: 0 for k in dtypes[name]} for name in POOLS}
+    store = {k: 0 for k in store_keys}
     per_dev_pool = []
     res_peak = []
     for d in range(D):
-        mine = {}
         keys = [(a.stage, a.microbatch) for a, (dd, _) in when.items()
                 if dd == d and a.kind == "F"]
+        ivs = []
         for name, (writer, readers) in POOLS.items():
-            ivs = []
             for key in keys:
                 ticks = actions_of[key]
-                if writer not in ticks:
-                    continue
-                last = max((ticks[r] for r in readers if r in ticks), default=ticks[writer])
-                ivs.append((ticks[writer], last, key))
-            for k in dtypes[name]:
-                off, top = _first_fit([(a, b, pool_sizes[name][key[0]].get(k, 0), key)
-                                       for a, b, key in ivs])
-                pool_off.update({(name, key, k): o for key, o in off.items()})
-                pool_top[name][k] = max(pool_top[name][k], top)
-                mine[f"{name}:{k}"] = top
+                if writer in ticks:
+                    last = max((ticks[r] for r in readers if r in ticks), default=ticks[writer])
+                    ivs.append((ticks[writer], last, name, key))
+        mine = {}
+        for k in store_keys:
+            off, top = _first_fit([(a, b, pool_sizes[name][key[0]].get(k, 0), (name, key))
+                                   for a, b, name, key in ivs])
+            pool_off.update({(name, key, k): o for (name, key), o in off.items()})
+            store[k] = max(store[k], top)
+            mine[k] = top
         per_dev_pool.append(mine)
         # residual *sets* live from F to the last backward action (the simulator's count)
         res_peak.append(_peak([(actions_of[key]["F"], max(t for kd, t in actions_of[key].items()
@@ -231,7 +229,7 @@ def lower(schedule: Schedule, pool_sizes: dict[str, list[dict[str, int]]]) -> Lo
     return Lowered(
         num_ticks=T, num_devices=D, num_stages=S, stages_per_device=spd, columns=cols,
         table=table, perm_offsets=tuple(offsets), perm_active=perm_active,
-        local_index=local_index, pools=pool_top, num_inbox=num_inbox, res_peak=res_peak,
+        local_index=local_index, store=store, num_inbox=num_inbox, res_peak=res_peak,
         inbox_peak=[_peak([(a, b) for a, b, _ in msg_iv[d]]) for d in range(D)],
         pool_per_device=per_dev_pool,
     )

@@ -69,7 +69,7 @@ def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any) -> tuple[list[in
                 f"the schedule has {S}; pass {S - 1} marker indices."
             )
         # Explicit cuts go through the cutter too: it reports their predicted costs.
-        result = cutmod.choose_cuts(segment_costs(traced), schedule, cut)
+        result = cutmod.choose_cuts(segment_costs(traced, profile=cut.profile), schedule, cut)
         return list(result.cuts), result
     raise PipelineError(
         f"cut must be 'auto', 'markers' or a jaxpipe.Cut, got {cut!r}."

@@ -3,8 +3,8 @@
 Two memory figures are shown per device:
 
 - *predicted*: the cutter's model (parameters, gradients and optimizer state of the
-  device's stages + in-flight x residual bytes + transfers + workspace), the number the
-  cutter balances;
+  device's stages + in-flight x residual bytes + transfers + workspace), per device and
+  padded to the one buffer shape SPMD needs (the number the cutter minimises);
 - *buffers*: what the lowered SPMD program actually allocates for parameters, gradients,
   residual pools and message slots (liveness-sized, padded to one shape on every device).
 
@@ -44,6 +44,7 @@ class Plan:
     schedule_name: str
     objective: str
     buffer_bytes: int  # what the lowered program allocates per device (same on all)
+    predicted_padded_bytes: float  # the cutter's SPMD prediction (what it minimises)
 
     @classmethod
     def build(cls, pipe) -> Plan:
@@ -65,8 +66,7 @@ class Plan:
                 "in_flight": res.in_flight[s],
             })
         slot_bytes = L.slots.nbytes()
-        pool_bytes = sum(n * np.dtype(k).itemsize for sizes in low.pools.values()
-                         for k, n in sizes.items())
+        pool_bytes = sum(n * np.dtype(k).itemsize for k, n in low.store.items())
         msg = sum(w * np.dtype(k).itemsize for k, w in L.msg_width.items()) * (low.num_inbox + 1)
         buffers = 2 * slot_bytes + pool_bytes + msg
         device_rows = []
@@ -77,12 +77,11 @@ class Plan:
                 "stages": list(sched.device_stages(d)),
                 "predicted_bytes": res.device_memory[d].total,
                 "residual_peak": low.res_peak[d],
-                "residual_bytes": sum(n * np.dtype(key.split(":")[1]).itemsize
-                                      for key, n in mine.items()),
+                "residual_bytes": sum(n * np.dtype(k).itemsize for k, n in mine.items()),
             })
         return cls(stage_rows, device_rows, float(res.makespan or 0.0),
                    float(res.bubble_fraction or 0.0), type(sched).__name__, res.objective,
-                   int(buffers))
+                   int(buffers), float(res.padded_memory.total))
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
@@ -100,6 +99,8 @@ class Plan:
             lines.append(f"{r['device']:>5} {str(r['stages']):>10} "
                          f"{_fmt(r['predicted_bytes']):>11} {r['residual_peak']:>10} "
                          f"{_fmt(r['residual_bytes']):>11}")
+        lines.append(f"predicted per device (SPMD, one buffer shape on all devices): "
+                     f"{_fmt(self.predicted_padded_bytes)}")
         lines.append(f"runtime buffers per device (params+grads+residual pools+messages): "
                      f"{_fmt(self.buffer_bytes)}")
         return "\n".join(lines)
@@ -115,6 +116,7 @@ class Plan:
             "temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
             "generated_code_size_in_bytes")}
         return {
+            "predicted_bytes": plan.predicted_padded_bytes,
             "predicted_max_device_bytes": max(r["predicted_bytes"] for r in plan.device_rows),
             "runtime_buffer_bytes": plan.buffer_bytes,
             **compiled,

@@ -114,22 +114,18 @@ def build_step(
         b_ids = set(st.w_res_ids)
         return [i for i in range(len(st.residual_avals)) if i not in b_ids], list(st.w_res_ids)
 
-    def store(st, pools, row, stored):
+    def store(st, buf, row, stored):
         a_ids, b_ids = split_ids(st)
-        pools = dict(pools)
-        pools["resa"] = write(L.resa[st.index], pools["resa"], row, "resa_w",
-                              [stored[i] for i in a_ids])
-        pools["resb"] = write(L.resb[st.index], pools["resb"], row, "resb_w",
-                              [stored[i] for i in b_ids])
-        return pools
+        buf = write(L.resa[st.index], buf, row, "resa_w", [stored[i] for i in a_ids])
+        return write(L.resb[st.index], buf, row, "resb_w", [stored[i] for i in b_ids])
 
     def load(st, pools, row):
         a_ids, b_ids = split_ids(st)
         out = [None] * len(st.residual_avals)
-        for i, x in zip(a_ids, read(L.resa[st.index], pools["resa"], row, "resa_r"),
+        for i, x in zip(a_ids, read(L.resa[st.index], pools, row, "resa_r"),
                         strict=True):
             out[i] = x
-        for i, x in zip(b_ids, read(L.resb[st.index], pools["resb"], row, "resb_r"),
+        for i, x in zip(b_ids, read(L.resb[st.index], pools, row, "resb_r"),
                         strict=True):
             out[i] = x
         return out
@@ -183,14 +179,13 @@ def build_step(
                                           *ct_received(st, inbox, row))
             n = len(st.ct_in_avals())
             msg = L.ct_in[s].pack(outs[:n], L.msg_width) if s > 0 else _zeros(L.msg_width)
-            pools = dict(pools)
-            pools["wres"] = write(L.wres[s], pools["wres"], row, "wres_w", outs[n:])
+            pools = write(L.wres[s], pools, row, "wres_w", outs[n:])
             return pools, gbuf, msg, zero_loss
 
         def w_branch(row, pbuf, mbd, pools, inbox, gbuf):
             params, batch = stage_inputs(st, pbuf, mbd)
-            stored = read(L.resb[s], pools["resb"], row, "resb_r")
-            handoff = read(L.wres[s], pools["wres"], row, "wres_r")
+            stored = read(L.resb[s], pools, row, "resb_r")
+            handoff = read(L.wres[s], pools, row, "wres_r")
             ct_par = jaxpr_as_fun(st.bwd_w)(*params, *batch, *stored, *handoff)
             return pools, accumulate(st, gbuf, ct_par), _zeros(L.msg_width), zero_loss
 
@@ -211,8 +206,8 @@ def build_step(
     def per_device(pbuf, batch, table, active, *extra):
         pbuf = [v[0] for v in pbuf]
         table = table[:, 0]
-        pools = {name: {k: jnp.zeros((n,), k) for k, n in sizes.items()}
-                 for name, sizes in low.pools.items()}
+        # every pool (residual parts, I->W hand-off) lives in one storage per dtype
+        pools = {k: jnp.zeros((n,), k) for k, n in low.store.items()}
         inbox = {k: jnp.zeros((low.num_inbox + 1, w), k) for k, w in L.msg_width.items()}
         gbuf = [jnp.zeros(shape, dt) for shape, dt in zip(L.slots.shapes, L.slots.dtypes,
                                                            strict=True)]
