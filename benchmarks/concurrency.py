@@ -32,9 +32,17 @@ SINGLE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_t
 
 
 def _pin(core: int | None) -> int | None:
-    """Pin this process to one core (when there are enough); returns the core or None."""
+    """Pin this process to one core (when there are enough); returns the core or None.
+
+    The candidates are all of the machine's cores, not this process's inherited
+    affinity: ``run.py`` pins itself to one core and its children inherit that.
+    """
     if core is None or not hasattr(os, "sched_setaffinity"):
         return None
+    try:
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    except OSError:
+        pass  # a cpuset may forbid some cores; use what we are allowed
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         return None
@@ -81,21 +89,43 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut="markers")
         build_s = time.perf_counter() - t0
-        compiled, lower_s, compile_s = C.compile_timed(pipe._vg, params, batch)
-        timing = C.time_compiled(compiled, params, batch, warmup=args.warmup,
-                                 repeats=args.repeats)
-        loss, _ = compiled(params, batch)
+        timings, compile_s = _time_programs(pipe, params, batch, args)
+        loss, _ = timings.pop("_compiled_vg")(params, batch)
         runs[spec] = {"schedule": type(sched).__name__, "build_s": build_s,
-                      "lower_s": lower_s, "compile_s": compile_s,
+                      "compile_s": compile_s,
                       "loss": float(np.asarray(loss.addressable_data(0))),
-                      "num_ticks": int(pipe.lowered.num_ticks), **timing}
-        del compiled, pipe
+                      "num_ticks": int(pipe.lowered.num_ticks), **timings["resident"],
+                      "value_and_grad": timings["value_and_grad"]}
+        del pipe
     return {
         "process_id": args.process_id, "num_processes": jax.process_count(),
         "global_devices": len(devices), "core": core, "reference_loss": ref, "runs": runs,
         "ppermute_latency_s": _ppermute_latency(mesh, (args.mb_size, cfg.seq, cfg.d_model),
                                                 cfg.dtype),
     }
+
+
+def _time_programs(pipe: Any, params: Any, batch: Any,
+                   args: argparse.Namespace) -> tuple[dict[str, Any], float]:
+    """Time the resident step and the public ``value_and_grad`` of ``pipe`` round-robin.
+
+    ``resident``: parameters already in the stage layout (``Pipeline.shard``), stage-layout
+    gradients out -- what a training loop runs (``train_step`` keeps them resident).
+    ``value_and_grad``: the public call, user pytree in, gathered gradients out.
+    """
+    import jax
+
+    from benchmarks import common as C
+
+    resident = jax.jit(lambda pbuf, b: pipe._step(pbuf, pipe._microbatches(b)))
+    pbuf = pipe.shard(params)
+    c_res, _, compile_s = C.compile_timed(resident, pbuf, batch)
+    c_vg, _, _ = C.compile_timed(pipe._vg, params, batch)
+    timings = C.time_interleaved({"resident": (c_res, (pbuf, batch)),
+                                  "value_and_grad": (c_vg, (params, batch))},
+                                 warmup=args.warmup, repeats=args.repeats)
+    timings["_compiled_vg"] = c_vg
+    return timings, compile_s
 
 
 def _ppermute_latency(mesh: Any, shape: tuple[int, ...], dtype: str, n: int = 50) -> float:
@@ -139,13 +169,16 @@ def _single(args: argparse.Namespace) -> dict[str, Any]:
     mesh = jax.make_mesh((1,), ("pipe",), devices=jax.devices()[:1])
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(1, m),
                        cut="markers")
-    out: dict[str, Any] = {"core": core}
-    for name, jitted in (("jaxpipe_p1", pipe._vg),
-                         ("plain", jax.jit(C.plain_value_and_grad(loss_fn, m)))):
-        compiled, _, compile_s = C.compile_timed(jitted, params, batch)
-        out[name] = {"compile_s": compile_s,
-                     **C.time_compiled(compiled, params, batch, warmup=args.warmup,
-                                       repeats=args.repeats)}
+    timings, compile_s = _time_programs(pipe, params, batch, args)
+    timings.pop("_compiled_vg")
+    out: dict[str, Any] = {"core": core,
+                           "jaxpipe_p1": {"compile_s": compile_s, **timings["resident"],
+                                          "value_and_grad": timings["value_and_grad"]}}
+    compiled, _, compile_s = C.compile_timed(jax.jit(C.plain_value_and_grad(loss_fn, m)),
+                                             params, batch)
+    out["plain"] = {"compile_s": compile_s,
+                    **C.time_compiled(compiled, params, batch, warmup=args.warmup,
+                                      repeats=args.repeats)}
     return out
 
 
@@ -169,7 +202,26 @@ DEFAULT_SCHEDULES = ("1f1b", "gpipe", "schedules/zero_bubble.py:ZeroBubbleH1")
 def run_concurrency(config: dict[str, Any], microbatches: int, mb_size: int, *,
                     schedules: tuple[str, ...] = DEFAULT_SCHEDULES, warmup: int = 1,
                     repeats: int = 5, timeout: float = 300.0, pin: bool = True,
-                    workdir: str | Path | None = None) -> dict[str, Any]:
+                    workdir: str | Path | None = None, retries: int = 1) -> dict[str, Any]:
+    """:func:`_run_concurrency_once`, retried ``retries`` times if the processes fail
+    (e.g. the coordinator port was taken between choosing and binding it); every
+    failed attempt's error is kept in ``failed_attempts``."""
+    failed = []
+    for _ in range(retries + 1):
+        res = _run_concurrency_once(config, microbatches, mb_size, schedules=schedules,
+                                    warmup=warmup, repeats=repeats, timeout=timeout, pin=pin,
+                                    workdir=workdir)
+        if res["error"] is None:
+            break
+        failed.append({"error": res["error"], "log_tail": res.get("log_tail", "")})
+    res["failed_attempts"] = failed
+    return res
+
+
+def _run_concurrency_once(config: dict[str, Any], microbatches: int, mb_size: int, *,
+                          schedules: tuple[str, ...], warmup: int, repeats: int,
+                          timeout: float, pin: bool,
+                          workdir: str | Path | None) -> dict[str, Any]:
     """Spawn the 2-process pipeline and the 1-process run; return timings and speed-ups.
 
     ``schedules`` are ``jp.load_schedule`` specs (relative paths from the repo root), all
@@ -247,8 +299,11 @@ def run_concurrency(config: dict[str, Any], microbatches: int, mb_size: int, *,
         speedup = single["jaxpipe_p1"]["median_s"] / run["median_s"]
         bound = lockstep_bound(2, microbatches, schedule=jp.load_schedule(
             str(REPO / spec) if ":" in spec else spec)(2, microbatches))
+        vg2, vg1 = run["value_and_grad"], single["jaxpipe_p1"]["value_and_grad"]
         result["per_schedule"][spec] = {
             "median_s": run["median_s"], "cpu_median_s": run["cpu_median_s"],
+            "value_and_grad_median_s": vg2["median_s"],
+            "speedup_value_and_grad": vg1["median_s"] / vg2["median_s"],
             "speedup": speedup, "speedup_vs_plain": single["plain"]["median_s"] / run["median_s"],
             "fraction_of_ideal": speedup / result["ideal"],
             "fraction_of_lockstep_ideal": speedup / bound["lockstep_ideal"], **bound}

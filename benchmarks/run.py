@@ -714,16 +714,19 @@ def markdown_summary(res: dict[str, Any]) -> str:
     if cc and cc.get("per_schedule"):
         single = cc["single"]
         lines += ["", f"**Real concurrency** (2 processes x 1 device, gloo, p=2, "
-                  f"m={cc['microbatches']}, {cc['mb_size']} seq/microbatch; 1 process: jaxpipe "
-                  f"p=1 {single['jaxpipe_p1']['median_s'] * 1e3:.0f} ms, plain JAX "
+                  f"m={cc['microbatches']}, {cc['mb_size']} seq/microbatch, resident step; "
+                  f"1 process: jaxpipe p=1 {single['jaxpipe_p1']['median_s'] * 1e3:.0f} ms, "
+                  f"plain JAX "
                   f"{single['plain']['median_s'] * 1e3:.0f} ms; gloo ppermute "
                   f"{cc['two_process']['ppermute_latency_s'] * 1e3:.2f} ms)", "",
                   "| schedule | 2-proc ms | speed-up | ideal 2m/(m+1) | fraction of ideal | "
-                  "lock-step bound |", "|---|---|---|---|---|---|"]
+                  "lock-step bound | speed-up, public value_and_grad |",
+                  "|---|---|---|---|---|---|---|"]
         for spec, v in cc["per_schedule"].items():
             lines.append(f"| {spec.split(':')[-1]} | {v['median_s'] * 1e3:.0f} | "
                          f"{v['speedup']:.2f} | {cc['ideal']:.2f} | "
-                         f"{v['fraction_of_ideal']:.2f} | {v['lockstep_ideal']:.2f} |")
+                         f"{v['fraction_of_ideal']:.2f} | {v['lockstep_ideal']:.2f} | "
+                         f"{_f(v.get('speedup_value_and_grad'))} |")
     elif cc:
         lines += ["", f"**Real concurrency**: {cc.get('error')}"]
     return "\n".join(lines) + "\n"
@@ -798,6 +801,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "quick": s.quick, "config": s.model.asdict(),
         "settings": {k: v for k, v in s.__dict__.items() if k not in ("model", "extra")},
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "started": time.strftime("%F %T"),
+        "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "duration_s": None,
         "note": ("CPU virtual devices run one program per device on the same cores: wall "
                  "time measures executor overhead, not pipeline overlap (see concurrency). "
@@ -818,6 +822,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             results[name] = globals()[f"section_{name}"](r)
         results[name]["section_s"] = time.perf_counter() - t0
+        results[name]["loadavg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
         (out / f"{name}.json").write_text(json.dumps(results[name], indent=2,
                                                      default=_json_default))
         _log(f"{name} done in {results[name]['section_s']:.0f}s")
