@@ -44,7 +44,8 @@ class Plan:
     schedule_name: str
     objective: str
     buffer_bytes: int  # what the lowered program allocates per device (same on all)
-    predicted_padded_bytes: float  # the cutter's SPMD prediction (what it minimises)
+    predicted_padded_bytes: float  # the cutter's SPMD prediction + the batch, per device
+    batch_bytes: int  # the (data-shard of the) batch every pipeline device holds
 
     @classmethod
     def build(cls, pipe) -> Plan:
@@ -79,9 +80,13 @@ class Plan:
                 "residual_peak": low.res_peak[d],
                 "residual_bytes": sum(n * np.dtype(k).itemsize for k, n in mine.items()),
             })
+        # Every device also holds the whole batch (its data shard), replicated over pipe.
+        batch_bytes = sum(math.prod(s) * np.dtype(v.aval.dtype).itemsize for s, v in zip(
+            pipe._mb_shapes, pipe.traced.jaxpr.invars[pipe.traced.num_params:], strict=True)
+        ) * pipe.num_microbatches // pipe._data_size
         return cls(stage_rows, device_rows, float(res.makespan or 0.0),
                    float(res.bubble_fraction or 0.0), type(sched).__name__, res.objective,
-                   int(buffers), float(res.padded_memory.total))
+                   int(buffers), float(res.padded_memory.total) + batch_bytes, batch_bytes)
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
@@ -99,8 +104,8 @@ class Plan:
             lines.append(f"{r['device']:>5} {str(r['stages']):>10} "
                          f"{_fmt(r['predicted_bytes']):>11} {r['residual_peak']:>10} "
                          f"{_fmt(r['residual_bytes']):>11}")
-        lines.append(f"predicted per device (SPMD, one buffer shape on all devices): "
-                     f"{_fmt(self.predicted_padded_bytes)}")
+        lines.append(f"predicted per device (SPMD, one buffer shape on all devices, incl. "
+                     f"{_fmt(self.batch_bytes)} of batch): {_fmt(self.predicted_padded_bytes)}")
         lines.append(f"runtime buffers per device (params+grads+residual pools+messages): "
                      f"{_fmt(self.buffer_bytes)}")
         return "\n".join(lines)
@@ -108,16 +113,30 @@ class Plan:
     __repr__ = __str__
 
     @staticmethod
-    def compare_compiled(pipe, params: Any, batch: Any) -> dict:
-        """Compile the value-and-grad step and return predicted vs compiled bytes."""
-        ma = pipe.lower_step(params, batch).compile().memory_analysis()
+    def compare_compiled(pipe, params: Any, batch: Any, optimizer: Any = None) -> dict:
+        """Compile a train step and return predicted vs compiled per-device bytes.
+
+        The cutter models parameters + gradients + optimizer state (Adam by default), so
+        the comparison compiles ``train_step`` with ``optimizer`` (default
+        ``optax.adam``). ``compiled_bytes`` = arguments + outputs + temporaries - aliased
+        (donated) bytes of that one SPMD program, i.e. one device's footprint.
+        """
+        import jax
+        import optax
+
+        state = pipe.init(params, optimizer if optimizer is not None else optax.adam(1e-3))
+        lowered = jax.jit(pipe._trainer.step_fn.__wrapped__ if hasattr(
+            pipe._trainer.step_fn, "__wrapped__") else pipe._trainer.step_fn,
+            donate_argnums=0).lower(state, batch)
+        ma = lowered.compile().memory_analysis()
+        arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
+        temp, alias = int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes)
         plan = pipe.plan
-        compiled = {k: int(getattr(ma, k, 0) or 0) for k in (
-            "temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-            "generated_code_size_in_bytes")}
         return {
             "predicted_bytes": plan.predicted_padded_bytes,
             "predicted_max_device_bytes": max(r["predicted_bytes"] for r in plan.device_rows),
             "runtime_buffer_bytes": plan.buffer_bytes,
-            **compiled,
+            "compiled_bytes": arg + out + temp - alias,
+            "argument_bytes": arg, "output_bytes": out, "temp_bytes": temp,
+            "alias_bytes": alias,
         }

@@ -1,0 +1,36 @@
+"""Pipeline.plan: the printed table and its memory prediction against the compiled program."""
+
+import jax
+import pytest
+from models import mlp, tiny_lm
+
+import jaxpipe as jp
+
+MODELS = {
+    "mlp": lambda: mlp(8, width=256, batch=512),
+    "gpt_like": lambda: tiny_lm(8, vocab=512, width=64, seq=32, batch=32),
+}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_plan_predicts_compiled_memory_within_15_percent(model):
+    loss_fn, params, batch = MODELS[model]()
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
+                       schedule=jp.OneFOneB(4, 8))
+    r = pipe.compare_compiled(params, batch)
+    ratio = r["compiled_bytes"] / r["predicted_bytes"]
+    assert abs(ratio - 1.0) <= 0.15, r
+
+
+def test_plan_table_lists_stages_devices_and_bubble():
+    loss_fn, params, batch = tiny_lm(6)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
+                       schedule=jp.OneFOneB(4, 4))
+    plan = pipe.plan
+    text = str(plan)
+    assert "bubble" in text and "OneFOneB" in text
+    assert [r["stage"] for r in plan.stage_rows] == [0, 1, 2, 3]
+    assert [r["in_flight"] for r in plan.stage_rows] == [4, 3, 2, 1]  # 1F1B: min(m, p - i)
+    assert [r["residual_peak"] for r in plan.device_rows] == [4, 3, 2, 1]
+    assert abs(sum(r["flops_share"] for r in plan.stage_rows) - 1.0) < 1e-9
+    assert 0.0 < plan.bubble_fraction < 1.0
