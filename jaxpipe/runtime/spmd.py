@@ -1,14 +1,18 @@
 """The SPMD runtime: one ``jax.jit(jax.shard_map(...))`` program runs a lowered schedule.
 
 Every device runs the same program: ``lax.scan`` over ticks; each tick reads its row of
-the static table, runs one branch of a ``lax.switch`` over (action kind x stage), stores
-residuals / hand-offs in flat per-dtype pools at the lowered offsets, accumulates
-parameter gradients, and moves the action's output to the device that needs it with
+the static table, runs the branch for one (action kind, stage) pair, stores residuals
+and hand-offs in a flat per-dtype storage at the lowered offsets, accumulates parameter
+gradients in place, and moves the action's output to the device that needs it with
 ``lax.ppermute`` (one permutation per device offset the placement uses; a permutation
 is skipped on ticks where nobody sends over it) or a local hand-off (V-shaped turn).
 
-Per-tick work is proportional to one microbatch: buffers are updated with
-``dynamic_update_slice`` at table-given offsets, never rewritten whole.
+Branch selection is a chain of zero-or-one-trip ``while_loop``s rather than
+``lax.switch``: XLA copies every buffer that an untaken ``conditional`` branch passes
+through (whole residual storage and gradients, every tick), while a ``while_loop``
+updates its carry in place. Per-tick work is thus proportional to one microbatch:
+buffers are updated with ``dynamic_update_slice`` at table-given offsets, never
+rewritten whole, and idle ticks cost a few scalar comparisons.
 """
 
 from __future__ import annotations
@@ -43,8 +47,6 @@ class StageLayouts:
     ct_out: list[Layout]  # cotangent message a stage receives (for its float carry out)
     act_in: list[Layout]
     ct_in: list[Layout]
-    res_width: dict[str, int]
-    wres_width: dict[str, int]
     msg_width: dict[str, int]
 
     @classmethod
@@ -61,8 +63,7 @@ class StageLayouts:
         ct_in = [Layout(st.ct_in_avals()) for st in stages]
         return cls(
             slots, res, resa, resb, wres, act_out, ct_out, act_in, ct_in,
-            res_width=merge_widths(res),
-            wres_width=merge_widths(wres), msg_width=merge_widths(act_out + ct_in),
+            msg_width=merge_widths(act_out + ct_in),
         )
 
 
