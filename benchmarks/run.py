@@ -577,7 +577,8 @@ def make_plots(results: dict[str, Any], out: Path) -> list[str]:
             fig, axs = plt.subplots(1, 4, figsize=(16, 4))
             metrics = [("bubble", "simulated bubble", 1.0),
                        ("memory", "compiled MiB / device", None),
-                       ("median_s", "step ms", 1e3), ("compile_s", "compile s", 1.0)]
+                       ("cpu_median_s", "step ms (process CPU)", 1e3),
+                       ("compile_s", "compile s", 1.0)]
             for ax, (k, title, scale) in zip(axs, metrics, strict=True):
                 vals = [row[k]["total_bytes"] / 2**20 if k == "memory" else row[k] * scale
                         for row in done]
@@ -692,13 +693,15 @@ def markdown_summary(res: dict[str, Any]) -> str:
     sw = res.get("sweep")
     if sw:
         lines += ["", f"**Schedule sweep** (block stack, m={sw['microbatches_per_p']}p)", "",
-                  "| schedule | p | m | bubble (sim.) | MiB/device | step ms | compile s | note |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| schedule | p | m | bubble (sim.) | MiB/device | step ms (CPU) "
+                  "| step ms (wall) | compile s | note |", "|---|---|---|---|---|---|---|---|---|"]
         for row in sw["rows"]:
             mem = row["memory"]["total_bytes"] / 2**20 if row["memory"] else None
             ms = row["median_s"] * 1e3 if row["median_s"] is not None else None
+            cpu = row.get("cpu_median_s")
             lines.append(f"| {row['schedule']} | {row['p']} | {row['m']} | "
                          f"{_f(row['bubble'], '{:.3f}')} | {_f(mem, '{:.1f}')} | "
+                         f"{_f(cpu * 1e3 if cpu is not None else None, '{:.1f}')} | "
                          f"{_f(ms, '{:.1f}')} | {_f(row['compile_s'], '{:.1f}')} | "
                          f"{(row['skipped'] or '')[:60]} |")
     sc = res.get("scaling")
@@ -706,10 +709,13 @@ def markdown_summary(res: dict[str, Any]) -> str:
         lines += ["", f"**Scaling** (1F1B, p={sc['p']}): compile time spread (max/min) "
                   f"{_f(sc['compile_time_spread'])}, step-time linear fit R^2 "
                   f"{_f(sc['step_time_fit']['r2'], '{:.3f}')}", "",
-                  "| m | ticks | compile s | step ms | ms / microbatch |", "|---|---|---|---|---|"]
+                  "| m | ticks | compile s | step ms (wall) | step ms (CPU) "
+                  "| wall ms / microbatch |",
+                  "|---|---|---|---|---|---|"]
         for row in sc["rows"]:
             lines.append(f"| {row['m']} | {row['num_ticks']} | {row['compile_s']:.1f} | "
-                         f"{row['median_s'] * 1e3:.1f} | {row['per_microbatch_s'] * 1e3:.2f} |")
+                         f"{row['median_s'] * 1e3:.1f} | {row['cpu_median_s'] * 1e3:.1f} | "
+                         f"{row['per_microbatch_s'] * 1e3:.2f} |")
     cc = res.get("concurrency")
     if cc and cc.get("per_schedule"):
         single = cc["single"]
@@ -764,7 +770,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--no-plots", dest="plots", action="store_false")
+    ap.add_argument("--summarize", metavar="JSON", default=None,
+                    help="only print the markdown summary of an existing benchmarks.json")
     args = ap.parse_args(argv)
+    if args.summarize:
+        res = json.loads(Path(args.summarize).read_text())
+        print(markdown_summary(res), end="")
+        return res
 
     s = default_settings(args.quick)
     over = {k: v for k, v in {"n_layers": args.layers, "d_model": args.d_model,
