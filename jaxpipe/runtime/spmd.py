@@ -103,13 +103,17 @@ def build_step(
     # writes/reads touch exactly one stage's residuals, gradient accumulation touches
     # exactly one stage's parameters, and idle ticks touch nothing.
     def read(layout, buf, row, prefix):
-        return layout.unpack({k: lax.dynamic_slice(buf[k], (row[col[f"{prefix}:{k}"]],), (n,))
-                              for k, n in layout.sizes.items()})
+        # one slice per leaf, straight from the storage (no intermediate flat copy)
+        return [lax.dynamic_slice(buf[k], (row[col[f"{prefix}:{k}"]] + off,), (n,)).reshape(a.shape)
+                for (k, off, n), a in zip(layout.slots, layout.avals, strict=True)]
 
     def write(layout, buf, row, prefix, leaves):
-        vals = layout.pack(leaves, layout.sizes)
-        return {k: (lax.dynamic_update_slice(v, vals[k], (row[col[f"{prefix}:{k}"]],))
-                    if k in vals else v) for k, v in buf.items()}
+        # one in-place update per leaf: the producer can write straight into the storage
+        buf = dict(buf)
+        for (k, off, _), x in zip(layout.slots, leaves, strict=True):
+            buf[k] = lax.dynamic_update_slice(buf[k], jnp.ravel(x).astype(k),
+                                              (row[col[f"{prefix}:{k}"]] + off,))
+        return buf
 
     def split_ids(st):
         b_ids = set(st.w_res_ids)
