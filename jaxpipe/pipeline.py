@@ -85,8 +85,9 @@ class Pipeline:
     layout; ``init``/``train_step`` train with optax keeping parameters resident.
     """
 
-    def __init__(self, loss_fn, params, batch, *, mesh, schedule, cut="auto", axis="pipe",
-                 runtime="spmd"):
+    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch: Any, *,
+                 mesh: Mesh, schedule: Schedule, cut: Any = "auto", axis: str = "pipe",
+                 runtime: str = "spmd") -> None:
         if not isinstance(schedule, Schedule):
             raise PipelineError(
                 f"schedule must be a jaxpipe.Schedule instance, got {type(schedule).__name__};"
