@@ -169,9 +169,7 @@ def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any) -> T
 
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in p_leaves + b_leaves]
     raw = jax.make_jaxpr(flat_loss)(*avals)
-    if _has_marker(raw.jaxpr) and not all(
-        e.primitive is boundary_p or not _has_marker_eqn(e) for e in raw.jaxpr.eqns
-    ):
+    if any(_has_marker_eqn(e) for e in raw.jaxpr.eqns):  # markers hidden in sub-jaxprs
         raw = jax.make_jaxpr(lambda *a: _inline_eval(raw.jaxpr, raw.consts, a))(*avals)
     markers = tuple(i for i, e in enumerate(raw.jaxpr.eqns) if e.primitive is boundary_p)
     names = tuple(raw.jaxpr.eqns[i].params.get("name") for i in markers)
