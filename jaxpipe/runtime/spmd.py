@@ -183,6 +183,9 @@ def build_step(
             outs = jaxpr_as_fun(st.bwd_i)(*params, *batch, *load(st, pools, row),
                                           *ct_received(st, inbox, row))
             n = len(st.ct_in_avals())
+            # Finish every read of the storage before writing into it, or XLA copies the
+            # whole storage to keep a late read valid.
+            outs, pools = lax.optimization_barrier((outs, pools))
             msg = L.ct_in[s].pack(outs[:n], L.msg_width) if s > 0 else _zeros(L.msg_width)
             pools = write(L.wres[s], pools, row, "wres_w", outs[n:])
             return pools, gbuf, msg, zero_loss
