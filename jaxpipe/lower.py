@@ -46,11 +46,9 @@ class Lowered:
     table: np.ndarray  # int32 [ticks, devices, columns]
     perm_offsets: tuple[int, ...]  # each ppermute sends device d -> (d + offset) % D
     perm_active: np.ndarray  # bool [ticks, len(perm_offsets)]: someone sends this tick
-    local_index: dict[int, int]  # stage -> index among its device's stages
     store: dict[str, int]  # dtype -> elements of residual storage (max over devices)
     num_inbox: int  # message slots (max over devices)
     res_peak: list[int] = field(default_factory=list)  # per device: live residual sets
-    inbox_peak: list[int] = field(default_factory=list)
     pool_per_device: list[dict[str, int]] = field(default_factory=list)  # dtype -> elements
 
     def col(self, name: str) -> int:
@@ -124,10 +122,6 @@ def lower(schedule: Schedule, pool_sizes: dict[str, list[dict[str, int]]]) -> Lo
         when[ev.action] = (ev.device, int(ev.start))
     T = int(timeline.makespan)
     place = {s: schedule.placement(s) for s in range(S)}
-    local_index = {}
-    for d in range(D):
-        for k, s in enumerate(schedule.device_stages(d)):
-            local_index[s] = k
 
     split = {(a.stage, a.microbatch) for a in when if a.kind == "I"}
 
@@ -229,7 +223,6 @@ def lower(schedule: Schedule, pool_sizes: dict[str, list[dict[str, int]]]) -> Lo
     return Lowered(
         num_ticks=T, num_devices=D, num_stages=S, stages_per_device=spd, columns=cols,
         table=table, perm_offsets=tuple(offsets), perm_active=perm_active,
-        local_index=local_index, store=store, num_inbox=num_inbox, res_peak=res_peak,
-        inbox_peak=[_peak([(a, b) for a, b, _ in msg_iv[d]]) for d in range(D)],
+        store=store, num_inbox=num_inbox, res_peak=res_peak,
         pool_per_device=per_dev_pool,
     )

@@ -121,14 +121,11 @@ class Plan:
         ``optax.adam``). ``compiled_bytes`` = arguments + outputs + temporaries - aliased
         (donated) bytes of that one SPMD program, i.e. one device's footprint.
         """
-        import jax
         import optax
 
         state = pipe.init(params, optimizer if optimizer is not None else optax.adam(1e-3))
-        lowered = jax.jit(pipe._trainer.step_fn.__wrapped__ if hasattr(
-            pipe._trainer.step_fn, "__wrapped__") else pipe._trainer.step_fn,
-            donate_argnums=0).lower(state, batch)
-        ma = lowered.compile().memory_analysis()
+        # the train step is already jitted with the state donated
+        ma = pipe._trainer.step_fn.lower(state, batch).compile().memory_analysis()
         arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
         temp, alias = int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes)
         plan = pipe.plan

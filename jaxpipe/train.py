@@ -48,7 +48,6 @@ class TrainState(NamedTuple):
 class _Trainer:
     optimizer: optax.GradientTransformation
     opt_layouts: list[Layout]
-    opt_treedefs: list[Any]
     opt_width: dict[str, int]
     step_fn: Any
     skip_nonfinite: bool
@@ -177,7 +176,7 @@ def _build(pipe, optimizer, skip_nonfinite: bool, clip_global_norm: float | None
         new_p, new_o, metrics = core(state.params, pipe._microbatches(batch), state.opt_state)
         return TrainState(new_p, new_o, state.step + 1), metrics
 
-    return _Trainer(optimizer, opt_layouts, opt_treedefs, opt_width,
+    return _Trainer(optimizer, opt_layouts, opt_width,
                     jax.jit(step_fn, donate_argnums=0), skip_nonfinite, clip_global_norm)
 
 
