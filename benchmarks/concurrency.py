@@ -94,7 +94,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         runs[spec] = {"schedule": type(sched).__name__, "build_s": build_s,
                       "compile_s": compile_s,
                       "loss": float(np.asarray(loss.addressable_data(0))),
-                      "num_ticks": int(pipe.lowered.num_ticks), **timings["resident"],
+                      "num_ticks": int(pipe.executor.lowering.num_ticks), **timings["resident"],
                       "value_and_grad": timings["value_and_grad"]}
         del pipe
     return {
@@ -113,14 +113,12 @@ def _time_programs(pipe: Any, params: Any, batch: Any,
     gradients out -- what a training loop runs (``train_step`` keeps them resident).
     ``value_and_grad``: the public call, user pytree in, gathered gradients out.
     """
-    import jax
 
     from benchmarks import common as C
 
-    resident = jax.jit(lambda pbuf, b: pipe._step(pbuf, pipe._microbatches(b)))
     pbuf = pipe.shard(params)
-    c_res, _, compile_s = C.compile_timed(resident, pbuf, batch)
-    c_vg, _, _ = C.compile_timed(pipe._vg, params, batch)
+    c_res, _, compile_s = C.compile_timed(pipe.staged_value_and_grad_fn, pbuf, batch)
+    c_vg, _, _ = C.compile_timed(pipe.value_and_grad_fn, params, batch)
     timings = C.time_interleaved({"resident": (c_res, (pbuf, batch)),
                                   "value_and_grad": (c_vg, (params, batch))},
                                  warmup=args.warmup, repeats=args.repeats)

@@ -251,20 +251,15 @@ class Runner:
         pipe = jp.pipeline(C.blocks_loss(cfg), self.blocks_params, batch, mesh=_mesh(p),
                            schedule=schedule, cut="markers")
         build_s = time.perf_counter() - t0
-        if hasattr(pipe, "_step") and hasattr(pipe, "_microbatches"):
-            program = "resident"
-            jitted = jax.jit(lambda pbuf, b: pipe._step(pbuf, pipe._microbatches(b)))
-            args: tuple = (pipe.shard(self.blocks_params), batch)
-        else:  # fall back to the public step (replicated params in, replicated grads out)
-            program = "value_and_grad"
-            jitted, args = pipe._vg, (self.blocks_params, batch)
-        compiled, info = _compile(jitted, args)
+        program = "resident"
+        args: tuple = (pipe.shard(self.blocks_params), batch)
+        compiled, info = _compile(pipe.staged_value_and_grad_fn, args)
         tl = schedule.simulate()
-        low = pipe.lowered
+        low = pipe.executor.lowering
         info.update({"build_s": build_s, "program": program,
                      "bubble": float(tl.bubble_fraction), "makespan": float(tl.makespan),
                      "num_ticks": int(low.num_ticks),
-                     "res_peak": [int(x) for x in low.res_peak]})
+                     "res_peak": [int(x) for x in low.residual_peak]})
         flops = C.model_flops(cfg, m * s.mb * cfg.seq, embed=False)
         return Prepared(compiled, args, info, flops, p)
 
@@ -334,8 +329,8 @@ def section_overhead(r: Runner) -> dict[str, Any]:
         pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(p),
                            schedule=jp.OneFOneB(p, m), cut="markers")
         build_s = time.perf_counter() - t0
-        compiled, info = _compile(pipe._vg, (params, batch))
-        info.update({"build_s": build_s, "num_ticks": int(pipe.lowered.num_ticks)})
+        compiled, info = _compile(pipe.value_and_grad_fn, (params, batch))
+        info.update({"build_s": build_s, "num_ticks": int(pipe.executor.lowering.num_ticks)})
         group[f"p{p}"] = Prepared(compiled, (params, batch), info, flops, p)
         _log(f"overhead: p={p} built in {build_s:.1f}s, compiled in {info['compile_s']:.1f}s")
     res = _time_group(group, s)

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"loss": float(loss), "ref_loss": float(ref_loss), "max_grad_err": err,
               "bubble": float(timeline.bubble_fraction),
               "peak_in_flight": [int(x) for x in timeline.peak_in_flight],
-              "lowered_residual_slots": list(pipe.lowered.res_peak)}
+              "lowered_residual_slots": list(pipe.executor.lowering.residual_peak)}
     print("RESULT " + json.dumps(result))
     return result
 

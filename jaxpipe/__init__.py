@@ -35,7 +35,7 @@ _EXPORTS = {
     "CutError": "jaxpipe.cut",
 }
 _SUBMODULES = {
-    "flax", "schedule", "train", "cost", "cut", "trace", "stages", "lower", "runtime",
+    "flax", "schedule", "train", "cost", "cut", "trace", "stages", "runtime", "avals",
     "checkpoint", "distributed", "launch",
 }
 

@@ -67,14 +67,7 @@ def _abspath(path: str | os.PathLike) -> Path:
 
 
 def _layout_summary(pipe) -> dict[str, Any]:
-    sched = pipe.schedule
-    return {
-        "schedule": type(sched).__qualname__,
-        "num_devices": sched.num_devices,
-        "num_microbatches": sched.num_microbatches,
-        "stages_per_device": sched.stages_per_device,
-        "cuts": [int(c) for c in pipe.cuts],
-    }
+    return pipe.layout_summary()
 
 
 def _save(path: Path, tree: Any, meta: dict, overwrite: bool) -> None:
@@ -147,16 +140,22 @@ def _shape_map(tree: Any) -> dict[str, tuple]:
     return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in leaves}
 
 
-def restore(path: str | os.PathLike, pipe, like=None):
+def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
+            skip_nonfinite: bool = False, clip_global_norm: float | None = None):
     """Restore a :class:`~jaxpipe.train.TrainState` saved by :func:`save`.
+
+    The restored state trains with the optimizer of ``like`` (or ``optimizer``): a
+    checkpoint holds arrays, not code.
 
     Args:
       path: the checkpoint directory.
       pipe: the pipeline to resume with; it must have the layout the state was saved
         in (same placement, cut, parameter shapes and optimizer state structure).
       like: a state of the right structure and sharding, e.g. ``pipe.init(params,
-        optimizer)``; its values are ignored. Default: built from ``pipe`` after
-        ``pipe.init`` was called once (the optimizer's state layout comes from it).
+        optimizer)``; its values are ignored, its optimizer is kept.
+      optimizer: instead of ``like``: the optimizer to resume with (its state layout is
+        derived without touching parameters); ``skip_nonfinite`` and
+        ``clip_global_norm`` as for ``Pipeline.init``.
 
     Returns:
       The TrainState, sharded like ``like`` (over the pipe axis), ready for
@@ -174,7 +173,7 @@ def restore(path: str | os.PathLike, pipe, like=None):
     path = _abspath(path)
     meta, tree_meta = _read_meta(path, _KIND_STATE)
     if like is None:
-        like = _abstract_state(pipe)
+        like = _abstract_state(pipe, optimizer, skip_nonfinite, clip_global_norm)
     if not isinstance(like, TrainState):
         raise PipelineError(f"like must be a TrainState, got {type(like).__name__}.")
 
@@ -203,31 +202,28 @@ def restore(path: str | os.PathLike, pipe, like=None):
     # returns it); every process passes the same value.
     step = jax.make_array_from_process_local_data(
         NamedSharding(pipe.mesh, P()), np.asarray(out["step"], np.int32))
-    return TrainState(out["params"], out["opt_state"], step)
+    return TrainState(out["params"], out["opt_state"], step, like.trainer)
 
 
-def _abstract_state(pipe):
-    """A shape/sharding-only TrainState for ``pipe`` (needs ``pipe.init`` called once)."""
+def _abstract_state(pipe, optimizer, skip_nonfinite: bool, clip_global_norm):
+    """A shape/sharding-only TrainState for ``pipe`` training with ``optimizer``."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxpipe.train import TrainState
+    from jaxpipe.train import Trainer, TrainOptions, TrainState
 
-    tr = getattr(pipe, "_trainer", None)
-    if tr is None:
+    if optimizer is None:
         raise PipelineError(
-            "restore needs to know the optimizer state's layout: pass like=pipe.init(params, "
-            "optimizer) (values are ignored), or call pipe.init once before restore."
+            "restore needs to know which optimizer the state trains with: pass "
+            "like=pipe.init(params, optimizer) (values are ignored) or optimizer=<the "
+            "optax transformation>."
         )
-    p, spd = pipe.schedule.num_devices, pipe.lowered.stages_per_device
-    sh = pipe._pbuf_sharding
-
-    params = [jax.ShapeDtypeStruct(shape, np.dtype(dt), sharding=sh)
-              for shape, dt in zip(pipe.staged_shapes(), pipe.layouts.slots.dtypes, strict=True)]
-    opt = {dt: jax.ShapeDtypeStruct((p, spd, w), np.dtype(dt), sharding=sh)
-           for dt, w in tr.opt_width.items()}
+    trainer = Trainer(pipe.executor, optimizer,
+                      TrainOptions(skip_nonfinite=skip_nonfinite,
+                                   clip_global_norm=clip_global_norm), pipe.microbatches)
     step = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(pipe.mesh, P()))
-    return TrainState(params, opt, step)
+    return TrainState(pipe.executor.staged_abstract(), trainer.abstract_opt_state(), step,
+                      trainer)
 
 
 # ----------------------------------------------------------------------- parameters
@@ -249,7 +245,7 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
     elif _is_staged(pipe, state_or_params):
         params = pipe.unshard(state_or_params)
     else:
-        pipe._check_params(state_or_params)
+        pipe.check_params(state_or_params)
         params = state_or_params
     meta = {"kind": _KIND_PARAMS, "format": _FORMAT,
             "treedef": str(jax.tree.structure(params)), "layout": _layout_summary(pipe)}
@@ -286,7 +282,7 @@ def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> A
         rep = NamedSharding(pipe.mesh, P())
         like = jax.tree.unflatten(
             pipe.traced.params_treedef,
-            [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in pipe._param_avals])
+            [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in pipe.param_avals])
     if like is None:
         target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree_meta)
     else:

@@ -1003,6 +1003,7 @@ def choose_cuts(
     cut: Cut | None = None,
     *,
     in_flight: Sequence[int] | None = None,
+    memory_model: Any = None,
 ) -> CutResult:
     """Choose the stages of a pipeline for ``schedule`` (what ``cut="auto"`` runs).
 
@@ -1038,3 +1039,7 @@ def choose_cuts(
             timeline = schedule.simulate(costs=result.action_cost)
     return replace(result, makespan=float(timeline.makespan),
                    bubble_fraction=float(timeline.bubble_fraction))
+
+
+SPMD_MEMORY = "spmd"  # temporary placeholders (the cut package defines MemoryModel)
+DEVICE_MEMORY = "device"

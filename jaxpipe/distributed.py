@@ -254,29 +254,12 @@ def fetch(tree: Any) -> Any:
 def config_summary(pipe) -> dict[str, Any]:
     """A JSON-able summary of everything that must agree across processes.
 
-    Schedule (class, p, m, v, every device's action list), cut, mesh shape and axis
-    names, parameter and microbatch shapes/dtypes, and a digest of the lowered tick
-    table (what the compiled program's collectives depend on).
+    :meth:`jaxpipe.Pipeline.fingerprint`: schedule (class, p, m, v, every device's action
+    list), cut, mesh shape and axis names, parameter and microbatch shapes/dtypes, and
+    the executor's digests (for SPMD, of the lowered tick table: what the compiled
+    program's collectives depend on).
     """
-    sched = pipe.schedule
-    actions = {str(d): [str(a) for a in acts] for d, acts in sched.actions().items()}
-    avals = pipe.traced.jaxpr.invars
-    n = pipe.traced.num_params
-    table = np.ascontiguousarray(np.asarray(pipe.lowered.table))
-    return {
-        "schedule": f"{type(sched).__module__}.{type(sched).__qualname__}",
-        "num_devices": sched.num_devices,
-        "num_microbatches": sched.num_microbatches,
-        "stages_per_device": sched.stages_per_device,
-        "actions_sha256": _sha(json.dumps(actions, sort_keys=True)),
-        "cuts": [int(c) for c in pipe.cuts],
-        "mesh": {str(k): int(v) for k, v in pipe.mesh.shape.items()},
-        "axis": pipe.axis,
-        "params": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[:n]],
-        "params_tree_sha256": _sha(str(pipe.traced.params_treedef)),
-        "microbatch": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[n:]],
-        "table_sha256": _sha(table.tobytes() + str(table.shape).encode()),
-    }
+    return pipe.fingerprint()
 
 
 def _sha(data: str | bytes) -> str:

@@ -170,9 +170,12 @@ class _Delegating:
         """Pipelined mean loss over microbatches and its gradient (a pure dict)."""
         return self.pipe.value_and_grad(self._as_params(params), batch)
 
-    def init(self, params: Any, optimizer: Any) -> Any:
-        """Training state for :meth:`train_step` (parameters + optax state, staged)."""
-        return self.pipe.init(self._as_params(params), optimizer)
+    def init(self, params: Any, optimizer: Any, *, skip_nonfinite: bool = False,
+             clip_global_norm: float | None = None) -> Any:
+        """Training state for :meth:`train_step` (parameters + optax state, staged);
+        options as for ``Pipeline.init``."""
+        return self.pipe.init(self._as_params(params), optimizer,
+                              skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
 
     def train_step(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         """One jitted optimizer step; ``state`` is donated. Returns ``(state, metrics)``."""

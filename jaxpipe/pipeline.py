@@ -1,23 +1,32 @@
-"""``jp.pipeline``: trace, cut, split, lower and compile a loss for pipelined execution."""
+"""``jp.pipeline``: trace, cut and split a loss, then hand the stages to a runtime.
+
+:class:`Pipeline` is the frontend. It does the layers above the runtime seam, in order:
+
+1. trace ``loss_fn`` to a flat jaxpr with its candidate cuts (:mod:`jaxpipe.trace`);
+2. choose the cut (:mod:`jaxpipe.cut`, with the runtime's memory model);
+3. split the jaxpr into stage functions (:mod:`jaxpipe.stages`);
+4. build the runtime's executor from one :class:`~jaxpipe.runtime.RuntimeSpec`.
+
+Everything about where values live on devices and how the schedule runs is the
+executor's (``pipe.executor``); the frontend checks inputs, reshapes batches into
+microbatches and maps between the user's pytrees and flat leaves.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.lower import Lowered, lower
-from jaxpipe.runtime.reference import run_reference
-from jaxpipe.runtime.spmd import StageLayouts, build_step, place
+from jaxpipe.runtime import Executor, Runtime, RuntimeSpec, resolve
 from jaxpipe.schedule import Schedule
-from jaxpipe.stages import StageFn, split
+from jaxpipe.stages import StageFn, param_owners, split
 from jaxpipe.trace import Traced, microbatch_like, trace
 
 __all__ = ["Pipeline", "pipeline"]
@@ -43,8 +52,12 @@ def _check_mesh(mesh: Mesh, axis: str, schedule: Schedule) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a != axis)
 
 
-def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any) -> tuple[list[int], Any]:
-    """Marker positions after which a new stage starts, plus the cutter's report if any."""
+def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any
+                  ) -> tuple[list[int], Any]:
+    """Marker positions after which a new stage starts, plus the cutter's report."""
+    from jaxpipe import cut as cutmod
+    from jaxpipe.cost import segment_costs
+
     S = schedule.num_stages
     n_seg = len(traced.markers) + 1
     if S > n_seg:
@@ -53,14 +66,10 @@ def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any) -> tuple[list[in
             f"({len(traced.markers)} markers); add jaxpipe.boundary / @jaxpipe.layer markers "
             "or use fewer stages."
         )
-    from jaxpipe import cut as cutmod
-    from jaxpipe.cost import segment_costs
-
-    if cut == "markers":
+    if isinstance(cut, str) and cut == "markers":
         # Group segments evenly: segment boundaries at round(i * n_seg / S).
         cut = cutmod.Cut(indices=[round(i * n_seg / S) - 1 for i in range(1, S)])
-
-    if cut == "auto":
+    if isinstance(cut, str) and cut == "auto":
         cut = cutmod.Cut()
     if isinstance(cut, cutmod.Cut):
         if cut.indices is not None and len(cut.indices) != S - 1:
@@ -69,7 +78,8 @@ def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any) -> tuple[list[in
                 f"the schedule has {S}; pass {S - 1} marker indices."
             )
         # Explicit cuts go through the cutter too: it reports their predicted costs.
-        result = cutmod.choose_cuts(segment_costs(traced, profile=cut.profile), schedule, cut)
+        result = cutmod.choose_cuts(segment_costs(traced, profile=cut.profile), schedule, cut,
+                                    memory_model=memory_model)
         return list(result.cuts), result
     raise PipelineError(
         f"cut must be 'auto', 'markers' or a jaxpipe.Cut, got {cut!r}."
@@ -81,60 +91,72 @@ class Pipeline:
 
     Build it with :func:`pipeline`. ``value_and_grad(params, batch)`` returns the mean loss
     over microbatches and its gradient, equal to ``jax.value_and_grad`` of the unpipelined
-    mean loss. ``shard``/``unshard`` move parameters into and out of the per-device stage
+    mean loss. ``shard``/``unshard`` move parameters into and out of the runtime's stage
     layout; ``init``/``train_step`` train with optax keeping parameters resident.
+
+    Attributes:
+      loss_fn, schedule, mesh, axis: as passed to :func:`pipeline`.
+      batch_axes: the mesh axes other than ``axis``: the batch is split over them and
+        gradients are averaged.
+      traced: the traced loss (:class:`jaxpipe.trace.Traced`).
+      cuts: marker indices after which a new stage begins.
+      cut_report: the cutter's :class:`jaxpipe.cut.CutResult` (predicted costs, memory).
+      stages: the stage functions (:class:`jaxpipe.stages.StageFn`).
+      runtime: the :class:`jaxpipe.runtime.Runtime` that runs them.
+      executor: the runtime bound to this pipeline (``pipe.executor.lowering`` holds the
+        SPMD runtime's tick tables).
     """
 
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch: Any, *,
                  mesh: Mesh, schedule: Schedule, cut: Any = "auto", axis: str = "pipe",
-                 runtime: str = "spmd") -> None:
+                 runtime: str | Runtime = "spmd") -> None:
         if not isinstance(schedule, Schedule):
             raise PipelineError(
                 f"schedule must be a jaxpipe.Schedule instance, got {type(schedule).__name__};"
                 " e.g. jp.OneFOneB(num_devices=4, num_microbatches=8)."
             )
-        if runtime not in ("spmd", "reference"):
-            raise PipelineError(f"runtime must be 'spmd' or 'reference', got {runtime!r}.")
+        self.runtime: Runtime = resolve(runtime)
         schedule.validate()
         self.loss_fn = loss_fn
         self.schedule = schedule
         self.mesh = mesh
         self.axis = axis
-        self.runtime = runtime
-        self.data_axes = _check_mesh(mesh, axis, schedule)
+        self.batch_axes = _check_mesh(mesh, axis, schedule)
         self.num_microbatches = schedule.num_microbatches
         mb = microbatch_like(batch, self.num_microbatches)
-        self._check_data_split(mb)
         self._mb_shapes = [a.shape for a in jax.tree.leaves(mb)]
-        # Stage functions run on one data shard of a microbatch: trace at that size.
+        n = self.batch_shards
+        for leaf in jax.tree.leaves(mb):
+            if leaf.shape[0] % n:
+                raise PipelineError(
+                    f"microbatch size {leaf.shape[0]} is not divisible by the {n} devices of "
+                    f"the data axes {self.batch_axes}; use a batch size divisible by "
+                    f"{n * self.num_microbatches}."
+                )
+        # Stage functions run on one batch shard of a microbatch: trace at that size.
         self.traced = trace(loss_fn, params, jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((a.shape[0] // self._data_size, *a.shape[1:]),
-                                           a.dtype), mb))
-        self._param_avals = [v.aval for v in self.traced.jaxpr.invars[: self.traced.num_params]]
-        self.cuts, self.cut_report = _resolve_cuts(self.traced, schedule, cut)
+            lambda a: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype), mb))
+        self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
+            : self.traced.num_params])
+        self.cuts, self.cut_report = _resolve_cuts(self.traced, schedule, cut,
+                                                   self.runtime.memory_model)
         self.stages: list[StageFn] = split(self.traced, self.cuts)
-        self.layouts = StageLayouts.build(
-            self.stages, self._param_avals,
-            [schedule.device_stages(d) for d in range(schedule.num_devices)])
-        self.lowered: Lowered = lower(schedule, {
-            "resa": [lay.sizes for lay in self.layouts.resa],
-            "resb": [lay.sizes for lay in self.layouts.resb],
-            "wres": [lay.sizes for lay in self.layouts.wres],
-        })
-        self._spd = self.lowered.stages_per_device
-        self._batch_ndims = [len(a.shape) for a in jax.tree.leaves(mb)]
-        self._step = build_step(
-            self.stages, self.layouts, self.lowered, mesh, axis, self.data_axes,
-            self.num_microbatches, len(self._batch_ndims),
-        )
+        self.executor: Executor = self.runtime.build(RuntimeSpec(
+            stages=tuple(self.stages),
+            schedule=schedule,
+            mesh=mesh,
+            axis=axis,
+            batch_axes=self.batch_axes,
+            param_avals=self.param_avals,
+            params_treedef=self.traced.params_treedef,
+            microbatch_avals=tuple(v.aval for v in self.traced.jaxpr.invars[
+                self.traced.num_params:]),
+            param_owners=param_owners(self.stages),
+        ))
         self._vg = jax.jit(self._value_and_grad)
-        self._pbuf_sharding = NamedSharding(mesh, P(axis))
-        self._shard_jit = jax.jit(
-            self._pack,
-            out_shardings=self._pbuf_sharding,
-        )
-        self._unshard_jit = jax.jit(lambda staged: self._gather(staged, owner_only=True))
-        self._trainer = None
+        self._staged_vg = jax.jit(self._staged_value_and_grad)
+        self._shard_jit = jax.jit(self.executor.shard)
+        self._unshard_jit = jax.jit(self.executor.unshard)
         self._plan = None
         if jax.process_count() > 1:
             # Every process must build the same program, or its collectives never match.
@@ -142,19 +164,26 @@ class Pipeline:
 
             check_consistent(self)
 
-    # ---------------------------------------------------------------- checks
-    def _check_data_split(self, mb) -> None:
-        n = int(np.prod([self.mesh.shape[a] for a in self.data_axes])) if self.data_axes else 1
-        self._data_size = n
-        for leaf in jax.tree.leaves(mb):
-            if leaf.shape[0] % n:
-                raise PipelineError(
-                    f"microbatch size {leaf.shape[0]} is not divisible by the {n} devices of "
-                    f"the data axes {self.data_axes}; use a batch size divisible by "
-                    f"{n * self.num_microbatches}."
-                )
+    # ---------------------------------------------------------------- properties
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Alias of :attr:`batch_axes`."""
+        return self.batch_axes
 
-    def _check_params(self, params) -> list:
+    @property
+    def batch_shards(self) -> int:
+        """How many pieces the batch axes split every microbatch into."""
+        return int(np.prod([self.mesh.shape[a] for a in self.batch_axes])) if self.batch_axes \
+            else 1
+
+    @property
+    def param_owners(self) -> dict[int, tuple[int, ...]]:
+        """Parameter leaf -> the stages that read it (a tied leaf has several)."""
+        return dict(self.executor.spec.param_owners)
+
+    # ---------------------------------------------------------------- checks
+    def check_params(self, params: Any) -> list:
+        """The flat leaves of ``params``; a clear error unless it is the traced structure."""
         leaves, tree = jax.tree.flatten(params)
         if tree != self.traced.params_treedef:
             raise PipelineError(
@@ -162,7 +191,7 @@ class Pipeline:
                 f"  expected {self.traced.params_treedef}\n  got      {tree}\n"
                 "pass the same parameter pytree (or rebuild the pipeline)."
             )
-        for i, (x, a) in enumerate(zip(leaves, self._param_avals, strict=True)):
+        for i, (x, a) in enumerate(zip(leaves, self.param_avals, strict=True)):
             if jnp.shape(x) != a.shape or jnp.result_type(x) != a.dtype:
                 raise PipelineError(
                     f"parameter leaf {i} has shape {jnp.shape(x)} dtype {jnp.result_type(x)}, "
@@ -170,23 +199,11 @@ class Pipeline:
                 )
         return leaves
 
-    def staged_shapes(self) -> list[tuple[int, ...]]:
-        """Global shapes of the staged parameter arrays (one per slot)."""
-        return [(self.schedule.num_devices, *shape) for shape in self.layouts.slots.shapes]
+    def microbatches(self, batch: Any) -> list:
+        """The batch's flat leaves reshaped to ``[num_microbatches, microbatch, ...]``.
 
-    def _check_staged(self, staged, what: str) -> None:
-        want = self.staged_shapes()
-        got = ([tuple(np.shape(v)) for v in staged] if isinstance(staged, (list, tuple))
-               else None)
-        if got != want:
-            raise PipelineError(
-                f"{what} expects parameters in this pipeline's stage layout {want} (from "
-                f"pipe.shard(params) or state.params), got "
-                f"{got if got is not None else type(staged).__name__}; for a TrainState use "
-                "pipe.params(state), and a user parameter pytree needs no unshard."
-            )
-
-    def _microbatches(self, batch) -> list:
+        Checks the structure, shapes and dtypes against what the pipeline was built for.
+        """
         m = self.num_microbatches
         mb = microbatch_like(batch, m)
         leaves, tree = jax.tree.flatten(batch)
@@ -209,127 +226,87 @@ class Pipeline:
         return [jnp.reshape(x, (m, -1, *jnp.shape(x)[1:])) for x in leaves]
 
     # ---------------------------------------------------------------- layout
-    def shard(self, params) -> list[jax.Array]:
-        """Move ``params`` into the per-device stage layout (sharded over the pipe axis).
+    def shard(self, params: Any) -> Any:
+        """Move ``params`` into the executor's stage layout (resident on the devices).
 
-        Returns one array ``[devices, *shape]`` per parameter slot (see
-        :class:`jaxpipe.packing.ParamSlots`); tied parameters are copied onto every stage
-        that reads them.
+        For the SPMD runtime: one array ``[devices, *shape]`` per parameter slot, sharded
+        over the pipe axis; tied parameters are copied onto every stage that reads them.
         """
-        leaves = self._check_params(params)
-        return self._shard_jit(leaves)
+        return self._shard_jit(self.check_params(params))
 
-    def _pack(self, leaves) -> list:
-        """User leaves (replicated) -> one ``[devices, *shape]`` array per parameter slot.
-
-        Runs as a shard_map: each device copies just its own stages' leaves into its
-        slots (one copy of its parameters), instead of XLA partitioning a global stack.
-        """
-        slots, sched = self.layouts.slots, self.schedule
-        owner = [[None] * len(slots) for _ in range(sched.num_devices)]
-        for st in self.stages:
-            for pid, n in zip(st.param_ids, slots.stage_slots[st.index], strict=True):
-                owner[sched.placement(st.index)][n] = pid
-
-        def branch(d):
-            return lambda lv: [lv[pid].astype(dt) if pid is not None else jnp.zeros(shape, dt)
-                               for pid, shape, dt in zip(owner[d], slots.shapes, slots.dtypes,
-                                                         strict=True)]
-
-        def local(lv):
-            out = lax.switch(lax.axis_index(self.axis),
-                             [branch(d) for d in range(sched.num_devices)], lv)
-            return [x[None] for x in out]
-
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(),),
-                           out_specs=[P(self.axis)] * len(slots), check_vma=False)
-        return fn([place(x, self.mesh, P()) for x in leaves])
-
-    def _gather(self, staged, owner_only: bool) -> list:
-        """Slots -> user leaves, replicated: the sum over the stages holding each leaf
-        (``owner_only``: the first such stage's copy, for parameters)."""
-        slots, sched = self.layouts.slots, self.schedule
-        first: dict[int, int] = {}
-        for st in self.stages:
-            for pid in st.param_ids:
-                first.setdefault(pid, st.index)
-        avals = self._param_avals
-
-        def branch(d):
-            def f(local):
-                out = [None] * len(avals)
-                for s in sched.device_stages(d):
-                    for pid, n in zip(self.stages[s].param_ids, slots.stage_slots[s],
-                                      strict=True):
-                        if owner_only and first[pid] != s:
-                            continue
-                        out[pid] = local[n] if out[pid] is None else out[pid] + local[n]
-                return [jnp.zeros(a.shape, a.dtype) if x is None else x
-                        for x, a in zip(out, avals, strict=True)]
-            return f
-
-        def local(buf):
-            buf = [x[0] for x in buf]
-            out = lax.switch(lax.axis_index(self.axis),
-                             [branch(d) for d in range(sched.num_devices)], buf)
-            return [lax.psum(x, self.axis) for x in out]
-
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=([P(self.axis)] * len(slots),),
-                           out_specs=[P()] * len(avals), check_vma=False)
-        return fn([place(x, self.mesh, P(self.axis)) for x in staged])
-
-    def _stack_rows(self, rows: list[dict], width: dict[str, int]) -> dict:
-        """Per-stage flat rows -> ``{dtype: [devices, stages_per_device, width]}``."""
-        sched = self.schedule
-        out = {}
-        for dt, w in width.items():
-            zero = jnp.zeros((w,), dt)
-            out[dt] = jnp.stack([
-                jnp.stack([rows[s][dt] for s in sched.device_stages(d)]
-                          + [zero] * (self._spd - len(sched.device_stages(d))))
-                for d in range(sched.num_devices)
-            ])
-        return out
-
-    def _per_stage(self, staged) -> list[list]:
-        """Each stage's parameter leaves from a staged buffer (for inspection and tests)."""
-        staged = [place(v, self.mesh, P()) for v in staged]
-        return [[staged[n][self.schedule.placement(st.index)]
-                 for n in self.layouts.slots.stage_slots[st.index]] for st in self.stages]
-
-    def unshard(self, staged) -> Any:
+    def unshard(self, staged: Any) -> Any:
         """Inverse of :meth:`shard`: the user's parameter pytree (replicated)."""
-        self._check_staged(staged, "unshard")
+        self.executor.check_staged(staged, "unshard")
         return jax.tree.unflatten(self.traced.params_treedef, self._unshard_jit(list(staged)))
 
+    def staged_shapes(self) -> list[tuple[int, ...]]:
+        """Global shapes of the staged parameter arrays."""
+        return [tuple(a.shape) for a in jax.tree.leaves(self.executor.staged_abstract())]
+
+    def stage_params(self, staged: Any) -> list[list[jax.Array]]:
+        """Every stage's parameter leaves as its device holds them (tied: each copy)."""
+        self.executor.check_staged(staged, "stage_params")
+        if hasattr(self.executor, "stage_params"):
+            return self.executor.stage_params(staged)
+        leaves = self.executor.unshard(staged)
+        return [[leaves[i] for i in st.param_ids] for st in self.stages]
+
     # ---------------------------------------------------------------- compute
-    def _value_and_grad(self, params, batch):
-        pbuf = self._pack(self._check_params(params))
-        gbuf, loss = self._step(pbuf, self._microbatches(batch))
-        grads = self._gather(gbuf, owner_only=False)
+    def _value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        loss, grads = self.executor.value_and_grad(self.check_params(params),
+                                                   self.microbatches(batch))
         return loss, jax.tree.unflatten(self.traced.params_treedef, grads)
 
-    def value_and_grad(self, params, batch) -> tuple[jax.Array, Any]:
+    def _staged_value_and_grad(self, staged: Any, batch: Any) -> tuple[jax.Array, Any]:
+        return self.executor.staged_value_and_grad(staged, self.microbatches(batch))
+
+    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
         """Mean loss over microbatches and its gradient w.r.t. ``params`` (same pytree)."""
-        if self.runtime == "reference":
-            return self.reference_value_and_grad(params, batch)
+        if getattr(self.executor, "eager", False):
+            return self._value_and_grad(params, batch)
         return self._vg(params, batch)
 
-    def reference_value_and_grad(self, params, batch) -> tuple[jax.Array, Any]:
+    def staged_value_and_grad(self, staged: Any, batch: Any) -> tuple[jax.Array, Any]:
+        """As :meth:`value_and_grad`, with parameters and gradients in the stage layout
+        (what a training loop keeps resident; no gather of gradients)."""
+        self.executor.check_staged(staged, "staged_value_and_grad")
+        if getattr(self.executor, "eager", False):
+            return self._staged_value_and_grad(staged, batch)
+        return self._staged_vg(staged, batch)
+
+    @property
+    def value_and_grad_fn(self) -> Any:
+        """The ``jax.jit`` object behind :meth:`value_and_grad` (for ``.lower``/AOT)."""
+        return self._vg
+
+    @property
+    def staged_value_and_grad_fn(self) -> Any:
+        """The ``jax.jit`` object behind :meth:`staged_value_and_grad`."""
+        return self._staged_vg
+
+    @functools.cached_property
+    def _reference(self) -> Executor:
+        from jaxpipe.runtime.reference import ReferenceRuntime
+
+        return ReferenceRuntime().build(self.executor.spec)
+
+    def reference_value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
         """Same as :meth:`value_and_grad`, run by the sequential reference executor."""
-        leaves = self._check_params(params)
-        loss, grads, _ = run_reference(self.stages, self.schedule, leaves,
-                                       self._microbatches(batch))
+        loss, grads = self._reference.value_and_grad(self.check_params(params),
+                                                     self.microbatches(batch))
         return loss, jax.tree.unflatten(self.traced.params_treedef, grads)
 
-    def lower_step(self, params, batch):
+    def lower_step(self, params: Any, batch: Any) -> Any:
         """``jax.jit(...).lower`` of the value-and-grad step (for memory/cost inspection)."""
         return self._vg.lower(params, batch)
 
     # ---------------------------------------------------------------- training
-    def init(self, params, optimizer, *, skip_nonfinite: bool = False,
-             clip_global_norm: float | None = None):
+    def init(self, params: Any, optimizer: Any, *, skip_nonfinite: bool = False,
+             clip_global_norm: float | None = None) -> Any:
         """Train state for :meth:`train_step`: parameters and per-stage optax state.
+
+        The state owns its optimizer: :meth:`train_step` always trains it with
+        ``optimizer``, whatever else is initialised on this pipeline later.
 
         Args:
           params: the user parameter pytree.
@@ -340,23 +317,51 @@ class Pipeline:
           clip_global_norm: clip gradients by their true global norm (over all stages)
             before the optimizer.
         """
-        from jaxpipe.train import init_state
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
-        return init_state(self, params, optimizer, skip_nonfinite=skip_nonfinite,
-                          clip_global_norm=clip_global_norm)
+        from jaxpipe.train import Trainer, TrainOptions, TrainState
 
-    def train_step(self, state, batch):
+        if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
+            raise PipelineError(
+                f"optimizer must be an optax.GradientTransformation, got "
+                f"{type(optimizer).__name__}; e.g. optax.adamw(1e-3)."
+            )
+        options = TrainOptions(skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
+        leaves = self.check_params(params)
+        trainer = Trainer(self.executor, optimizer, options, self.microbatches)
+        # Replicated over the mesh, as train_step returns it (else the 2nd step recompiles).
+        step = jax.make_array_from_process_local_data(NamedSharding(self.mesh, P()),
+                                                      np.zeros((), np.int32))
+        return TrainState(self.shard(params), trainer.init_opt_state(leaves), step, trainer)
+
+    def train_step(self, state: Any, batch: Any) -> tuple[Any, dict]:
         """One optimizer step: ``(state, batch) -> (state, metrics)``; jitted, state donated."""
-        from jaxpipe.train import train_step
+        from jaxpipe.train import TrainState
 
-        return train_step(self, state, batch)
+        if not isinstance(state, TrainState):
+            raise PipelineError(
+                f"train_step needs the TrainState returned by pipe.init, got "
+                f"{type(state).__name__}; call pipe.init(params, optimizer) before "
+                "pipe.train_step(state, batch)."
+            )
+        if state.trainer.executor is not self.executor:
+            raise PipelineError(
+                "this TrainState was made by another pipeline: its state layout belongs to "
+                "that pipeline's stages and optimizer, not this pipeline's. Train it with "
+                "that pipeline, or start from its parameters here with "
+                "pipe.init(other.params(state), optimizer)."
+            )
+        self.executor.check_staged(state.params, "train_step (state.params)")
+        return state.trainer.step_fn(state, batch)
 
-    def params(self, state) -> Any:
+    def params(self, state: Any) -> Any:
         """The user parameter pytree held by a train state."""
         return self.unshard(state.params)
 
+    # ---------------------------------------------------------------- reports
     @property
-    def plan(self):
+    def plan(self) -> Any:
         """Per-stage layers, FLOPs, bytes, in-flight counts and predicted memory/bubble."""
         if self._plan is None:
             from jaxpipe.plan import Plan
@@ -364,11 +369,56 @@ class Pipeline:
             self._plan = Plan.build(self)
         return self._plan
 
-    def compare_compiled(self, params, batch) -> dict:
+    def compare_compiled(self, params: Any, batch: Any, optimizer: Any = None) -> dict:
         """Predicted per-device bytes next to the compiled program's ``memory_analysis()``."""
         from jaxpipe.plan import Plan
 
-        return Plan.compare_compiled(self, params, batch)
+        return Plan.compare_compiled(self, params, batch, optimizer)
+
+    def layout_summary(self) -> dict[str, Any]:
+        """Schedule, sizes and cut: what a checkpoint in the stage layout depends on."""
+        sched = self.schedule
+        return {
+            "schedule": type(sched).__qualname__,
+            "num_devices": sched.num_devices,
+            "num_microbatches": sched.num_microbatches,
+            "stages_per_device": sched.stages_per_device,
+            "cuts": [int(c) for c in self.cuts],
+            "runtime": self.runtime.name,
+        }
+
+    def fingerprint(self) -> dict[str, Any]:
+        """A JSON-able summary of everything the compiled program depends on.
+
+        Schedule (class, p, m, v, a digest of every device's action list), cut, mesh,
+        parameter and microbatch shapes, and the executor's own digests (e.g. of the
+        lowered tick table). Processes compare it before running collectives.
+        """
+        import hashlib
+        import json
+
+        def sha(data: str) -> str:
+            return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+        sched = self.schedule
+        actions = {str(d): [str(a) for a in acts] for d, acts in sched.actions().items()}
+        avals = self.traced.jaxpr.invars
+        n = self.traced.num_params
+        return {
+            "schedule": f"{type(sched).__module__}.{type(sched).__qualname__}",
+            "num_devices": sched.num_devices,
+            "num_microbatches": sched.num_microbatches,
+            "stages_per_device": sched.stages_per_device,
+            "actions_sha256": sha(json.dumps(actions, sort_keys=True)),
+            "cuts": [int(c) for c in self.cuts],
+            "mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
+            "axis": self.axis,
+            "params": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[:n]],
+            "params_tree_sha256": sha(str(self.traced.params_treedef)),
+            "microbatch": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[n:]],
+            "runtime": self.runtime.name,
+            **self.executor.fingerprint(),
+        }
 
 
 def pipeline(
@@ -380,7 +430,7 @@ def pipeline(
     schedule: Schedule,
     cut: Any = "auto",
     axis: str = "pipe",
-    runtime: str = "spmd",
+    runtime: str | Runtime = "spmd",
 ) -> Pipeline:
     """Compile ``loss_fn`` for pipelined execution under ``schedule`` on ``mesh``.
 
@@ -396,7 +446,8 @@ def pipeline(
       cut: ``"auto"`` (memory-aware cutter), ``"markers"`` (markers grouped evenly into
         ``num_stages`` stages), or a :class:`jaxpipe.Cut`.
       axis: name of the pipeline mesh axis.
-      runtime: ``"spmd"`` (one jit(shard_map) program) or ``"reference"`` (sequential).
+      runtime: ``"spmd"`` (one jit(shard_map) program), ``"reference"`` (sequential), or
+        a :class:`jaxpipe.runtime.Runtime` instance.
 
     Example::
 

@@ -13,24 +13,13 @@ Two memory figures are shown per device:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from jaxpipe.avals import aval_bytes
+from jaxpipe.avals import format_bytes as _fmt
 
 __all__ = ["Plan"]
-
-
-def _fmt(b: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(b) >= scale:
-            return f"{b / scale:.2f} {unit}"
-    return f"{int(b)} B"
-
-
-def _nbytes(layout) -> int:
-    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in layout.avals)
 
 
 @dataclass
@@ -50,7 +39,8 @@ class Plan:
     @classmethod
     def build(cls, pipe) -> Plan:
         res = pipe.cut_report
-        sched, low, L = pipe.schedule, pipe.lowered, pipe.layouts
+        sched = pipe.schedule
+        report = pipe.executor.memory_report()
         total_flops = sum(res.stage_fwd) or 1.0
         stage_rows = []
         for st in pipe.stages:
@@ -60,33 +50,25 @@ class Plan:
                 "device": sched.placement(s),
                 "layers": ",".join(st.names) if st.names else "-",
                 "flops_share": res.stage_fwd[s] / total_flops,
-                "param_bytes": int(sum(math.prod(pipe._param_avals[i].shape)
-                                       * np.dtype(pipe._param_avals[i].dtype).itemsize
-                                       for i in st.param_ids)),
-                "residual_bytes": _nbytes(L.res[s]),
+                "param_bytes": int(sum(aval_bytes(pipe.param_avals[i]) for i in st.param_ids)),
+                "residual_bytes": int(sum(aval_bytes(a) for a in st.residual_avals)),
                 "in_flight": res.in_flight[s],
             })
-        slot_bytes = L.slots.nbytes()
-        pool_bytes = sum(n * np.dtype(k).itemsize for k, n in low.store.items())
-        msg = sum(w * np.dtype(k).itemsize for k, w in L.msg_width.items()) * (low.num_inbox + 1)
-        buffers = 2 * slot_bytes + pool_bytes + msg
         device_rows = []
         for d in range(sched.num_devices):
-            mine = low.pool_per_device[d]
             device_rows.append({
                 "device": d,
                 "stages": list(sched.device_stages(d)),
                 "predicted_bytes": res.device_memory[d].total,
-                "residual_peak": low.res_peak[d],
-                "residual_bytes": sum(n * np.dtype(k).itemsize for k, n in mine.items()),
+                **report["device_rows"][d],
             })
         # Every device also holds the whole batch (its data shard), replicated over pipe.
-        batch_bytes = sum(math.prod(s) * np.dtype(v.aval.dtype).itemsize for s, v in zip(
-            pipe._mb_shapes, pipe.traced.jaxpr.invars[pipe.traced.num_params:], strict=True)
-        ) * pipe.num_microbatches // pipe._data_size
+        batch_bytes = sum(aval_bytes(a) for a in pipe.executor.spec.microbatch_avals) * (
+            pipe.num_microbatches)
         return cls(stage_rows, device_rows, float(res.makespan or 0.0),
                    float(res.bubble_fraction or 0.0), type(sched).__name__, res.objective,
-                   int(buffers), float(res.padded_memory.total) + batch_bytes, batch_bytes)
+                   int(report["buffer_bytes"]), float(res.padded_memory.total) + batch_bytes,
+                   batch_bytes)
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
@@ -123,9 +105,10 @@ class Plan:
         """
         import optax
 
+        # A state of its own (the caller's states keep their optimizers); the train step
+        # is already jitted with the state donated.
         state = pipe.init(params, optimizer if optimizer is not None else optax.adam(1e-3))
-        # the train step is already jitted with the state donated
-        ma = pipe._trainer.step_fn.lower(state, batch).compile().memory_analysis()
+        ma = state.trainer.step_fn.lower(state, batch).compile().memory_analysis()
         arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
         temp, alias = int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes)
         plan = pipe.plan

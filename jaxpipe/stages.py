@@ -31,7 +31,7 @@ from jax.extend import core as jcore
 from jaxpipe.errors import PipelineError
 from jaxpipe.trace import Traced, segments
 
-__all__ = ["StageFn", "split", "is_float"]
+__all__ = ["StageFn", "is_float", "param_owners", "split"]
 
 
 def is_float(aval) -> bool:
@@ -64,6 +64,12 @@ class StageFn:
     def ct_in_avals(self) -> list:
         """Cotangents this stage's backward sends to the previous stage."""
         return [a for a, d in zip(self.in_avals, self.diff_in_mask, strict=True) if d]
+
+    @property
+    def i_only_residual_ids(self) -> tuple[int, ...]:
+        """Stored residuals only the input-gradient half reads (free once I has run)."""
+        w = set(self.w_res_ids)
+        return tuple(i for i in range(len(self.residual_avals)) if i not in w)
 
     def ct_out_avals(self) -> list:
         """Cotangents this stage's backward receives from the next stage."""
@@ -315,3 +321,15 @@ def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_pb: int, n_ct_out: int
         [v.aval for v in handoff],
         w_res_ids,
     )
+
+
+def param_owners(stages: Sequence[StageFn]) -> dict[int, tuple[int, ...]]:
+    """Parameter leaf -> the stages that read it, ascending (a tied leaf has several).
+
+    Computed once per pipeline; the runtimes place, sum and update tied leaves by it.
+    """
+    owners: dict[int, list[int]] = {}
+    for st in stages:
+        for pid in st.param_ids:
+            owners.setdefault(pid, []).append(st.index)
+    return {pid: tuple(sorted(o)) for pid, o in sorted(owners.items())}

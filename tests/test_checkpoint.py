@@ -97,11 +97,10 @@ def test_resume_in_fresh_pipeline_is_bit_identical(run):
         np.testing.assert_array_equal(a, b)  # bit-identical, not just close
 
 
-def test_restore_without_like_after_init(run):
+def test_restore_with_optimizer_instead_of_like(run):
     params, _ = _model()
     fresh = _pipe(4)
-    fresh.init(params, _tx())  # tells restore the optimizer-state layout
-    state = jpc.restore(run["dir"] / "state4", fresh)
+    state = jpc.restore(run["dir"] / "state4", fresh, optimizer=_tx())
     assert int(state.step) == 4
     for i, v in enumerate(state.params):
         assert v.sharding.spec == jax.sharding.PartitionSpec("pipe"), i

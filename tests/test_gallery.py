@@ -198,11 +198,11 @@ def test_dualpipe_v_placement_memory_and_bubble():
 def test_dualpipe_v_turn_is_a_local_hand_off():
     """Stages p-1 and p share device p-1: the 2m messages across the turn (m activations
     down, m cotangents back) stay on that device; every other edge is a ppermute."""
-    from jaxpipe.lower import lower
+    from jaxpipe.runtime.spmd.lowering import lower
 
     p, m = 4, 8
     lowered = lower(DualPipeV(p, m), {})
-    local = lowered.table[:, :, lowered.col("local_dst")] != lowered.num_inbox
+    local = lowered.table.local_dst != lowered.num_inbox
     assert local.sum() == 2 * m
     assert set(np.argwhere(local)[:, 1].tolist()) == {p - 1}
     assert sorted(lowered.perm_offsets) == [1, p - 1]  # +1 and -1 only

@@ -75,7 +75,7 @@ def test_train_step_matches_plain_optax():
     for a, b in zip(jax.tree.leaves(pipe.params(state)), jax.tree.leaves(ref_p), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # the tied embedding lives on the first and last stage: copies stay bit-identical
-    per_stage = pipe._per_stage(state.params)
+    per_stage = pipe.stage_params(state.params)
     embed_id = [v.aval.shape for v in pipe.traced.jaxpr.invars].index(params["embed"].shape)
     copies = [vals[st.param_ids.index(embed_id)]
               for st, vals in zip(pipe.stages, per_stage, strict=True) if embed_id in st.param_ids]
@@ -101,7 +101,7 @@ def test_residual_slots_equal_simulated_peak_in_flight(sched):
     loss_fn, params, batch = MODELS["mlp"](schedule.num_stages)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
                        schedule=schedule, cut="markers")
-    assert pipe.lowered.res_peak == list(schedule.simulate().peak_in_flight)
+    assert list(pipe.executor.lowering.residual_peak) == list(schedule.simulate().peak_in_flight)
 
 
 def test_buffers_follow_the_schedule_not_m():
@@ -111,7 +111,7 @@ def test_buffers_follow_the_schedule_not_m():
     def pool(schedule):
         batch = MODELS["mlp"](4, batch=2 * schedule.num_microbatches)[2]
         pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut="markers")
-        return pipe.lowered.res_pool["float32"], pipe.lowered.num_inbox
+        return pipe.executor.lowering.storage["float32"], pipe.executor.lowering.num_inbox
 
     one8, one32 = pool(jp.OneFOneB(4, 8)), pool(jp.OneFOneB(4, 32))
     gp8, gp32 = pool(jp.GPipe(4, 8)), pool(jp.GPipe(4, 32))
@@ -136,7 +136,7 @@ def test_program_size_independent_of_microbatches():
         batch = MODELS["mlp"](4, batch=m)[2]
         pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, m),
                            cut="markers")
-        sizes.append(_count_eqns(jax.make_jaxpr(pipe._value_and_grad)(params, batch).jaxpr))
+        sizes.append(_count_eqns(jax.make_jaxpr(pipe.value_and_grad_fn)(params, batch).jaxpr))
     assert sizes[0] == sizes[1]
 
 

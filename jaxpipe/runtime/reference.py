@@ -3,18 +3,26 @@
 It runs the schedule's actions one at a time in a dependency-respecting order (the
 simulator's start times), evaluating the same stage jaxprs the SPMD runtime uses, keeps
 residuals per (stage, microbatch) and frees them after the last backward action.
+Parameters stay plain leaves (the staged layout is the user's flat leaf list).
 """
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
+from jaxpipe.errors import PipelineError
+from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.schedule import Schedule
+from jaxpipe.schedule.liveness import peak_overlap, unit_lifetimes
 from jaxpipe.stages import StageFn
+from jaxpipe.train import StageOptimizer, TrainOptions, global_norm_scale, sq_norm
 
-__all__ = ["run_reference"]
+__all__ = ["ReferenceExecutor", "ReferenceRuntime", "run_reference"]
 
 
 def run_reference(
@@ -37,8 +45,6 @@ def run_reference(
     cts: dict = {}  # (stage, mb) -> cotangent received by that stage
     res: dict = {}
     handoff: dict = {}
-    live = [0] * schedule.num_devices
-    peak = [0] * schedule.num_devices
     loss = jnp.zeros((), jnp.float32)
 
     def add_grads(st, ct_par):
@@ -48,7 +54,7 @@ def run_reference(
                 grads[pid] = grads[pid] + next(it)
 
     for ev in order:
-        a, d = ev.action, ev.device
+        a = ev.action
         st = stages[a.stage]
         key = (a.stage, a.microbatch)
         params = [param_leaves[i] for i in st.param_ids]
@@ -58,8 +64,6 @@ def run_reference(
             outs = fns[a.stage]["fwd"](*params, *batch, *acts.pop(key, []))
             n = len(st.out_avals)
             res[key] = outs[n:]
-            live[d] += 1
-            peak[d] = max(peak[d], live[d])
             if st.is_last:
                 loss = loss + outs[0] / m
             else:
@@ -83,6 +87,109 @@ def run_reference(
             add_grads(st, fns[a.stage]["bwd_w"](*params, *batch, *stored, *handoff.pop(key)))
         if a.kind in ("B", "W"):
             del res[key]
-            live[d] -= 1
     assert not res and not acts and not cts, "schedule left work undone"
-    return loss, grads, peak
+    # residual sets live from F to the last backward action, counted in execution order
+    peaks = []
+    for d in range(schedule.num_devices):
+        mine = [(e.action, i) for i, e in enumerate(o for o in order if o.device == d)]
+        peaks.append(peak_overlap(unit_lifetimes(mine).values()))
+    return loss, grads, peaks
+
+
+class ReferenceRuntime(Runtime):
+    """Run the schedule's actions one after another on one device (for checking)."""
+
+    name: ClassVar[str] = "reference"
+
+    @property
+    def memory_model(self) -> Any:
+        from jaxpipe.cut import DEVICE_MEMORY
+
+        return DEVICE_MEMORY
+
+    def build(self, spec: RuntimeSpec) -> ReferenceExecutor:
+        return ReferenceExecutor(spec)
+
+    def __repr__(self) -> str:
+        return "ReferenceRuntime()"
+
+
+class ReferenceExecutor(Executor):
+    """Plain leaves in, plain leaves out; :meth:`value_and_grad` runs eagerly."""
+
+    #: ``Pipeline`` calls :meth:`value_and_grad` directly instead of jitting it (each
+    #: stage function is jitted on its own; the schedule runs op by op).
+    eager: ClassVar[bool] = True
+
+    def __init__(self, spec: RuntimeSpec) -> None:
+        self.spec = spec
+
+    def shard(self, param_leaves: list) -> list:
+        return [jnp.asarray(x) for x in param_leaves]
+
+    def unshard(self, staged: Any) -> list:
+        return list(staged)
+
+    def staged_abstract(self) -> list[jax.ShapeDtypeStruct]:
+        return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.spec.param_avals]
+
+    def check_staged(self, staged: Any, what: str) -> None:
+        want = [(tuple(a.shape), a.dtype) for a in self.spec.param_avals]
+        ok = isinstance(staged, (list, tuple)) and [
+            (tuple(np.shape(x)), jnp.result_type(x)) for x in staged] == want
+        if not ok:
+            raise PipelineError(
+                f"{what} expects the reference runtime's staged layout (the flat list of "
+                f"parameter leaves {[w[0] for w in want]}), got {type(staged).__name__}.")
+
+    def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
+        loss, grads, _ = run_reference(list(self.spec.stages), self.spec.schedule,
+                                       list(param_leaves), batch_mb)
+        return loss, grads
+
+    def staged_value_and_grad(self, staged: Any, batch_mb: list) -> tuple[jax.Array, list]:
+        return self.value_and_grad(list(staged), batch_mb)
+
+    def make_train_step(self, optimizer: Any, options: TrainOptions) -> tuple[StepFn, Any]:
+        spec = self.spec
+        stage_opt = StageOptimizer(optimizer, spec)
+
+        def init_opt_state(param_leaves: list) -> list:
+            return [stage_opt.init(st.index, [param_leaves[i] for i in st.param_ids])
+                    for st in spec.stages]
+
+        def step(staged: list, opt_state: list, batch_mb: list) -> tuple:
+            loss, grads = self.value_and_grad(staged, batch_mb)
+            gnorm, scale = global_norm_scale(sq_norm(grads), options)
+            grads = [(g * scale).astype(g.dtype) for g in grads]
+            new_p, new_o = list(staged), []
+            for st in spec.stages:
+                ids = st.param_ids
+                params, state = stage_opt.update(st.index, [staged[i] for i in ids],
+                                                 [grads[i] for i in ids], opt_state[st.index])
+                new_o.append(state)
+                for pid, x in zip(ids, params, strict=True):
+                    if spec.param_owners[pid][0] == st.index:  # tied: the first owner's copy
+                        new_p[pid] = x
+            finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+            if options.skip_nonfinite:
+                new_p = [jnp.where(finite, a, b) for a, b in zip(new_p, staged, strict=True)]
+                new_o = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_o, opt_state)
+            metrics = {"loss": loss, "grad_norm": gnorm,
+                       "skipped": jnp.logical_and(options.skip_nonfinite,
+                                                  ~finite).astype(jnp.int32)}
+            return new_p, new_o, metrics
+
+        return step, init_opt_state
+
+    def opt_state_abstract(self, init_opt_state: Any) -> Any:
+        return jax.eval_shape(init_opt_state, [
+            jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.spec.param_avals])
+
+    def memory_report(self) -> dict[str, Any]:
+        return {"buffer_bytes": 0, "device_rows": [
+            {"residual_peak": p, "residual_bytes": 0}
+            for p in self.spec.schedule.simulate().peak_in_flight]}
+
+    def fingerprint(self) -> dict[str, str]:
+        return {}

@@ -100,6 +100,11 @@ class Schedule(abc.ABC):
             self.__dict__["_jaxpipe_split_units"] = split
         return (stage, microbatch) in split
 
+    def split_units(self) -> frozenset[tuple[int, int]]:
+        """(temporary) the (stage, microbatch) pairs whose backward is split."""
+        self.uses_split_backward(0, 0)
+        return self.__dict__["_jaxpipe_split_units"]
+
     def validate(self) -> None:
         """Raise :class:`ScheduleError` naming device, action and rule if the schedule is
         invalid: wrong placement, index out of range, missing/duplicate actions, B mixed

@@ -1,20 +1,25 @@
-"""Pack lists of arrays of mixed shapes into one flat vector per dtype, and back.
+"""Where the SPMD program keeps each stage's values: parameter slots and flat layouts.
 
 SPMD needs every device to hold buffers of one shape, while stages differ (embedding
-first, head last). Each stage's parameters, residuals and messages are therefore packed
-into flat per-dtype vectors; a buffer's width per dtype is the maximum over what it must
-hold, so only that slack is padded.
+first, head last). Parameters are whole-array *slots* (:class:`ParamSlots`); residuals,
+hand-offs and messages are packed into flat per-dtype vectors (:class:`Layout`), whose
+width per dtype is the maximum over what they must hold, so only that slack is padded.
+:class:`StageLayouts` gathers every stage's layouts.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Layout", "merge_widths"]
+from jaxpipe.runtime.spmd.lowering import Pool
+from jaxpipe.stages import StageFn
+
+__all__ = ["Layout", "ParamSlots", "StageLayouts", "merge_widths"]
 
 
 def _key(dtype) -> str:
@@ -105,3 +110,56 @@ class ParamSlots:
         """Bytes of one device's slots."""
         return sum(math.prod(s) * np.dtype(d).itemsize
                    for s, d in zip(self.shapes, self.dtypes, strict=True))
+
+
+@dataclass(frozen=True)
+class StageLayouts:
+    """Flat layouts of every stage's stored values and messages, and the parameter slots.
+
+    Attributes:
+      slots: the parameter slots of every device.
+      residuals: all residuals a stage stores per microbatch (for sizes).
+      pools: per :class:`~.lowering.Pool`, per stage, the part of its stored values kept
+        in that pool: residuals only the input-gradient reads, residuals the
+        weight-gradient reads too (``StageFn.w_res_ids``), and the I -> W hand-off.
+      act_out / act_in: the forward message (stage carry) a stage sends / receives.
+      ct_out / ct_in: the cotangent message a stage receives (for its differentiable
+        carry out) / sends back (for its differentiable carry in).
+      msg_width: elements per dtype of one message slot (fits every message).
+    """
+
+    slots: ParamSlots
+    residuals: list[Layout]
+    pools: dict[Pool, list[Layout]]
+    act_out: list[Layout]
+    act_in: list[Layout]
+    ct_out: list[Layout]
+    ct_in: list[Layout]
+    msg_width: dict[str, int]
+
+    @classmethod
+    def build(cls, stages: Sequence[StageFn], param_avals: Sequence,
+              device_stages: Sequence[Sequence[int]]) -> StageLayouts:
+        pools = {
+            Pool.RESIDUAL_A: [Layout([st.residual_avals[i] for i in st.i_only_residual_ids])
+                              for st in stages],
+            Pool.RESIDUAL_B: [Layout([st.residual_avals[i] for i in st.w_res_ids])
+                              for st in stages],
+            Pool.HANDOFF: [Layout(st.w_residual_avals) for st in stages],
+        }
+        act_out = [Layout([] if st.is_last else st.out_avals) for st in stages]
+        ct_in = [Layout(st.ct_in_avals()) for st in stages]
+        return cls(
+            slots=ParamSlots(stages, param_avals, device_stages),
+            residuals=[Layout(st.residual_avals) for st in stages],
+            pools=pools,
+            act_out=act_out,
+            act_in=[Layout(st.in_avals) for st in stages],
+            ct_out=[Layout([] if st.is_last else st.ct_out_avals()) for st in stages],
+            ct_in=ct_in,
+            msg_width=merge_widths(act_out + ct_in),
+        )
+
+    def pool_sizes(self) -> dict[Pool, list[dict[str, int]]]:
+        """Per pool, per stage, elements per dtype one microbatch stores (for lowering)."""
+        return {pool: [lay.sizes for lay in layouts] for pool, layouts in self.pools.items()}

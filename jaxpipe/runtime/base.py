@@ -1,0 +1,158 @@
+"""The runtime seam: what every way of executing stage functions under a schedule provides.
+
+The layers above (trace, cut, stages) hand a runtime one :class:`RuntimeSpec`: the stage
+functions, the schedule, the mesh and the facts computed once about them (who owns a
+tied parameter, which leaves a microbatch has). A :class:`Runtime` is a small,
+configurable factory (``jp.pipeline(..., runtime=SpmdRuntime())`` or a registered name
+such as ``"spmd"``); :meth:`Runtime.build` binds it to one spec and returns an
+:class:`Executor`, which does the work: move parameters into its own layout and back,
+compute the pipelined value and gradient, and compile a training step around an
+optimizer.
+
+To add a runtime (an MPMD one, say), subclass both, register the name with
+:func:`jaxpipe.runtime.register`, and touch nothing above this file: ``Pipeline`` only
+talks to these two classes.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import jax
+from jax.sharding import Mesh
+
+if TYPE_CHECKING:
+    from jaxpipe.cut import MemoryModel
+    from jaxpipe.schedule import Schedule
+    from jaxpipe.stages import StageFn
+    from jaxpipe.train import TrainOptions
+
+__all__ = ["Executor", "Runtime", "RuntimeSpec", "StepFn"]
+
+#: ``(params_in_runtime_layout, opt_state, batch_mb) -> (params, opt_state, metrics)``
+StepFn = Callable[[Any, Any, list], tuple[Any, Any, dict]]
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """Everything a runtime is built from, resolved by the layers above it.
+
+    Attributes:
+      stages: the stage functions, in stage order (``stages[s].index == s``).
+      schedule: the validated schedule (placement and every device's action order).
+      mesh: the device mesh; ``axis`` is its pipeline axis.
+      axis: name of the pipeline mesh axis.
+      batch_axes: the other mesh axes, over which the batch is split and gradients
+        averaged.
+      param_avals: abstract value of every flat parameter leaf of the user's pytree.
+      params_treedef: the treedef of the user's parameter pytree (optimizers run on
+        per-stage views of it).
+      microbatch_avals: abstract value of every flat batch leaf of one microbatch on
+        one data shard (what a stage function reads).
+      param_owners: parameter leaf -> the stages that read it, ascending. A leaf read by
+        several stages (a tied embedding) lives on each; its gradient is their sum.
+    """
+
+    stages: tuple[StageFn, ...]
+    schedule: Schedule
+    mesh: Mesh
+    axis: str
+    batch_axes: tuple[str, ...]
+    param_avals: tuple[Any, ...]
+    params_treedef: Any
+    microbatch_avals: tuple[Any, ...]
+    param_owners: Mapping[int, tuple[int, ...]]
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.schedule.num_microbatches
+
+    @property
+    def tied(self) -> tuple[int, ...]:
+        """Parameter leaves read by more than one stage, ascending."""
+        return tuple(pid for pid, owners in sorted(self.param_owners.items())
+                     if len(owners) > 1)
+
+
+class Executor(abc.ABC):
+    """A runtime bound to one pipeline: its stages, schedule and mesh.
+
+    Parameters live in the executor's own *staged* layout (whatever suits it: per-device
+    slot arrays for SPMD, plain leaves for the reference executor). Batches arrive as
+    flat leaves shaped ``[num_microbatches, microbatch, ...]``.
+    """
+
+    spec: RuntimeSpec
+
+    # -- parameters ---------------------------------------------------------------
+    @abc.abstractmethod
+    def shard(self, param_leaves: list) -> Any:
+        """User parameter leaves -> the staged layout (traceable)."""
+
+    @abc.abstractmethod
+    def unshard(self, staged: Any) -> list:
+        """Staged layout -> user parameter leaves, one copy each (traceable)."""
+
+    @abc.abstractmethod
+    def staged_abstract(self) -> Any:
+        """The staged layout as ``jax.ShapeDtypeStruct``\\ s, with shardings."""
+
+    @abc.abstractmethod
+    def check_staged(self, staged: Any, what: str) -> None:
+        """Raise ``PipelineError`` naming ``what`` unless ``staged`` has the staged layout."""
+
+    # -- compute ------------------------------------------------------------------
+    @abc.abstractmethod
+    def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
+        """Mean loss over microbatches and the gradient of every parameter leaf."""
+
+    @abc.abstractmethod
+    def staged_value_and_grad(self, staged: Any, batch_mb: list) -> tuple[jax.Array, Any]:
+        """As :meth:`value_and_grad`, parameters and gradients in the staged layout."""
+
+    # -- training -----------------------------------------------------------------
+    @abc.abstractmethod
+    def make_train_step(self, optimizer: Any, options: TrainOptions) -> tuple[StepFn, Any]:
+        """Compile-ready training step for ``optimizer`` and the initial optimizer state.
+
+        Returns ``(step, init_opt_state)``: ``step(staged, opt_state, batch_mb)`` computes
+        gradients and applies the per-stage optimizer update (see :mod:`jaxpipe.train`),
+        returning ``(staged, opt_state, metrics)``; ``init_opt_state(param_leaves)`` builds
+        the optimizer state in the executor's layout. Both are traceable; the caller jits.
+        """
+
+    @abc.abstractmethod
+    def opt_state_abstract(self, init_opt_state: Any) -> Any:
+        """Abstract (shape, dtype, sharding) optimizer state made by ``init_opt_state``."""
+
+    # -- reports ------------------------------------------------------------------
+    @abc.abstractmethod
+    def memory_report(self) -> dict[str, Any]:
+        """What this executor allocates per device: ``buffer_bytes`` (total) and
+        ``device_rows`` (per device: ``residual_peak``, ``residual_bytes``)."""
+
+    @abc.abstractmethod
+    def fingerprint(self) -> dict[str, str]:
+        """Short digests of everything the compiled program depends on beyond the spec
+        (e.g. lowered tables); processes compare them before running collectives."""
+
+
+class Runtime(abc.ABC):
+    """A way of executing pipelines: configuration plus a factory for :class:`Executor`.
+
+    ``name`` is what ``jp.pipeline(..., runtime=name)`` accepts for a default instance.
+    """
+
+    name: ClassVar[str]
+
+    @property
+    @abc.abstractmethod
+    def memory_model(self) -> MemoryModel:
+        """How this runtime lays out memory, for the memory-aware cutter."""
+
+    @abc.abstractmethod
+    def build(self, spec: RuntimeSpec) -> Executor:
+        """Bind this runtime to one pipeline."""

@@ -1,0 +1,65 @@
+"""A train state owns its optimizer: several states on one pipeline, and reports that
+compile their own steps, never change which optimizer a state trains with."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from models import MODELS, reference
+
+import jaxpipe as jp
+
+M = 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    loss_fn, params, batch = MODELS["mlp"](4, batch=8)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=jp.OneFOneB(2, M), cut="markers")
+    return loss_fn, params, batch, pipe
+
+
+def _plain_steps(loss_fn, params, batch, tx, n):
+    opt = tx.init(params)
+    for _ in range(n):
+        _, g = reference(loss_fn, params, batch, M)
+        u, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, u)
+    return params
+
+
+def _close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_two_states_two_optimizers_on_one_pipeline(setup):
+    loss_fn, params, batch, pipe = setup
+    adamw, sgd = optax.adamw(1e-2, weight_decay=0.1), optax.sgd(0.1, momentum=0.9)
+    s_adamw = pipe.init(params, adamw)
+    s_sgd = pipe.init(params, sgd)  # made later: must not take over s_adamw's training
+    for _ in range(2):
+        s_adamw, _ = pipe.train_step(s_adamw, batch)
+        s_sgd, _ = pipe.train_step(s_sgd, batch)
+    _close(pipe.params(s_adamw), _plain_steps(loss_fn, params, batch, adamw, 2))
+    _close(pipe.params(s_sgd), _plain_steps(loss_fn, params, batch, sgd, 2))
+
+
+def test_compare_compiled_leaves_user_state_alone(setup):
+    loss_fn, params, batch, pipe = setup
+    adamw = optax.adamw(1e-2, weight_decay=0.1)
+    state = pipe.init(params, adamw)
+    report = pipe.compare_compiled(params, batch)  # compiles an Adam step of its own
+    assert report["compiled_bytes"] > 0
+    state, _ = pipe.train_step(state, batch)
+    _close(pipe.params(state), _plain_steps(loss_fn, params, batch, adamw, 1))
+
+
+def test_state_of_another_pipeline_is_refused(setup):
+    loss_fn, params, batch, pipe = setup
+    other = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                        schedule=jp.OneFOneB(2, M), cut="markers")
+    state = other.init(params, optax.sgd(0.1))
+    with pytest.raises(jp.PipelineError, match="another pipeline"):
+        pipe.train_step(state, batch)
