@@ -39,12 +39,15 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxpipe.avals import aval_bytes, is_differentiable
+from jaxpipe.interpret import eval_eqns, read
+
 __all__ = [
     "SegmentCost",
     "segment_costs",
     "jaxpr_flops",
     "eqn_flops",
-    "aval_bytes",
+    "aval_bytes",  # re-exported from jaxpipe.avals
     "profile_segments",
 ]
 
@@ -149,18 +152,6 @@ _SCATTER = frozenset({"scatter_add", "scatter_sub", "scatter_mul", "scatter_min"
 def _size(aval: Any) -> int:
     shape = getattr(aval, "shape", None)
     return int(math.prod(shape)) if shape is not None else 0
-
-
-def aval_bytes(aval: Any) -> int:
-    """Bytes of one value of abstract type ``aval`` (0 for tokens and the like)."""
-    dtype = getattr(aval, "dtype", None)
-    if dtype is None:
-        return 0
-    try:
-        itemsize = int(np.dtype(dtype).itemsize)
-    except TypeError:  # extended dtypes (PRNG keys) know their own size
-        itemsize = int(getattr(dtype, "itemsize", 0) or 0)
-    return _size(aval) * itemsize
 
 
 def _inner(j: Any) -> Any:
@@ -305,25 +296,15 @@ def _run_eqns(eqns: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any]
               args: Sequence[Any]) -> list[Any]:
     """Evaluate equations on ``args`` (bound to ``inputs``) and return ``outputs``."""
     env = dict(zip(inputs, args, strict=True))
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for eqn in eqns:
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*[read(v) for v in eqn.invars],
-                                      **eqn.primitive.get_bind_params(eqn.params))
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in outputs]
+    eval_eqns(eqns, env)
+    return [read(env, v) for v in outputs]
 
 
 def profile_segments(traced: Any, repeats: int = 5) -> list[tuple[float, float]]:
     """Median (forward, backward) seconds per microbatch of every segment, measured.
 
     Each segment is compiled on its own with random inputs of the traced shapes;
-    the backward is the VJP with respect to every floating-point input, minus the
+    the backward is the VJP with respect to every differentiable (inexact) input, minus the
     forward it recomputes. Numbers include per-call dispatch overhead, so tiny
     segments look slower than they are.
     """
@@ -340,26 +321,25 @@ def profile_segments(traced: Any, repeats: int = 5) -> list[tuple[float, float]]
         for i, v in enumerate(ins):
             if v in consts:
                 args.append(consts[v])
-            elif jnp.issubdtype(v.aval.dtype, jnp.floating):
+            elif is_differentiable(v.aval):
                 args.append(jax.random.normal(jax.random.fold_in(key, i), v.aval.shape,
                                               v.aval.dtype))
             else:
                 args.append(jnp.zeros(v.aval.shape, v.aval.dtype))
-        is_float = [jnp.issubdtype(v.aval.dtype, jnp.floating) for v in ins]
+        differentiable = tuple(is_differentiable(v.aval) for v in ins)
 
         def fwd(*xs, _e=jaxpr.eqns[start:end], _i=ins, _o=outs_):
             return _run_eqns(_e, _i, _o, xs)
 
-        def bwd(*xs, _fwd=fwd, _is_float=tuple(is_float)):
+        def bwd(*xs, _fwd=fwd, _diff=differentiable):
             def f(*fl):
                 it = iter(fl)
-                return _fwd(*[next(it) if fl_ else x for x, fl_ in zip(xs, _is_float,
-                                                                        strict=True)])
+                return _fwd(*[next(it) if d else x for x, d in zip(xs, _diff, strict=True)])
 
-            def f_float(*fl):  # only floating outputs carry cotangents
-                return [o for o in f(*fl) if jnp.issubdtype(o.dtype, jnp.floating)]
+            def f_float(*fl):  # only differentiable outputs carry cotangents
+                return [o for o in f(*fl) if is_differentiable(o)]
 
-            floats = [x for x, fl_ in zip(xs, _is_float, strict=True) if fl_]
+            floats = [x for x, d in zip(xs, _diff, strict=True) if d]
             outs, vjp = jax.vjp(f_float, *floats)
             return vjp([jnp.ones_like(o) for o in outs])
 
