@@ -19,7 +19,8 @@ markers (see :func:`jaxpipe.trace.segments`); it is the smallest unit the cutter
   ``profile=True`` replaces both with measured times.
 * ``param_leaf_bytes``: the parameter leaves the segment reads (leaf index ->
   bytes), so that a stage holding several segments that share a parameter (tied
-  embeddings, a shared norm) counts it once.
+  embeddings, a shared norm) counts it once; ``param_leaf_shapes`` gives each
+  leaf's ``(shape, dtype name)`` for memory models that pad per storage class.
 * ``residual_bytes``: what the segment's forward keeps per microbatch for its
   backward (parameters excluded: they are re-read), taken from
   :func:`jaxpipe.stages.split` with one stage per segment, i.e. from the same
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +71,10 @@ class SegmentCost:
         ``param_bytes`` that other segments may share. Leaves not listed here are
         private to this segment: ``param_bytes - sum(param_leaf_bytes.values())``.
       name: label for plans (the marker's name, or ``"segment{k}"``).
-      param_leaf_class: parameter leaf index -> storage class, ``(shape, dtype)``
-        from :func:`segment_costs`. The SPMD runtime pads parameters per class (a
-        device gets as many slots of a shape as the busiest device needs), so the
-        cutter uses classes to predict padded parameter bytes.
+      param_leaf_shapes: parameter leaf index -> ``(shape, dtype name)``, e.g.
+        ``((512, 512), "float32")``, filled by :func:`segment_costs`. A runtime's
+        memory model (:class:`jaxpipe.cut.MemoryModel`) may map it to a storage class
+        to predict padded parameter bytes; leaves without a shape pad as one group.
       fwd_time, bwd_time: measured seconds per microbatch when profiled
         (``jp.Cut(profile=True)``); ``None`` means "use FLOPs".
     """
@@ -84,7 +85,8 @@ class SegmentCost:
     out_bytes: int = 0
     param_leaf_bytes: Mapping[int, int] = field(default_factory=dict, hash=False)
     name: str = ""
-    param_leaf_class: Mapping[int, Hashable] = field(default_factory=dict, hash=False)
+    param_leaf_shapes: Mapping[int, tuple[tuple[int, ...], str]] = field(
+        default_factory=dict, hash=False)
     fwd_time: float | None = None
     bwd_time: float | None = None
 
@@ -233,7 +235,7 @@ def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
 
     flops = [0.0] * len(ranges)
     leaf_bytes: list[dict[int, int]] = [{} for _ in ranges]
-    leaf_class = {i: (tuple(v.aval.shape), str(v.aval.dtype)) for i, v in enumerate(param_vars)}
+    leaf_shape = {i: (tuple(v.aval.shape), str(v.aval.dtype)) for i, v in enumerate(param_vars)}
     for k, (start, end) in enumerate(ranges):
         for eqn in jaxpr.eqns[start:end]:
             flops[k] += eqn_flops(eqn)
@@ -260,7 +262,7 @@ def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
                 residual_bytes=int(residual[k]),
                 out_bytes=int(outs[k]),
                 param_leaf_bytes=leaf_bytes[k],
-                param_leaf_class={i: leaf_class[i] for i in leaf_bytes[k]},
+                param_leaf_shapes={i: leaf_shape[i] for i in leaf_bytes[k]},
                 name=label,
                 fwd_time=times[k][0] if times else None,
                 bwd_time=times[k][1] if times else None,
