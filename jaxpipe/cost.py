@@ -19,7 +19,8 @@ markers (see :func:`jaxpipe.trace.segments`); it is the smallest unit the cutter
   ``profile=True`` replaces both with measured times.
 * ``param_leaf_bytes``: the parameter leaves the segment reads (leaf index ->
   bytes), so that a stage holding several segments that share a parameter (tied
-  embeddings, a shared norm) counts it once.
+  embeddings, a shared norm) counts it once; ``param_leaf_shapes`` gives each
+  leaf's ``(shape, dtype name)`` for memory models that pad per storage class.
 * ``residual_bytes``: what the segment's forward keeps per microbatch for its
   backward (parameters excluded: they are re-read), taken from
   :func:`jaxpipe.stages.split` with one stage per segment, i.e. from the same
@@ -32,19 +33,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxpipe.avals import aval_bytes, is_differentiable
+from jaxpipe.interpret import eval_eqns, read
+
 __all__ = [
     "SegmentCost",
     "segment_costs",
     "jaxpr_flops",
     "eqn_flops",
-    "aval_bytes",
+    "aval_bytes",  # re-exported from jaxpipe.avals
     "profile_segments",
 ]
 
@@ -67,10 +71,10 @@ class SegmentCost:
         ``param_bytes`` that other segments may share. Leaves not listed here are
         private to this segment: ``param_bytes - sum(param_leaf_bytes.values())``.
       name: label for plans (the marker's name, or ``"segment{k}"``).
-      param_leaf_class: parameter leaf index -> storage class, ``(shape, dtype)``
-        from :func:`segment_costs`. The SPMD runtime pads parameters per class (a
-        device gets as many slots of a shape as the busiest device needs), so the
-        cutter uses classes to predict padded parameter bytes.
+      param_leaf_shapes: parameter leaf index -> ``(shape, dtype name)``, e.g.
+        ``((512, 512), "float32")``, filled by :func:`segment_costs`. A runtime's
+        memory model (:class:`jaxpipe.cut.MemoryModel`) may map it to a storage class
+        to predict padded parameter bytes; leaves without a shape pad as one group.
       fwd_time, bwd_time: measured seconds per microbatch when profiled
         (``jp.Cut(profile=True)``); ``None`` means "use FLOPs".
     """
@@ -81,7 +85,8 @@ class SegmentCost:
     out_bytes: int = 0
     param_leaf_bytes: Mapping[int, int] = field(default_factory=dict, hash=False)
     name: str = ""
-    param_leaf_class: Mapping[int, Hashable] = field(default_factory=dict, hash=False)
+    param_leaf_shapes: Mapping[int, tuple[tuple[int, ...], str]] = field(
+        default_factory=dict, hash=False)
     fwd_time: float | None = None
     bwd_time: float | None = None
 
@@ -149,18 +154,6 @@ _SCATTER = frozenset({"scatter_add", "scatter_sub", "scatter_mul", "scatter_min"
 def _size(aval: Any) -> int:
     shape = getattr(aval, "shape", None)
     return int(math.prod(shape)) if shape is not None else 0
-
-
-def aval_bytes(aval: Any) -> int:
-    """Bytes of one value of abstract type ``aval`` (0 for tokens and the like)."""
-    dtype = getattr(aval, "dtype", None)
-    if dtype is None:
-        return 0
-    try:
-        itemsize = int(np.dtype(dtype).itemsize)
-    except TypeError:  # extended dtypes (PRNG keys) know their own size
-        itemsize = int(getattr(dtype, "itemsize", 0) or 0)
-    return _size(aval) * itemsize
 
 
 def _inner(j: Any) -> Any:
@@ -242,7 +235,7 @@ def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
 
     flops = [0.0] * len(ranges)
     leaf_bytes: list[dict[int, int]] = [{} for _ in ranges]
-    leaf_class = {i: (tuple(v.aval.shape), str(v.aval.dtype)) for i, v in enumerate(param_vars)}
+    leaf_shape = {i: (tuple(v.aval.shape), str(v.aval.dtype)) for i, v in enumerate(param_vars)}
     for k, (start, end) in enumerate(ranges):
         for eqn in jaxpr.eqns[start:end]:
             flops[k] += eqn_flops(eqn)
@@ -269,7 +262,7 @@ def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
                 residual_bytes=int(residual[k]),
                 out_bytes=int(outs[k]),
                 param_leaf_bytes=leaf_bytes[k],
-                param_leaf_class={i: leaf_class[i] for i in leaf_bytes[k]},
+                param_leaf_shapes={i: leaf_shape[i] for i in leaf_bytes[k]},
                 name=label,
                 fwd_time=times[k][0] if times else None,
                 bwd_time=times[k][1] if times else None,
@@ -305,25 +298,15 @@ def _run_eqns(eqns: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any]
               args: Sequence[Any]) -> list[Any]:
     """Evaluate equations on ``args`` (bound to ``inputs``) and return ``outputs``."""
     env = dict(zip(inputs, args, strict=True))
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for eqn in eqns:
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*[read(v) for v in eqn.invars],
-                                      **eqn.primitive.get_bind_params(eqn.params))
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in outputs]
+    eval_eqns(eqns, env)
+    return [read(env, v) for v in outputs]
 
 
 def profile_segments(traced: Any, repeats: int = 5) -> list[tuple[float, float]]:
     """Median (forward, backward) seconds per microbatch of every segment, measured.
 
     Each segment is compiled on its own with random inputs of the traced shapes;
-    the backward is the VJP with respect to every floating-point input, minus the
+    the backward is the VJP with respect to every differentiable (inexact) input, minus the
     forward it recomputes. Numbers include per-call dispatch overhead, so tiny
     segments look slower than they are.
     """
@@ -340,26 +323,25 @@ def profile_segments(traced: Any, repeats: int = 5) -> list[tuple[float, float]]
         for i, v in enumerate(ins):
             if v in consts:
                 args.append(consts[v])
-            elif jnp.issubdtype(v.aval.dtype, jnp.floating):
+            elif is_differentiable(v.aval):
                 args.append(jax.random.normal(jax.random.fold_in(key, i), v.aval.shape,
                                               v.aval.dtype))
             else:
                 args.append(jnp.zeros(v.aval.shape, v.aval.dtype))
-        is_float = [jnp.issubdtype(v.aval.dtype, jnp.floating) for v in ins]
+        differentiable = tuple(is_differentiable(v.aval) for v in ins)
 
         def fwd(*xs, _e=jaxpr.eqns[start:end], _i=ins, _o=outs_):
             return _run_eqns(_e, _i, _o, xs)
 
-        def bwd(*xs, _fwd=fwd, _is_float=tuple(is_float)):
+        def bwd(*xs, _fwd=fwd, _diff=differentiable):
             def f(*fl):
                 it = iter(fl)
-                return _fwd(*[next(it) if fl_ else x for x, fl_ in zip(xs, _is_float,
-                                                                        strict=True)])
+                return _fwd(*[next(it) if d else x for x, d in zip(xs, _diff, strict=True)])
 
-            def f_float(*fl):  # only floating outputs carry cotangents
-                return [o for o in f(*fl) if jnp.issubdtype(o.dtype, jnp.floating)]
+            def f_float(*fl):  # only differentiable outputs carry cotangents
+                return [o for o in f(*fl) if is_differentiable(o)]
 
-            floats = [x for x, fl_ in zip(xs, _is_float, strict=True) if fl_]
+            floats = [x for x, d in zip(xs, _diff, strict=True) if d]
             outs, vjp = jax.vjp(f_float, *floats)
             return vjp([jnp.ones_like(o) for o in outs])
 

@@ -19,6 +19,8 @@ Without a pipeline the boundary is the identity, so outputs, parameter trees
 (names included) and serialization are exactly those of the undecorated class.
 A subclass rather than in-place patching is used so that ``jp.layer(nnx.Linear)``
 gives a cuttable ``Linear`` without changing flax's own ``Linear`` everywhere.
+The wrapping needs nothing from flax: it is :func:`jaxpipe.markers.layer_class`
+(re-exported here as ``jaxpipe.flax.layer_class``).
 
 Pipelining a model
 ------------------
@@ -31,14 +33,12 @@ way to write trained parameters back into the model or variables.
 
 from __future__ import annotations
 
-import functools
-import types
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 
-from jaxpipe.markers import boundary
+from jaxpipe.markers import layer_class  # re-exported: the class form of @jp.layer
 
 __all__ = [
     "layer_class",
@@ -47,88 +47,6 @@ __all__ = [
     "NnxPipeline",
     "LinenPipeline",
 ]
-
-C = TypeVar("C", bound=type)
-
-_LAYER_ATTR = "__jaxpipe_layer__"  # label on a decorated class and on its wrapped __call__
-_INNER_ATTR = "__jaxpipe_inner__"  # the undecorated __call__ (lets a subclass be re-labelled)
-
-
-# --------------------------------------------------------------------------- markers
-
-
-def _is_linen(cls: type) -> bool:
-    try:
-        from flax import linen as nn
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return False
-    return issubclass(cls, nn.Module)
-
-
-def _is_nnx(cls: type) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover
-        return False
-    return issubclass(cls, nnx.Module)
-
-
-def layer_class(cls: C, name: str | None = None) -> C:
-    """Return a subclass of ``cls`` whose every ``__call__`` is one cuttable pipeline unit.
-
-    This is what ``@jp.layer`` does for classes. The subclass keeps the class's name,
-    qualified name, module and docstring, so flax's automatic submodule names
-    (``Block_0`` in linen), parameter trees and serialized checkpoints are unchanged;
-    ``isinstance(obj, cls)`` still holds. Only ``__call__`` is wrapped: its outputs
-    (any pytree) pass through :func:`jaxpipe.boundary`, which is the identity outside a
-    pipeline trace.
-
-    For linen modules the wrapper calls linen's own managed ``__call__`` (scope set up,
-    ``nn.compact`` honoured) and is not re-managed itself, so ``init``/``apply``,
-    ``method=``, interceptors and ``capture_intermediates`` behave as before.
-
-    Args:
-      cls: an ``nnx.Module`` or ``linen.Module`` subclass (any class with
-        ``__call__`` works the same way).
-      name: label for the plan table; default ``cls.__qualname__``.
-
-    Raises:
-      TypeError: if ``cls`` has no ``__call__`` of its own to wrap.
-    """
-    if not isinstance(cls, type):
-        raise TypeError(f"layer_class expects a class, got {cls!r}")
-    # The __call__ instances use: the first class in the MRO that defines one.
-    call = next((k.__dict__["__call__"] for k in cls.__mro__ if "__call__" in k.__dict__), None)
-    if call is None:
-        raise TypeError(f"@jp.layer: class {cls.__qualname__} defines no __call__ to wrap")
-    label = name or cls.__qualname__
-    # Decorating a class that is already decorated re-labels it instead of stacking
-    # two boundaries on the same output.
-    inner = getattr(call, _INNER_ATTR, call)
-
-    # functools.wraps copies linen's ``method_handler_wrapped`` flag (and ``compact``)
-    # from ``inner``: linen then leaves this wrapper unmanaged, and the call it makes
-    # to ``inner`` does all of linen's scope handling exactly once.
-    @functools.wraps(inner)
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return boundary(inner(self, *args, **kwargs), name=label)
-
-    setattr(__call__, _LAYER_ATTR, label)
-    setattr(__call__, _INNER_ATTR, inner)
-
-    namespace = {
-        "__call__": __call__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-        _LAYER_ATTR: label,
-    }
-    # types.new_class runs the metaclass and __init_subclass__ like a class statement:
-    # linen re-applies its dataclass transform (fields are inherited unchanged), nnx
-    # registers the subclass as a graph node.
-    sub = types.new_class(cls.__name__, (cls,), {}, lambda ns: ns.update(namespace))
-    return sub  # type: ignore[return-value]
-
 
 # --------------------------------------------------------------------------- helpers
 

@@ -8,6 +8,7 @@ to ``jit`` (lowers to nothing), ``grad`` (identity JVP/transpose) and ``vmap``.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["boundary", "layer", "boundary_p"]
+__all__ = ["boundary", "layer", "layer_class", "boundary_p"]
 
 boundary_p = Primitive("jaxpipe_boundary")
 boundary_p.multiple_results = True
@@ -63,6 +64,10 @@ def boundary(x: T, name: str | None = None) -> T:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C", bound=type)
+
+_LAYER_ATTR = "__jaxpipe_layer__"  # label on a decorated callable, class and wrapped __call__
+_INNER_ATTR = "__jaxpipe_inner__"  # the undecorated __call__ (lets a subclass be re-labelled)
 
 
 def layer(fn: F | None = None, *, name: str | None = None) -> F:
@@ -75,8 +80,9 @@ def layer(fn: F | None = None, *, name: str | None = None) -> F:
         def block(w, h):
             return jnp.tanh(h @ w)
 
-    For flax ``nnx.Module`` and ``linen.Module`` classes the class's ``__call__`` is
-    wrapped (see :mod:`jaxpipe.flax`); parameters and serialization are unchanged.
+    For classes (flax ``nnx.Module`` and ``linen.Module`` included) the class's
+    ``__call__`` is wrapped (see :func:`layer_class`); parameters and serialization
+    are unchanged.
 
     Args:
       fn: the function or Module class to decorate.
@@ -85,14 +91,69 @@ def layer(fn: F | None = None, *, name: str | None = None) -> F:
     if fn is None:
         return functools.partial(layer, name=name)  # type: ignore[return-value]
     if isinstance(fn, type):
-        from jaxpipe import flax as _jpflax
-
-        return _jpflax.layer_class(fn, name=name)  # type: ignore[return-value]
+        return layer_class(fn, name=name)  # type: ignore[return-value]
     label = name or getattr(fn, "__qualname__", None) or repr(fn)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         return boundary(fn(*args, **kwargs), name=label)
 
-    wrapped.__jaxpipe_layer__ = label  # type: ignore[attr-defined]
+    setattr(wrapped, _LAYER_ATTR, label)
     return wrapped  # type: ignore[return-value]
+
+
+def layer_class(cls: C, name: str | None = None) -> C:
+    """Return a subclass of ``cls`` whose every ``__call__`` is one cuttable pipeline unit.
+
+    This is what ``@jp.layer`` does for classes. The subclass keeps the class's name,
+    qualified name, module and docstring, so flax's automatic submodule names
+    (``Block_0`` in linen), parameter trees and serialized checkpoints are unchanged;
+    ``isinstance(obj, cls)`` still holds. Only ``__call__`` is wrapped: its outputs
+    (any pytree) pass through :func:`jaxpipe.boundary`, which is the identity outside a
+    pipeline trace.
+
+    For linen modules the wrapper calls linen's own managed ``__call__`` (scope set up,
+    ``nn.compact`` honoured) and is not re-managed itself, so ``init``/``apply``,
+    ``method=``, interceptors and ``capture_intermediates`` behave as before.
+
+    Args:
+      cls: an ``nnx.Module`` or ``linen.Module`` subclass (any class with
+        ``__call__`` works the same way).
+      name: label for the plan table; default ``cls.__qualname__``.
+
+    Raises:
+      TypeError: if ``cls`` has no ``__call__`` of its own to wrap.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"layer_class expects a class, got {cls!r}")
+    # The __call__ instances use: the first class in the MRO that defines one.
+    call = next((k.__dict__["__call__"] for k in cls.__mro__ if "__call__" in k.__dict__), None)
+    if call is None:
+        raise TypeError(f"@jp.layer: class {cls.__qualname__} defines no __call__ to wrap")
+    label = name or cls.__qualname__
+    # Decorating a class that is already decorated re-labels it instead of stacking
+    # two boundaries on the same output.
+    inner = getattr(call, _INNER_ATTR, call)
+
+    # functools.wraps copies linen's ``method_handler_wrapped`` flag (and ``compact``)
+    # from ``inner``: linen then leaves this wrapper unmanaged, and the call it makes
+    # to ``inner`` does all of linen's scope handling exactly once.
+    @functools.wraps(inner)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return boundary(inner(self, *args, **kwargs), name=label)
+
+    setattr(__call__, _LAYER_ATTR, label)
+    setattr(__call__, _INNER_ATTR, inner)
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        _LAYER_ATTR: label,
+    }
+    # types.new_class runs the metaclass and __init_subclass__ like a class statement:
+    # linen re-applies its dataclass transform (fields are inherited unchanged), nnx
+    # registers the subclass as a graph node.
+    sub = types.new_class(cls.__name__, (cls,), {}, lambda ns: ns.update(namespace))
+    return sub  # type: ignore[return-value]

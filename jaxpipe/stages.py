@@ -25,17 +25,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from jaxpipe.avals import is_differentiable
 from jaxpipe.errors import PipelineError
+from jaxpipe.interpret import eval_eqns, read
 from jaxpipe.trace import Traced, segments
 
-__all__ = ["StageFn", "is_float", "param_owners", "split"]
-
-
-def is_float(aval) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
+__all__ = ["StageFn", "param_owners", "split"]
 
 
 @dataclass
@@ -74,21 +71,6 @@ class StageFn:
     def ct_out_avals(self) -> list:
         """Cotangents this stage's backward receives from the next stage."""
         return [a for a, d in zip(self.out_avals, self.diff_out_mask, strict=True) if d]
-
-
-def _eval_eqns(eqns, env: dict) -> None:
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for eqn in eqns:
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(
-                *[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
-            )
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
 
 
 def _sds(aval):
@@ -175,9 +157,9 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
     b_avals = [v.aval for v in b_vars]
     in_avals = [v.aval for v in carry_in]
     out_avals = [v.aval if isinstance(v, jcore.Var) else jcore.get_aval(v.val) for v in carry_out]
-    dp = tuple(is_float(a) for a in p_avals)
-    di = tuple(is_float(a) for a in in_avals)
-    do = tuple(is_float(a) for a in out_avals)
+    dp = tuple(is_differentiable(a) for a in p_avals)
+    di = tuple(is_differentiable(a) for a in in_avals)
+    do = tuple(is_differentiable(a) for a in out_avals)
     if is_last and not do[0]:
         raise PipelineError("the loss must be a floating-point scalar.")
 
@@ -186,8 +168,8 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
         env.update(zip(p_vars, params, strict=True))
         env.update(zip(b_vars, batch, strict=True))
         env.update(zip(carry_in, carry, strict=True))
-        _eval_eqns(eqns, env)
-        return [v.val if isinstance(v, jcore.Literal) else env[v] for v in carry_out]
+        eval_eqns(eqns, env)
+        return [read(env, v) for v in carry_out]
 
     def pick(xs, mask, keep):
         return [x for x, m in zip(xs, mask, strict=True) if m == keep]

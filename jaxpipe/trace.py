@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxpipe.errors import PipelineError
+from jaxpipe.interpret import eval_eqns, read
 from jaxpipe.markers import boundary_p
 
 __all__ = ["Traced", "trace", "segments", "microbatch_like"]
@@ -58,37 +59,26 @@ def _has_marker(jaxpr) -> bool:
 
 def _inline_eval(jaxpr: jcore.Jaxpr, consts, args) -> list:
     """Evaluate ``jaxpr`` into the current trace, inlining call bodies that hold markers."""
-    env: dict = {}
+    env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
 
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+    def inline_marked_calls(eqn, invals):
         subs = jcore.jaxprs_in_params(eqn.params)
-        if subs and any(_has_marker(s) for s in subs):
-            if eqn.primitive.name not in _INLINE:
-                raise PipelineError(
-                    f"jaxpipe.boundary / @jaxpipe.layer was used inside `{eqn.primitive.name}` "
-                    "(e.g. lax.scan, lax.cond, a while loop or a custom_vjp function). Cuts must "
-                    "be at the top level of the loss function: move the marker out of the "
-                    "control-flow body, or unroll that loop in Python."
-                )
-            inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-            inner_consts = getattr(inner, "consts", [])
-            outs = _inline_eval(getattr(inner, "jaxpr", inner), inner_consts, invals)
-        else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+        if not (subs and any(_has_marker(s) for s in subs)):
+            return None  # plain equation: bind it
+        if eqn.primitive.name not in _INLINE:
+            raise PipelineError(
+                f"jaxpipe.boundary / @jaxpipe.layer was used inside `{eqn.primitive.name}` "
+                "(e.g. lax.scan, lax.cond, a while loop or a custom_vjp function). Cuts must "
+                "be at the top level of the loss function: move the marker out of the "
+                "control-flow body, or unroll that loop in Python."
+            )
+        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+        inner_consts = getattr(inner, "consts", [])
+        return _inline_eval(getattr(inner, "jaxpr", inner), inner_consts, invals)
+
+    eval_eqns(jaxpr.eqns, env, override=inline_marked_calls)
+    return [read(env, v) for v in jaxpr.outvars]
 
 
 def _check_array_leaves(tree: Any, what: str) -> None:

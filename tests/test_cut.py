@@ -253,12 +253,13 @@ def test_shared_parameters_count_once_per_stage():
 def test_spmd_padding_by_parameter_class():
     """Embedding and head are one slot each on every device; blocks pad to the most."""
     emb, head, blk = 1000, 700, 100
+    shape = {"emb": ((250,), "float32"), "blk": ((25,), "float32"), "head": ((175,), "float32")}
     costs = [SegmentCost(flops=1, param_leaf_bytes={0: emb, 1: blk},
-                         param_leaf_class={0: "emb", 1: "blk"})]
-    costs += [SegmentCost(flops=1, param_leaf_bytes={i: blk}, param_leaf_class={i: "blk"})
+                         param_leaf_shapes={0: shape["emb"], 1: shape["blk"]})]
+    costs += [SegmentCost(flops=1, param_leaf_bytes={i: blk}, param_leaf_shapes={i: shape["blk"]})
               for i in range(2, 6)]
     costs += [SegmentCost(flops=1, param_leaf_bytes={6: blk, 7: head},
-                          param_leaf_class={6: "blk", 7: "head"})]
+                          param_leaf_shapes={6: shape["blk"], 7: shape["head"]})]
     cut = Cut(indices=[1, 3], optimizer_bytes_per_param_byte=0, grad_bytes_per_param_byte=0,
               workspace_residual_sets=0)
     res = partition(costs, [0, 1, 2], [1, 1, 1], cut)
@@ -298,7 +299,7 @@ def test_memory_breakdown_formula():
 @MODELS
 def test_local_search_fallback_matches_enumeration_on_uniform_layers(
         model, placement, monkeypatch):
-    import jaxpipe.cut as cut_mod
+    import jaxpipe.cut.shared as cut_mod
 
     costs = _uniform(14)
     in_flight = [max(1, 12 - s) for s in range(6)]
@@ -321,7 +322,7 @@ def test_local_search_fallback_matches_enumeration_on_uniform_layers(
 @given(data=st.data(), slack=st.sampled_from([0.0, 0.2]))
 def test_local_search_fallback_respects_the_time_cap_and_beats_compute_balance(
         model, data, slack):
-    import jaxpipe.cut as cut_mod
+    import jaxpipe.cut.shared as cut_mod
 
     costs, placement, in_flight = data.draw(problems(shared_devices=True))
     old = cut_mod._ENUM_LIMIT
@@ -489,3 +490,66 @@ def test_pipeline_with_memory_cut_matches_jax_gradients():
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_memory_model_comes_from_the_caller_unless_the_cut_names_one():
+    from jaxpipe.cut import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
+
+    p, m = 4, 8
+    in_flight = [min(m, p - i) for i in range(p)]
+    costs = _uniform(24, residual=1000, params=300, out=8)
+    memory = Cut(objective="memory", time_slack=0.3)
+    by_runtime = partition(costs, range(p), in_flight, memory, memory_model=DEVICE_MEMORY)
+    named = partition(costs, range(p), in_flight,
+                      Cut(objective="memory", time_slack=0.3, memory_model="device"))
+    assert by_runtime.memory_model == named.memory_model == "device"
+    assert by_runtime.stage_segments == named.stage_segments
+    assert by_runtime.peak_memory == by_runtime.max_device_memory
+    # The cut's explicit model wins over the runtime's.
+    spmd = partition(costs, range(p), in_flight,
+                     Cut(objective="memory", time_slack=0.3, memory_model="spmd"),
+                     memory_model=DEVICE_MEMORY)
+    assert spmd.memory_model == "spmd" and spmd.peak_memory == spmd.padded_memory.total
+    assert partition(costs, range(p), in_flight, memory).memory_model == SPMD_MEMORY.name
+    # A runtime's own model: its name, its padding, its workspace.
+    mpmd = MemoryModel("mpmd", padded=False, param_class=None, workspace_residual_sets=2.5)
+    res = partition(costs, range(p), in_flight, Cut(indices=[5, 11, 17]), memory_model=mpmd)
+    assert res.memory_model == "mpmd" and res.peak_memory == res.max_device_memory
+    assert res.stage_memory[0].workspace == 2.5 * 6 * 1000
+    res = partition(costs, range(p), in_flight, Cut(indices=[5, 11, 17], memory_model=mpmd,
+                                                    workspace_residual_sets=0))
+    assert res.memory_model == "mpmd" and res.stage_memory[0].workspace == 0
+
+
+def test_parameter_classes_come_from_the_memory_model():
+    """Without per-class padding (param_class=None) parameters pad as one group."""
+    from jaxpipe.cut import MemoryModel
+
+    emb, blk = 1000, 100
+    costs = [SegmentCost(flops=1, param_leaf_bytes={0: emb},
+                         param_leaf_shapes={0: ((250,), "float32")})]
+    costs += [SegmentCost(flops=1, param_leaf_bytes={i: blk},
+                          param_leaf_shapes={i: ((25,), "float32")}) for i in range(1, 4)]
+    cut = Cut(indices=[1], optimizer_bytes_per_param_byte=0, grad_bytes_per_param_byte=0,
+              workspace_residual_sets=0)
+    per_class = partition(costs, [0, 1], [1, 1], cut)  # SPMD: emb slot + 2 block slots
+    assert per_class.padded_memory.params == emb + 2 * blk
+    one_group = MemoryModel("padded-flat", padded=True, param_class=None)
+    flat = partition(costs, [0, 1], [1, 1], cut, memory_model=one_group)
+    assert flat.padded_memory.params == emb + blk  # the bigger device's bytes
+    by_dtype = MemoryModel("by-dtype", padded=True, param_class=lambda shape, dtype: dtype)
+    merged = partition(costs, [0, 1], [1, 1], cut, memory_model=by_dtype)
+    assert merged.padded_memory.params == emb + blk
+
+
+def test_bad_memory_models():
+    from jaxpipe.cut import MemoryModel
+
+    with pytest.raises(CutError, match="memory_model"):
+        Cut(memory_model="mpmd")
+    with pytest.raises(CutError, match="workspace_residual_sets"):
+        Cut(workspace_residual_sets=-1.0)
+    with pytest.raises(CutError, match="MemoryModel"):
+        partition(_uniform(4), range(2), [1, 1], memory_model="spmd")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="workspace_residual_sets"):
+        MemoryModel("x", False, None, -1.0)

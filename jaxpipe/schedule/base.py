@@ -29,7 +29,7 @@ from typing import ClassVar
 
 from .action import Action, ScheduleError
 from .simulate import Costs, Timeline, simulate_schedule
-from .validate import validate_schedule
+from .validate import check_structure, validate_schedule
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -84,26 +84,23 @@ class Schedule(abc.ABC):
         """``{device: device_actions(device)}`` for every device."""
         return {d: list(self.device_actions(d)) for d in range(self.num_devices)}
 
-    def uses_split_backward(self, stage: int, microbatch: int) -> bool:
-        """True if (stage, microbatch) runs its backward as ``I`` + ``W`` instead of ``B``.
+    def split_units(self) -> frozenset[tuple[int, int]]:
+        """The (stage, microbatch) pairs whose backward runs as ``I`` + ``W`` instead of ``B``.
 
-        Computed once from :meth:`actions` and cached on the instance.
+        Derived by the structural check (:func:`~jaxpipe.schedule.validate.check_structure`,
+        so a structurally invalid schedule raises :class:`ScheduleError`) and cached on
+        the instance: ``device_actions`` must be deterministic.
         """
         split = self.__dict__.get("_jaxpipe_split_units")
         if split is None:
-            split = frozenset(
-                (a.stage, a.microbatch)
-                for acts in self.actions().values()
-                for a in acts
-                if isinstance(a, Action) and a.kind == "I"
-            )
+            _, split = check_structure(self)
             self.__dict__["_jaxpipe_split_units"] = split
-        return (stage, microbatch) in split
+        return split
 
-    def split_units(self) -> frozenset[tuple[int, int]]:
-        """(temporary) the (stage, microbatch) pairs whose backward is split."""
-        self.uses_split_backward(0, 0)
-        return self.__dict__["_jaxpipe_split_units"]
+    def uses_split_backward(self, stage: int, microbatch: int) -> bool:
+        """True if (stage, microbatch) runs its backward as ``I`` + ``W`` instead of ``B``
+        (see :meth:`split_units`)."""
+        return (stage, microbatch) in self.split_units()
 
     def validate(self) -> None:
         """Raise :class:`ScheduleError` naming device, action and rule if the schedule is

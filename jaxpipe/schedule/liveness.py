@@ -1,27 +1,64 @@
-"""Residual liveness (temporary; replaced by the cut-package branch's version)."""
+"""Liveness of residual sets: when a (stage, microbatch) holds memory, and the peak.
+
+A (stage, microbatch) *unit* stores its residuals from its forward ``F`` until its
+last backward action: ``B``, or ``W`` when the backward is split (``I`` still reads
+them). The simulator counts peaks with these two helpers along each device's action
+order; the lowering sizes its buffers with them along its ticks. Any orderable
+position works as time (list index, tick, simulated time)::
+
+    lifetimes = unit_lifetimes((a, pos) for pos, a in enumerate(actions))
+    peak = peak_overlap(lifetimes.values())
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, TypeVar
+
+from .action import Action
+
+__all__ = ["unit_lifetimes", "peak_overlap"]
+
+#: A (stage, microbatch) pair.
+Unit = tuple[int, int]
+
+T = TypeVar("T")
 
 
-def unit_lifetimes(events: Iterable) -> dict:
-    out: dict = {}
-    for a, t in events:
-        key = (a.stage, a.microbatch)
-        lo, hi = out.get(key, (None, None))
-        if a.kind == "F":
-            lo = t
-        else:
-            hi = t if hi is None else max(hi, t)
-        out[key] = (lo, hi)
-    return {k: (lo, hi if hi is not None else lo) for k, (lo, hi) in out.items()}
+def unit_lifetimes(events: Iterable[tuple[Action, T]]) -> dict[Unit, tuple[T, T]]:
+    """Per (stage, microbatch): ``(time of its F, time of its last backward action)``.
+
+    ``events`` are the ``(action, time)`` pairs of one device. The last backward
+    action is the unit's ``B``, or its ``W`` when the backward is split; ``I``
+    does not end a lifetime. A unit whose backward is missing (only possible in an
+    unvalidated schedule) lives until the last time in ``events``. Units are listed
+    in the order of their forwards.
+    """
+    start: dict[Unit, T] = {}
+    end: dict[Unit, T] = {}
+    last: Any = None
+    for action, time in events:
+        last = time
+        unit = (action.stage, action.microbatch)
+        if action.kind == "F":
+            start[unit] = time
+        elif action.kind in ("B", "W"):
+            end[unit] = time
+    return {unit: (t, end.get(unit, last)) for unit, t in start.items()}
 
 
-def peak_overlap(intervals: Iterable) -> int:
-    events = sorted([(a, 0) for a, _ in intervals] + [(b, 1) for _, b in intervals])
+def peak_overlap(intervals: Iterable[tuple[Any, Any]]) -> int:
+    """The most closed intervals ``[start, end]`` that contain one point (0 if none).
+
+    Intervals that touch (one ends at the time the next starts) count as overlapping.
+    """
+    points = []
+    for start, end in intervals:
+        points.append((start, 0))  # at equal times, opens sort before closes
+        points.append((end, 1))
+    points.sort(key=lambda point: (point[0], point[1]))
     live = peak = 0
-    for _, kind in events:
-        live += 1 if kind == 0 else -1
+    for _, closes in points:
+        live += -1 if closes else 1
         peak = max(peak, live)
     return peak

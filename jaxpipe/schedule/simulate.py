@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Union
 
 from .action import ACTION_KINDS, KIND_NAMES, Action
+from .liveness import peak_overlap, unit_lifetimes
 from .validate import check_structure, execute
 
 if TYPE_CHECKING:
@@ -112,10 +113,16 @@ class Timeline:
         bubble_fraction: ``idle_time / (makespan * num_devices)`` (0 if makespan is 0).
         peak_in_flight: per device, the most residual sets live at once.
         stage_peak_in_flight: per stage, the most residual sets of that stage live.
+        split_units: the (stage, microbatch) pairs whose backward is split into I + W
+            (:meth:`Schedule.split_units`; read off the events when not given).
     """
 
     def __init__(
-        self, events: Sequence[TimelineEvent], num_devices: int, title: str | None = None
+        self,
+        events: Sequence[TimelineEvent],
+        num_devices: int,
+        title: str | None = None,
+        split_units: Collection[tuple[int, int]] | None = None,
     ) -> None:
         self.num_devices = num_devices
         self.title = title
@@ -136,29 +143,21 @@ class Timeline:
         else:
             self.bubble_fraction = 0.0
 
-        split = {(e.action.stage, e.action.microbatch) for e in self.events if e.action.kind == "I"}
+        if split_units is None:  # a hand-built timeline: read the split off its events
+            split_units = frozenset((e.action.stage, e.action.microbatch)
+                                    for e in self.events if e.action.kind == "I")
+        self.split_units: frozenset[tuple[int, int]] = frozenset(split_units)
+        # Residual sets live from F to the last backward action, along each device's
+        # action order (positions, not times: what the buffers hold however times fall).
         self.peak_in_flight: list[int] = []
-        self.stage_peak_in_flight: dict[int, int] = {}
+        stage_intervals: dict[int, list[tuple[int, int]]] = {e.action.stage: [] for e in events}
         for evs in per_device:
-            live = peak = 0
-            stage_live: dict[int, int] = {}
-            for e in evs:
-                a = e.action
-                unit = (a.stage, a.microbatch)
-                if a.kind == "F":
-                    delta = 1
-                elif a.kind == "W" or (a.kind == "B" and unit not in split):
-                    delta = -1
-                else:
-                    delta = 0
-                live += delta
-                peak = max(peak, live)
-                stage_live[a.stage] = stage_live.get(a.stage, 0) + delta
-                self.stage_peak_in_flight[a.stage] = max(
-                    self.stage_peak_in_flight.get(a.stage, 0), stage_live[a.stage]
-                )
-            self.peak_in_flight.append(peak)
-        self.stage_peak_in_flight = dict(sorted(self.stage_peak_in_flight.items()))
+            lifetimes = unit_lifetimes((e.action, pos) for pos, e in enumerate(evs))
+            self.peak_in_flight.append(peak_overlap(lifetimes.values()))
+            for (stage, _), interval in lifetimes.items():
+                stage_intervals.setdefault(stage, []).append(interval)
+        self.stage_peak_in_flight: dict[int, int] = {
+            s: peak_overlap(stage_intervals[s]) for s in sorted(stage_intervals)}
 
     def device_events(self, device: int) -> list[TimelineEvent]:
         """The events of one device, in its execution order."""
@@ -305,4 +304,4 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Timeline:
     lists, split = check_structure(schedule)
     runs = execute(lists, schedule.num_stages, split, cost)
     events = [TimelineEvent(d, a, s, e) for d, run in enumerate(runs) for a, s, e in run]
-    return Timeline(events, schedule.num_devices, title=repr(schedule))
+    return Timeline(events, schedule.num_devices, title=repr(schedule), split_units=split)

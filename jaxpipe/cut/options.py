@@ -1,0 +1,116 @@
+"""What the user asks of the cutter: :class:`Cut` options, and :class:`CutError`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from jaxpipe.cut.model import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
+
+__all__ = ["Cut", "CutError", "Objective"]
+
+Objective = Literal["time", "memory"]
+
+# Cut.memory_model names for explicit experiments.
+_NAMED_MODELS = {"spmd": SPMD_MEMORY, "device": DEVICE_MEMORY}
+
+
+class CutError(ValueError):
+    """The requested cut is impossible; the message says what would make it possible."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How to cut a model into pipeline stages (``jp.pipeline(..., cut=jp.Cut(...))``).
+
+    Examples::
+
+        jp.Cut()                              # balance compute (min max stage time)
+        jp.Cut(objective="memory")            # min peak device memory, <=10% slower
+        jp.Cut(memory_budget=40 * 2**30)      # fastest cut fitting 40 GiB per device
+        jp.Cut(indices=[3, 7, 11])            # new stages begin after markers 3, 7, 11
+
+    Attributes:
+      indices: explicit cut: sorted indices into the model's markers after which a
+        new stage begins (``num_stages - 1`` of them). Overrides the objective.
+      objective: ``"time"`` minimises the maximum stage time; ``"memory"``
+        minimises peak device memory among cuts whose maximum stage time is within
+        ``time_slack`` of the best possible.
+      memory_budget: bytes per device. When set, minimise the maximum stage time
+        subject to the peak device memory fitting the budget (the objective is
+        ignored). An infeasible budget raises :class:`CutError` naming the smallest
+        feasible one.
+      time_slack: allowed slow-down for ``objective="memory"`` (0.10 = 10%).
+      optimizer_bytes_per_param_byte: optimizer state per parameter byte (2.0 for
+        Adam's two moments in the parameter dtype; 0.0 for SGD; 1.0 for momentum).
+      grad_bytes_per_param_byte: gradient bytes per parameter byte (1.0).
+      memory_model: ``None`` (default): the memory model of the runtime that will
+        run the pipeline (passed to the cutter by the caller). For experiments,
+        ``"spmd"`` (buffers padded to one shape on every device,
+        :data:`~jaxpipe.cut.SPMD_MEMORY`), ``"device"`` (each device holds only its
+        own stages' bytes, :data:`~jaxpipe.cut.DEVICE_MEMORY`) or any
+        :class:`~jaxpipe.cut.MemoryModel`. See :mod:`jaxpipe.cut`.
+      workspace_residual_sets: transient memory while a stage runs, in residual
+        sets (per-microbatch residual bytes) of that stage; ``None`` (default): the
+        memory model's value (1.0 for jaxpipe's SPMD runtime); 0.0 ignores it.
+      profile: time each segment's compiled forward/backward instead of counting
+        FLOPs (slower to plan, noisy on shared machines).
+
+    Memory per parameter byte is ``1 + grad_bytes_per_param_byte +
+    optimizer_bytes_per_param_byte`` (4.0 by default).
+    """
+
+    indices: Sequence[int] | None = None
+    objective: Objective = "time"
+    memory_budget: int | None = None
+    time_slack: float = 0.10
+    optimizer_bytes_per_param_byte: float = 2.0
+    grad_bytes_per_param_byte: float = 1.0
+    memory_model: str | MemoryModel | None = None
+    workspace_residual_sets: float | None = None
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("time", "memory"):
+            raise CutError(f"Cut.objective must be 'time' or 'memory', got {self.objective!r}")
+        model = self.memory_model
+        if not (model is None or isinstance(model, MemoryModel)
+                or (isinstance(model, str) and model in _NAMED_MODELS)):
+            raise CutError(
+                f"Cut.memory_model must be None (the runtime's), 'spmd', 'device' or a "
+                f"jaxpipe.cut.MemoryModel, got {model!r}"
+            )
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise CutError(f"Cut.memory_budget must be positive bytes, got {self.memory_budget}")
+        if not self.time_slack >= 0:
+            raise CutError(f"Cut.time_slack must be >= 0, got {self.time_slack}")
+        if self.optimizer_bytes_per_param_byte < 0 or self.grad_bytes_per_param_byte < 0:
+            raise CutError("Cut: bytes per parameter byte must be >= 0")
+        if self.workspace_residual_sets is not None and not self.workspace_residual_sets >= 0:
+            raise CutError(
+                f"Cut.workspace_residual_sets must be >= 0, got {self.workspace_residual_sets}")
+        if self.indices is not None:
+            idx = tuple(int(i) for i in self.indices)
+            if list(idx) != sorted(set(idx)):
+                raise CutError(f"Cut.indices must be strictly increasing, got {list(idx)}")
+            object.__setattr__(self, "indices", idx)
+
+    @property
+    def bytes_per_param_byte(self) -> float:
+        """Parameters + gradients + optimizer state, per parameter byte."""
+        return 1.0 + self.grad_bytes_per_param_byte + self.optimizer_bytes_per_param_byte
+
+    def resolve_memory_model(self, runtime_model: MemoryModel) -> MemoryModel:
+        """The memory model to cut for: ``runtime_model`` unless this Cut names another."""
+        if self.memory_model is None:
+            return runtime_model
+        if isinstance(self.memory_model, MemoryModel):
+            return self.memory_model
+        return _NAMED_MODELS[self.memory_model]
+
+    def workspace_sets(self, model: MemoryModel) -> float:
+        """Workspace in residual sets: this Cut's ``workspace_residual_sets``, else the model's."""
+        if self.workspace_residual_sets is None:
+            return float(model.workspace_residual_sets)
+        return float(self.workspace_residual_sets)
