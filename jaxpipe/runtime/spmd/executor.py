@@ -3,15 +3,14 @@
 :class:`SpmdRuntime` is what users pass (``runtime="spmd"``, the default);
 :meth:`SpmdRuntime.build` lays out every stage's values (:mod:`.layout`), lowers the
 schedule to static tables (:mod:`.lowering`) and builds the program (:mod:`.program`).
-The :class:`SpmdExecutor` it returns keeps parameters in per-device *slots*: one array
-``[devices, *shape]`` per slot, sharded over the pipe axis (see
-:class:`~.layout.ParamSlots`).
+The :class:`SpmdExecutor` it returns keeps parameters in per-class slot buffers
+``[devices, slots, *shape]``, sharded over the pipe axis (see
+:class:`~.layout.SlotLayout`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Any, ClassVar
 
 import jax
@@ -23,9 +22,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
+from jaxpipe.runtime.spmd.bodies import group_bodies
 from jaxpipe.runtime.spmd.layout import StageLayouts
 from jaxpipe.runtime.spmd.lowering import Lowering, lower
-from jaxpipe.runtime.spmd.optimizer import OptimizerLayout, make_epilogue
+from jaxpipe.runtime.spmd.optimizer import make_epilogue, opt_slots
 from jaxpipe.runtime.spmd.program import build_step, place
 from jaxpipe.train import StageOptimizer, TrainOptions
 
@@ -33,9 +33,26 @@ __all__ = ["SpmdExecutor", "SpmdRuntime"]
 
 
 class SpmdRuntime(Runtime):
-    """Run the pipeline as one SPMD program over the mesh's pipe axis (the default)."""
+    """Run the pipeline as one SPMD program over the mesh's pipe axis (the default).
+
+    Args:
+      share_bodies: run stages whose functions are identical up to their parameters
+        through one compiled branch per action kind (smaller program, faster compile).
+      split_backward: run every full backward ``B`` as its input half ``I`` then its
+        weight half ``W`` (same device order and memory; balanced steps when devices run
+        concurrently). ``"auto"``: split when the devices run concurrently (an
+        accelerator, or several processes) and the schedule has a B.
+    """
 
     name: ClassVar[str] = "spmd"
+
+    def __init__(self, *, share_bodies: bool = True, split_backward: bool | str = "auto"
+                 ) -> None:
+        if split_backward not in (True, False, "auto"):
+            raise PipelineError(
+                f"split_backward must be True, False or 'auto', got {split_backward!r}.")
+        self.share_bodies = bool(share_bodies)
+        self.split_backward = split_backward
 
     @property
     def memory_model(self) -> Any:
@@ -44,41 +61,62 @@ class SpmdRuntime(Runtime):
         return SPMD_MEMORY
 
     def build(self, spec: RuntimeSpec) -> SpmdExecutor:
-        return SpmdExecutor(spec)
+        return SpmdExecutor(spec, self)
+
+    def resolve_split(self) -> bool:
+        if self.split_backward != "auto":
+            return bool(self.split_backward)
+        return jax.default_backend() != "cpu" or jax.process_count() > 1
 
     def __repr__(self) -> str:
-        return "SpmdRuntime()"
+        return (f"SpmdRuntime(share_bodies={self.share_bodies}, "
+                f"split_backward={self.split_backward!r})")
 
 
 class SpmdExecutor(Executor):
-    """A pipeline's SPMD program, its lowered tables and its parameter slots.
+    """A pipeline's SPMD program, its lowered tables and its slot buffers.
+
+    The staged layout of parameters (and of optimizer state) is a list of per-class
+    slot buffers ``[devices, slots, *shape]``, sharded over the pipe axis, in the order
+    of ``layouts.slots.classes``.
 
     Attributes:
       spec: what it was built from.
       layouts: where every stage's parameters, residuals and messages live.
+      bodies: the compiled stage bodies (stages with identical functions share one).
       lowering: the schedule's static tables and buffer sizes (ticks, residual peaks).
     """
 
-    def __init__(self, spec: RuntimeSpec) -> None:
+    def __init__(self, spec: RuntimeSpec, runtime: SpmdRuntime | None = None) -> None:
+        runtime = runtime or SpmdRuntime()
         self.spec = spec
         sched = spec.schedule
-        self.layouts = StageLayouts.build(
-            spec.stages, spec.param_avals,
-            [sched.device_stages(d) for d in range(sched.num_devices)])
-        self.lowering: Lowering = lower(sched, self.layouts.pool_sizes())
-        self._step = build_step(spec.stages, self.layouts, self.lowering, spec.mesh,
+        device_stages = [sched.device_stages(d) for d in range(sched.num_devices)]
+        self.layouts = StageLayouts.build(spec.stages, spec.param_avals, device_stages)
+        self.bodies, self.body_of_stage = group_bodies(
+            spec.stages, self.layouts.slots, sched, share=runtime.share_bodies)
+        self.lowering: Lowering = lower(sched, self.layouts.pool_counts(), self.body_of_stage,
+                                        split_backward=runtime.resolve_split())
+        self._classes = self.layouts.slots.classes
+        self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
                                 spec.axis, spec.batch_axes, len(spec.microbatch_avals))
         self._staged_sharding = NamedSharding(spec.mesh, P(spec.axis))
 
     # -- parameters -----------------------------------------------------------------
+    def _to_dict(self, staged: list) -> dict:
+        return dict(zip(self._classes, staged, strict=True))
+
+    def _to_list(self, bufs: dict) -> list:
+        return [bufs[c] for c in self._classes]
+
     def staged_shapes(self) -> list[tuple[int, ...]]:
-        """Global shapes of the staged parameter arrays (one per slot)."""
-        return [(self.spec.schedule.num_devices, *shape) for shape in self.layouts.slots.shapes]
+        """Global shapes of the staged parameter buffers (one per class)."""
+        D = self.spec.schedule.num_devices
+        return [(D, n, *c.shape) for c, n in self.layouts.slots.counts.items()]
 
     def staged_abstract(self) -> list[jax.ShapeDtypeStruct]:
-        return [jax.ShapeDtypeStruct(shape, np.dtype(dt), sharding=self._staged_sharding)
-                for shape, dt in zip(self.staged_shapes(), self.layouts.slots.dtypes,
-                                     strict=True)]
+        return [jax.ShapeDtypeStruct(shape, np.dtype(c.dtype), sharding=self._staged_sharding)
+                for shape, c in zip(self.staged_shapes(), self._classes, strict=True)]
 
     def check_staged(self, staged: Any, what: str) -> None:
         want = self.staged_shapes()
@@ -93,22 +131,23 @@ class SpmdExecutor(Executor):
             )
 
     def shard(self, param_leaves: list) -> list:
-        """User leaves (replicated) -> one ``[devices, *shape]`` array per parameter slot.
+        """User leaves (replicated) -> per-class slot buffers ``[devices, slots, *shape]``.
 
         Runs as a shard_map: each device copies just its own stages' leaves into its
         slots (one copy of its parameters), instead of XLA partitioning a global stack.
         """
         spec, slots = self.spec, self.layouts.slots
         sched = spec.schedule
-        owner: list[list[int | None]] = [[None] * len(slots) for _ in range(sched.num_devices)]
-        for st in spec.stages:
-            for pid, n in zip(st.param_ids, slots.stage_slots[st.index], strict=True):
-                owner[sched.placement(st.index)][n] = pid
 
         def branch(d: int):
-            return lambda lv: [lv[pid].astype(dt) if pid is not None else jnp.zeros(shape, dt)
-                               for pid, shape, dt in zip(owner[d], slots.shapes, slots.dtypes,
-                                                         strict=True)]
+            def f(lv):
+                rows = {c: [c.zeros(1)[0]] * n for c, n in slots.counts.items()}
+                for s in sched.device_stages(d):
+                    for pid, (c, i) in zip(spec.stages[s].param_ids, slots.where[s],
+                                           strict=True):
+                        rows[c][i] = jnp.asarray(lv[pid], c.dtype)
+                return [jnp.stack(rows[c]) for c in self._classes]
+            return f
 
         def local(lv):
             out = lax.switch(lax.axis_index(spec.axis),
@@ -116,7 +155,7 @@ class SpmdExecutor(Executor):
             return [x[None] for x in out]
 
         fn = jax.shard_map(local, mesh=spec.mesh, in_specs=(P(),),
-                           out_specs=[P(spec.axis)] * len(slots), check_vma=False)
+                           out_specs=[P(spec.axis)] * len(self._classes), check_vma=False)
         return fn([place(x, spec.mesh, P()) for x in param_leaves])
 
     def _gather(self, staged: list, owner_only: bool) -> list:
@@ -130,22 +169,24 @@ class SpmdExecutor(Executor):
             def f(local):
                 out: list = [None] * len(avals)
                 for s in sched.device_stages(d):
-                    for pid, n in zip(spec.stages[s].param_ids, slots.stage_slots[s],
-                                      strict=True):
+                    for pid, (c, i) in zip(spec.stages[s].param_ids, slots.where[s],
+                                           strict=True):
                         if owner_only and spec.param_owners[pid][0] != s:
                             continue
-                        out[pid] = local[n] if out[pid] is None else out[pid] + local[n]
+                        x = local[c][i]
+                        out[pid] = x if out[pid] is None else out[pid] + x
                 return [jnp.zeros(a.shape, a.dtype) if x is None else x
                         for x, a in zip(out, avals, strict=True)]
             return f
 
         def local(buf):
-            buf = [x[0] for x in buf]
+            buf = {c: x[0] for c, x in zip(self._classes, buf, strict=True)}
             out = lax.switch(lax.axis_index(spec.axis),
                              [branch(d) for d in range(sched.num_devices)], buf)
             return [lax.psum(x, spec.axis) for x in out]
 
-        fn = jax.shard_map(local, mesh=spec.mesh, in_specs=([P(spec.axis)] * len(slots),),
+        fn = jax.shard_map(local, mesh=spec.mesh,
+                           in_specs=([P(spec.axis)] * len(self._classes),),
                            out_specs=[P()] * len(avals), check_vma=False)
         return fn([place(x, spec.mesh, P(spec.axis)) for x in staged])
 
@@ -154,44 +195,50 @@ class SpmdExecutor(Executor):
 
     def stage_params(self, staged: list) -> list[list[jax.Array]]:
         """Each stage's parameter leaves as held on its device (tied leaves: every copy)."""
-        staged = [place(v, self.spec.mesh, P()) for v in staged]
+        bufs = self._to_dict([place(v, self.spec.mesh, P()) for v in staged])
         sched, slots = self.spec.schedule, self.layouts.slots
-        return [[staged[n][sched.placement(st.index)] for n in slots.stage_slots[st.index]]
+        return [[bufs[c][sched.placement(st.index)][i] for c, i in slots.where[st.index]]
                 for st in self.spec.stages]
 
     # -- compute --------------------------------------------------------------------
     def staged_value_and_grad(self, staged: list, batch_mb: list) -> tuple[jax.Array, list]:
-        gbuf, loss = self._step(staged, batch_mb)
-        return loss, gbuf
+        gbuf, loss = self._step(self._to_dict(list(staged)), batch_mb)
+        return loss, self._to_list(gbuf)
 
     def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
-        gbuf, loss = self._step(self.shard(param_leaves), batch_mb)
+        loss, gbuf = self.staged_value_and_grad(self.shard(param_leaves), batch_mb)
         return loss, self._gather(gbuf, owner_only=False)
 
     # -- training -------------------------------------------------------------------
     def make_train_step(self, optimizer: Any, options: TrainOptions) -> tuple[StepFn, Any]:
         spec = self.spec
         stage_opt = StageOptimizer(optimizer, spec)
-        layout = OptimizerLayout(stage_opt)
-        spd = self.lowering.stages_per_device
-        epilogue = make_epilogue(spec, self.layouts.slots, stage_opt, layout, options, spd)
-        pspec = [P(spec.axis)] * len(self.layouts.slots)
-        ospec = layout.specs(spec.axis)
+        ostate = opt_slots(spec, stage_opt)
+        oclasses = ostate.classes
+        epilogue = make_epilogue(spec, self.layouts.slots, stage_opt, ostate, options)
+        pspec = {c: P(spec.axis) for c in self._classes}
+        ospec = {c: P(spec.axis) for c in oclasses}
         core = build_step(
-            spec.stages, self.layouts, self.lowering, spec.mesh, spec.axis, spec.batch_axes,
+            self.bodies, self.layouts, self.lowering, spec.mesh, spec.axis, spec.batch_axes,
             len(spec.microbatch_avals), epilogue=epilogue, extra_in_specs=(ospec,),
             epilogue_out_specs=(pspec, ospec, {"loss": P(), "grad_norm": P(), "skipped": P()}),
         )
 
-        def step(staged: list, opt_state: dict, batch_mb: list) -> tuple:
-            return core(staged, batch_mb, opt_state)
+        def step(staged: list, opt_state: list, batch_mb: list) -> tuple:
+            new_p, new_o, metrics = core(self._to_dict(list(staged)), batch_mb,
+                                         dict(zip(oclasses, opt_state, strict=True)))
+            return self._to_list(new_p), [new_o[c] for c in oclasses], metrics
 
-        def init_opt_state(param_leaves: list) -> dict:
-            rows = []
+        def init_opt_state(param_leaves: list) -> list:
+            D = spec.schedule.num_devices
+            rows = [ostate.unstack({c: c.zeros(n) for c, n in ostate.counts.items()})
+                    for _ in range(D)]
             for st in spec.stages:
+                d = spec.schedule.placement(st.index)
                 leaves = stage_opt.init(st.index, [param_leaves[i] for i in st.param_ids])
-                rows.append(layout.stage_layouts[st.index].pack(leaves, layout.width))
-            return layout.pack_rows(spec, rows, spd)
+                rows[d] = ostate.scatter(rows[d], st.index, leaves)
+            bufs = [ostate.stack(r) for r in rows]
+            return [jnp.stack([bufs[d][c] for d in range(D)]) for c in oclasses]
 
         return step, init_opt_state
 
@@ -205,22 +252,19 @@ class SpmdExecutor(Executor):
     # -- reports --------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
         low, lay = self.lowering, self.layouts
-        slot_bytes = lay.slots.nbytes()
-        pool_bytes = sum(n * np.dtype(k).itemsize for k, n in low.storage.items())
-        msg = sum(w * np.dtype(k).itemsize for k, w in lay.msg_width.items()) * (
-            low.num_inbox + 1)
+        store_bytes = sum(c.nbytes * n for c, n in low.slots.items())
+        msg = lay.unit_bytes() * (low.num_inbox + 1 + sum(max(k, 1) for k in low.units))
         return {
-            "buffer_bytes": 2 * slot_bytes + pool_bytes + msg,
+            "buffer_bytes": 2 * lay.slots.nbytes() + store_bytes + msg,
             "device_rows": [
                 {"residual_peak": low.residual_peak[d],
-                 "residual_bytes": sum(n * np.dtype(k).itemsize
-                                       for k, n in low.storage_per_device[d].items())}
+                 "residual_bytes": sum(c.nbytes * n
+                                       for c, n in low.slots_per_device[d].items())}
                 for d in range(low.num_devices)],
-            "stage_residual_bytes": [
-                int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in r.avals))
-                for r in lay.residuals],
+            "stage_residual_bytes": [p.nbytes() for p in lay.residuals],
         }
 
     def fingerprint(self) -> dict[str, str]:
         digest = hashlib.sha256(self.lowering.table.digest_bytes()).hexdigest()[:16]
-        return {"table_sha256": digest, "num_ticks": str(self.lowering.num_ticks)}
+        return {"table_sha256": digest, "num_steps": str(self.lowering.num_steps),
+                "bodies": str(len(self.bodies))}

@@ -1,21 +1,21 @@
 """Lower a validated schedule to the static tables the SPMD program scans over.
 
-The lowering runs in four small steps, each a function of its own:
+The lowering runs in small steps, each a function of its own:
 
-1. :func:`assign_ticks` — when every action runs: device and tick. Today one action per
-   device per tick, ticks from simulating the schedule with unit cost per action (each
-   device runs its actions in order, each as soon as its inputs exist; a value sent at
-   the end of tick t can be used at tick t+1).
-2. :func:`list_messages` — every value that crosses from one action to another: the
-   stage carry (F -> next stage's F) and the cotangent (B/I -> previous stage's B/I),
-   with the ticks and devices at both ends.
-3. :func:`allocate` — buffers sized by liveness. A residual set lives from its F to its
-   last reader (B, or W when the backward is split), in parts (:class:`Pool`); all parts
-   share one flat storage per dtype with first-fit offsets, so a device holding few large
-   residual sets and one holding many small ones both pay only what is live at once.
-   A message lives from the end of the tick that sends it to the tick that reads it, in
-   fixed-size inbox slots.
-4. :func:`fill_table` — one row per (step, device) of the typed :class:`TickTable`.
+1. :func:`expand` — the actions the program runs: the schedule's own, with a full
+   backward ``B`` optionally run as its two halves ``I`` then ``W`` (same device, same
+   order, same memory; only the work per step changes).
+2. :func:`assign_ticks` — when every action runs: its tick, and its step within the
+   tick (a tick may hold several actions of one device; they run one per step).
+   Messages move at the end of a tick: an action reads another device's output only
+   from an earlier tick, and its own device's outputs from any earlier step.
+3. :func:`list_messages` — every value that crosses from one action to another: the
+   stage carry (F -> next stage's F) and the cotangent (B/I -> previous stage's B/I).
+4. :func:`allocate` — buffers sized by liveness, per value class (shape, dtype). A
+   stored value lives from the step that writes it to its last reader's step; a message
+   from its arrival to the step that reads it. Slots are assigned first-fit, so a
+   buffer has as many slots as are live at once on the busiest device.
+5. :func:`fill_table` — one row per (step, device) of the typed :class:`TickTable`.
 
 The result, :class:`Lowering`, is read by name by the program (:mod:`.program`).
 """
@@ -23,7 +23,7 @@ The result, :class:`Lowering`, is read by name by the program (:mod:`.program`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -37,9 +37,11 @@ __all__ = [
     "Message",
     "Pool",
     "TickTable",
+    "Timing",
     "allocate",
     "assign_ticks",
     "branch_id",
+    "expand",
     "fill_table",
     "list_messages",
     "lower",
@@ -49,9 +51,9 @@ __all__ = [
 IDLE = 0
 
 
-def branch_id(kind: str, stage: int, num_stages: int) -> int:
-    """The program branch that runs ``kind`` for ``stage`` (:data:`IDLE` is 0)."""
-    return 1 + ACTION_KINDS.index(kind) * num_stages + stage
+def branch_id(kind: str, body: int, num_bodies: int) -> int:
+    """The program branch that runs ``kind`` for ``body`` (:data:`IDLE` is 0)."""
+    return 1 + ACTION_KINDS.index(kind) * num_bodies + body
 
 
 class Pool(enum.IntEnum):
@@ -75,10 +77,6 @@ class Pool(enum.IntEnum):
                 Pool.HANDOFF: ("W",)}[self]
 
 
-#: (pool, dtype name): one column of storage offsets.
-PoolKey = tuple[Pool, str]
-
-
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class TickTable:
@@ -89,25 +87,26 @@ class TickTable:
 
     Attributes:
       branch: the branch to run (:func:`branch_id`, or :data:`IDLE`).
+      stage: the action's stage (selects a shared body's parameters).
       microbatch: the action's microbatch.
       in_slot: inbox slot holding the action's input message (stage carry or cotangent).
-      local_dst: inbox slot for a message the device sends to itself (the turn of a
-        V-shaped placement); the dummy slot otherwise.
-      recv_slot: ``[steps, devices, offsets]``: inbox slot where the message arriving over
-        each permutation offset at the end of the step is stored (dummy if none).
-      pool_write / pool_read: per (pool, dtype), the offset into the device's storage of
-        that dtype where the action writes / reads that pool's part of its stored values.
-      exchange: ``[steps, offsets]`` bool: the permutation over that offset runs at the
-        end of the step (someone sends over it).
+      out_unit: where the action's output message goes: its unit in the outbox of its
+        direction, or (for a message to the same device) its inbox slot.
+      recv_slot: ``[steps, devices, offsets, units]``: inbox slot for each unit arriving
+        over each permutation offset at the end of the step (the dummy slot if none).
+      pool_base: per (pool, class), the first slot of that class where the action writes
+        or reads that pool's part of its stored values.
+      exchange: ``[steps, devices, offsets]`` bool (same for every device): the
+        permutation over that offset runs at the end of the step.
     """
 
     branch: np.ndarray
+    stage: np.ndarray
     microbatch: np.ndarray
     in_slot: np.ndarray
-    local_dst: np.ndarray
+    out_unit: np.ndarray
     recv_slot: np.ndarray
-    pool_write: dict[PoolKey, np.ndarray]
-    pool_read: dict[PoolKey, np.ndarray]
+    pool_base: dict[tuple[Pool, Hashable], np.ndarray]
     exchange: np.ndarray
 
     @property
@@ -116,12 +115,20 @@ class TickTable:
 
     def digest_bytes(self) -> bytes:
         """Every field, in a fixed order (for cross-process consistency checks)."""
-        parts = [self.branch, self.microbatch, self.in_slot, self.local_dst, self.recv_slot,
-                 self.exchange]
-        for key in sorted(self.pool_write):
-            parts += [self.pool_write[key], self.pool_read[key]]
+        parts = [self.branch, self.stage, self.microbatch, self.in_slot, self.out_unit,
+                 self.recv_slot, self.exchange]
+        parts += [self.pool_base[k] for k in sorted(self.pool_base, key=repr)]
         return b"".join(np.ascontiguousarray(p).tobytes() + str(p.shape).encode()
                         for p in parts)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When an action runs: its device, tick and global step."""
+
+    device: int
+    tick: int
+    step: int
 
 
 @dataclass(frozen=True)
@@ -132,8 +139,8 @@ class Message:
     consumer: Action
     src: int  # device of the producer
     dst: int  # device of the consumer
-    sent: int  # tick of the producer (the value moves at its end)
-    read: int  # tick of the consumer
+    sent: int  # step at whose end the value is available to the consumer's device
+    read: int  # step of the consumer
 
 
 @dataclass(frozen=True)
@@ -142,30 +149,41 @@ class Lowering:
 
     Attributes:
       table: the per-step fields (:class:`TickTable`).
-      num_ticks: ticks of the lowered program (a tick may span several steps when
-        actions are grouped; today one step per tick).
+      actions: every action the program runs and when (after :func:`expand`).
+      messages: every value moved between actions (:class:`Message`).
+      num_ticks, num_steps: of the lowered program (a tick spans one or more steps).
+      tick_of_step: ``[steps]`` the tick of every step.
       num_devices, num_stages, num_microbatches: of the schedule.
-      stages_per_device: the most stages any device holds (the SPMD buffer shape).
+      stages_per_device: the most stages any device holds.
       perm_offsets: each permutation sends device d to (d + offset) % devices.
-      storage: elements per dtype of each device's residual storage (the maximum over
-        devices, since all devices run one program).
+      units: outbox units per offset (the most messages a device sends over it in a tick).
+      slots: per class, slots of stored values per device (the maximum over devices, since
+        all devices run one program).
       num_inbox: message slots per device (maximum over devices); slot ``num_inbox`` is
         the dummy that idle writes go to.
       residual_peak: per device, the most residual sets live at once.
-      storage_per_device: per device, elements per dtype it actually needs.
+      slots_per_device: per device, slots per class it actually needs.
+      split_backward: the (stage, microbatch) pairs whose B runs as I then W although the
+        schedule says B.
     """
 
     table: TickTable
+    actions: Mapping[Action, Timing]
+    messages: tuple[Message, ...]
     num_ticks: int
+    num_steps: int
+    tick_of_step: np.ndarray
     num_devices: int
     num_stages: int
     num_microbatches: int
     stages_per_device: int
     perm_offsets: tuple[int, ...]
-    storage: dict[str, int]
+    units: tuple[int, ...]
+    slots: dict[Hashable, int]
     num_inbox: int
     residual_peak: tuple[int, ...]
-    storage_per_device: tuple[dict[str, int], ...]
+    slots_per_device: tuple[dict[Hashable, int], ...]
+    split_backward: frozenset[tuple[int, int]]
 
     @property
     def used_branches(self) -> frozenset[int]:
@@ -174,24 +192,62 @@ class Lowering:
 
 
 # ----------------------------------------------------------------------------- step 1
+class _Expanded(Schedule):
+    """``base`` with the backward of ``split`` units run as I then W."""
+
+    def __init__(self, base: Schedule, split: frozenset[tuple[int, int]]) -> None:
+        super().__init__(base.num_devices, base.num_microbatches, base.stages_per_device)
+        self._base, self._split = base, split
+
+    def placement(self, stage: int) -> int:
+        return self._base.placement(stage)
+
+    def device_actions(self, device: int) -> list[Action]:
+        out = []
+        for a in self._base.actions()[device]:
+            if a.kind == "B" and (a.stage, a.microbatch) in self._split:
+                out += [Action("I", a.stage, a.microbatch), Action("W", a.stage, a.microbatch)]
+            else:
+                out.append(a)
+        return out
+
+
+def expand(schedule: Schedule, split_backward: bool) -> tuple[Schedule, frozenset]:
+    """The schedule the program runs, and the units whose B it runs as I then W."""
+    if not split_backward:
+        return schedule, frozenset()
+    units = frozenset((a.stage, a.microbatch) for acts in schedule.actions().values()
+                      for a in acts if a.kind == "B")
+    return _Expanded(schedule, units), units
+
+
+# ----------------------------------------------------------------------------- step 2
 #: Cost per action kind used to assign ticks: one tick per action.
 UNIT_COSTS = {"F": 1, "B": 1, "I": 1, "W": 1}
 
 
-def assign_ticks(schedule: Schedule) -> dict[Action, tuple[int, int]]:
-    """``action -> (device, tick)``: the unit-cost simulation's start times."""
+def assign_ticks(schedule: Schedule) -> dict[Action, Timing]:
+    """``action -> Timing``: one action per device per tick, ticks from the unit-cost
+    simulation's start times (each device runs its actions in order, each as soon as its
+    inputs exist)."""
     timeline = schedule.simulate(costs=UNIT_COSTS)
     when = {}
     for ev in timeline.events:
         if int(ev.start) != ev.start:
             raise AssertionError(f"non-integral tick for {ev.action}")
-        when[ev.action] = (ev.device, int(ev.start))
+        t = int(ev.start)
+        when[ev.action] = Timing(ev.device, t, t)
     return when
 
 
-# ----------------------------------------------------------------------------- step 2
-def list_messages(schedule: Schedule, when: Mapping[Action, tuple[int, int]]) -> list[Message]:
-    """Every stage carry and cotangent the schedule moves, in a deterministic order."""
+# ----------------------------------------------------------------------------- step 3
+def list_messages(schedule: Schedule, when: Mapping[Action, Timing],
+                  tick_end: Callable[[int], int]) -> list[Message]:
+    """Every stage carry and cotangent, in a deterministic order.
+
+    ``tick_end(tick)`` is the last step of a tick: a message to another device arrives
+    at its end; one to the same device is written by its producer's step.
+    """
     S = schedule.num_stages
     split = schedule.split_units()
 
@@ -199,26 +255,26 @@ def list_messages(schedule: Schedule, when: Mapping[Action, tuple[int, int]]) ->
         return Action("I" if (stage, mb) in split else "B", stage, mb)
 
     out = []
-    for a in sorted(when, key=lambda a: (when[a][1], when[a][0], str(a))):
+    for a in sorted(when, key=lambda a: (when[a].step, when[a].device, str(a))):
         if a.kind == "F" and a.stage < S - 1:
             consumer = Action("F", a.stage + 1, a.microbatch)
         elif a.kind in ("B", "I") and a.stage > 0:
             consumer = cotangent_reader(a.stage - 1, a.microbatch)
         else:
             continue
-        (src, sent), (dst, read) = when[a], when[consumer]
-        out.append(Message(a, consumer, src, dst, sent, read))
+        p, c = when[a], when[consumer]
+        sent = p.step if p.device == c.device else tick_end(p.tick)
+        out.append(Message(a, consumer, p.device, c.device, sent, c.step))
     return out
 
 
-# ----------------------------------------------------------------------------- step 3
+# ----------------------------------------------------------------------------- step 4
 def _first_fit(intervals: Sequence[tuple[int, int, int, object]]) -> tuple[dict, int]:
-    """Offsets for ``(start, end, size, key)`` values live over ticks ``(start, end]``.
+    """Offsets for ``(start, end, size, key)`` values live over steps ``(start, end]``.
 
-    A value is written at the end of the action of tick ``start`` (or by it) and last read
-    at tick ``end``, so two values may share addresses when one is last read in the tick
-    whose action writes the other: the program finishes an action's reads before its
-    writes.
+    A value is written by (or at the end of) step ``start`` and last read at step
+    ``end``, so two values may share slots when one is last read in the step whose action
+    writes the other: the program finishes an action's reads before its writes.
     """
     placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
     offsets = {}
@@ -243,140 +299,177 @@ def _first_fit(intervals: Sequence[tuple[int, int, int, object]]) -> tuple[dict,
 class Allocation:
     """Where stored values and messages live (output of :func:`allocate`)."""
 
-    pool_offset: dict[tuple[Pool, tuple[int, int], str], int]  # (pool, (stage, mb), dtype)
-    storage: dict[str, int]
-    storage_per_device: tuple[dict[str, int], ...]
+    pool_base: dict[tuple[Pool, tuple[int, int], Hashable], int]  # (pool, (stage, mb), class)
+    slots: dict[Hashable, int]
+    slots_per_device: tuple[dict[Hashable, int], ...]
     message_slot: dict[tuple[Action, Action], int]
     num_inbox: int
     residual_peak: tuple[int, ...]
 
 
-def allocate(schedule: Schedule, when: Mapping[Action, tuple[int, int]],
-             messages: Sequence[Message],
-             pool_sizes: Mapping[Pool, Sequence[Mapping[str, int]]]) -> Allocation:
-    """Liveness-sized storage offsets and inbox slots.
+def allocate(schedule: Schedule, when: Mapping[Action, Timing], messages: Sequence[Message],
+             pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]]) -> Allocation:
+    """Liveness-sized slots for stored values (per class) and messages (per device).
 
-    ``pool_sizes[pool][stage]`` gives the elements per dtype one microbatch of ``stage``
-    keeps in ``pool``. Every pool shares one storage per dtype: parts freed early
-    (I-only residuals) make room for others, so the size is the peak of what is live at
-    once, not a sum of per-pool peaks.
+    ``pool_counts[pool][stage]`` gives, per class, the slots one microbatch of ``stage``
+    keeps in ``pool``. All pools of a class share one buffer: parts freed early (I-only
+    residuals) make room for others, so its size is the peak of what is live at once.
     """
     from jaxpipe.schedule.liveness import peak_overlap, unit_lifetimes
 
     D = schedule.num_devices
-    ticks: dict[tuple[int, int], dict[str, int]] = {}  # (stage, mb) -> kind -> tick
-    for a, (_, t) in when.items():
-        ticks.setdefault((a.stage, a.microbatch), {})[a.kind] = t
-    dtypes = sorted({k for sizes in pool_sizes.values() for row in sizes for k in row})
-    pool_offset: dict = {}
-    storage = dict.fromkeys(dtypes, 0)
+    steps: dict[tuple[int, int], dict[str, int]] = {}  # (stage, mb) -> kind -> step
+    for a, tm in when.items():
+        steps.setdefault((a.stage, a.microbatch), {})[a.kind] = tm.step
+    classes = sorted({c for counts in pool_counts.values() for row in counts for c in row},
+                     key=repr)
+    pool_base: dict = {}
+    slots = dict.fromkeys(classes, 0)
     per_device, peaks = [], []
     for d in range(D):
-        mine = sorted(((a, t) for a, (dd, t) in when.items() if dd == d), key=lambda x: x[1])
+        mine = sorted(((a, tm.step) for a, tm in when.items() if tm.device == d),
+                      key=lambda x: x[1])
         units = [(a.stage, a.microbatch) for a, _ in mine if a.kind == "F"]
-        live = []  # (first tick, last tick, pool, unit)
+        live = []  # (first step, last step, pool, unit)
         for pool in Pool:
             for unit in units:
-                kinds = ticks[unit]
+                kinds = steps[unit]
                 if pool.writer in kinds:
                     last = max((kinds[r] for r in pool.readers if r in kinds),
                                default=kinds[pool.writer])
                     live.append((kinds[pool.writer], last, pool, unit))
         need = {}
-        for k in dtypes:
-            off, top = _first_fit([(a, b, pool_sizes[pool][unit[0]].get(k, 0), (pool, unit))
+        for c in classes:
+            off, top = _first_fit([(a, b, pool_counts[pool][unit[0]].get(c, 0), (pool, unit))
                                    for a, b, pool, unit in live])
-            pool_offset.update({(pool, unit, k): o for (pool, unit), o in off.items()})
-            storage[k] = max(storage[k], top)
-            need[k] = top
+            pool_base.update({(pool, unit, c): o for (pool, unit), o in off.items()})
+            slots[c] = max(slots[c], top)
+            need[c] = top
         per_device.append(need)
         # residual *sets* live from F to the last backward action (the simulator's count)
         peaks.append(peak_overlap(unit_lifetimes(mine).values()))
     message_slot: dict = {}
     num_inbox = 0
     for d in range(D):
-        # a message arrives at the end of tick `sent` and is read at tick `read`
-        off, top = _first_fit([(m.sent, m.read, 1, (m.producer, m.consumer))
+        # A message to another device arrives at the end of step `sent`; one from the same
+        # device is written *during* step `sent`, so it must not share with a message read
+        # in that step (start one step earlier).
+        off, top = _first_fit([(m.sent - (m.src == m.dst), m.read, 1, (m.producer, m.consumer))
                                for m in messages if m.dst == d])
         message_slot.update(off)
         num_inbox = max(num_inbox, top)
-    return Allocation(pool_offset, storage, tuple(per_device), message_slot, num_inbox,
+    return Allocation(pool_base, slots, tuple(per_device), message_slot, num_inbox,
                       tuple(peaks))
 
 
-# ----------------------------------------------------------------------------- step 4
-def fill_table(schedule: Schedule, when: Mapping[Action, tuple[int, int]],
-               messages: Sequence[Message], alloc: Allocation,
-               perm_offsets: Sequence[int], dtypes_of: Mapping[Pool, Sequence[str]]
-               ) -> TickTable:
+# ----------------------------------------------------------------------------- step 5
+def fill_table(schedule: Schedule, when: Mapping[Action, Timing], messages: Sequence[Message],
+               alloc: Allocation, perm_offsets: Sequence[int], units: Sequence[int],
+               num_steps: int, tick_end: Callable[[int], int],
+               body_of_stage: Sequence[int], num_bodies: int,
+               pool_classes: Mapping[Pool, Sequence[Hashable]]) -> TickTable:
     """One row per (step, device); idle rows point at the dummy inbox slot."""
-    S, D = schedule.num_stages, schedule.num_devices
-    T = 1 + max((t for _, t in when.values()), default=-1)
+    D = schedule.num_devices
+    T = num_steps
     dummy = alloc.num_inbox
     shape = (T, D)
     branch = np.full(shape, IDLE, np.int32)
+    stage = np.zeros(shape, np.int32)
     microbatch = np.zeros(shape, np.int32)
     in_slot = np.full(shape, dummy, np.int32)
-    local_dst = np.full(shape, dummy, np.int32)
-    recv_slot = np.full((T, D, len(perm_offsets)), dummy, np.int32)
-    exchange = np.zeros((T, len(perm_offsets)), bool)
-    keys = [(pool, k) for pool in Pool for k in dtypes_of[pool]]
-    pool_write = {key: np.zeros(shape, np.int32) for key in keys}
-    pool_read = {key: np.zeros(shape, np.int32) for key in keys}
+    out_unit = np.zeros(shape, np.int32)
+    recv_slot = np.full((T, D, len(perm_offsets), max(units, default=0)), dummy, np.int32)
+    exchange = np.zeros((T, D, len(perm_offsets)), bool)
+    keys = [(pool, c) for pool in Pool for c in pool_classes[pool]]
+    pool_base = {key: np.zeros(shape, np.int32) for key in keys}
 
-    for a, (d, t) in when.items():
+    for a, tm in when.items():
         unit = (a.stage, a.microbatch)
-        branch[t, d] = branch_id(a.kind, a.stage, S)
+        t, d = tm.step, tm.device
+        branch[t, d] = branch_id(a.kind, body_of_stage[a.stage], num_bodies)
+        stage[t, d] = a.stage
         microbatch[t, d] = a.microbatch
-        for pool, k in keys:
-            off = alloc.pool_offset.get((pool, unit, k))
-            if off is None:
-                continue
-            if a.kind == pool.writer:
-                pool_write[(pool, k)][t, d] = off
-            elif a.kind in pool.readers:
-                pool_read[(pool, k)][t, d] = off
+        for pool, c in keys:
+            base = alloc.pool_base.get((pool, unit, c))
+            if base is not None and (a.kind == pool.writer or a.kind in pool.readers):
+                pool_base[(pool, c)][t, d] = base
+    # Units of each (tick, sender, offset), in message order.
+    used: dict[tuple[int, int, int], int] = {}
     for msg in messages:
         slot = alloc.message_slot[(msg.producer, msg.consumer)]
         in_slot[msg.read, msg.dst] = slot
+        p = when[msg.producer]
         if msg.src == msg.dst:
-            local_dst[msg.sent, msg.src] = slot
-        else:
-            j = list(perm_offsets).index((msg.dst - msg.src) % D)
-            recv_slot[msg.sent, msg.dst, j] = slot
-            exchange[msg.sent, j] = True
-    return TickTable(branch, microbatch, in_slot, local_dst, recv_slot, pool_write, pool_read,
+            out_unit[p.step, p.device] = slot
+            continue
+        j = list(perm_offsets).index((msg.dst - msg.src) % D)
+        r = used.get((p.tick, msg.src, j), 0)
+        used[(p.tick, msg.src, j)] = r + 1
+        out_unit[p.step, p.device] = r
+        end = tick_end(p.tick)
+        recv_slot[end, msg.dst, j, r] = slot
+        exchange[end, :, j] = True
+    return TickTable(branch, stage, microbatch, in_slot, out_unit, recv_slot, pool_base,
                      exchange)
 
 
-def lower(schedule: Schedule, pool_sizes: Mapping[Pool, Sequence[Mapping[str, int]]]
+def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
+          body_of_stage: Sequence[int] | None = None, *, split_backward: bool = False
           ) -> Lowering:
     """Lower ``schedule`` (validated here) given what each stage stores per microbatch.
 
     Args:
       schedule: the schedule.
-      pool_sizes: for each :class:`Pool`, per stage, elements per dtype that one
+      pool_counts: for each :class:`Pool`, per stage, slots per value class that one
         microbatch of that stage keeps there (missing pools store nothing).
+      body_of_stage: the program body that runs each stage (stages with identical
+        functions share one); default one body per stage.
+      split_backward: run every B of the schedule as I then W (see :func:`expand`).
     """
     schedule.validate()
     S, D = schedule.num_stages, schedule.num_devices
-    sizes = {pool: list(pool_sizes.get(pool) or [{} for _ in range(S)]) for pool in Pool}
-    when = assign_ticks(schedule)
-    messages = list_messages(schedule, when)
+    if body_of_stage is None:
+        body_of_stage = list(range(S))
+    counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
+    run, split = expand(schedule, split_backward)
+    when = assign_ticks(run)
+    num_steps = 1 + max((tm.step for tm in when.values()), default=-1)
+    tick_of_step = np.zeros(num_steps, np.int32)
+    last_step: dict[int, int] = {}
+    for tm in when.values():
+        tick_of_step[tm.step] = tm.tick
+        last_step[tm.tick] = max(last_step.get(tm.tick, tm.step), tm.step)
+    messages = list_messages(run, when, last_step.__getitem__)
     offsets = tuple(sorted({(m.dst - m.src) % D for m in messages} - {0}))
-    alloc = allocate(schedule, when, messages, sizes)
-    dtypes_of = {pool: sorted({k for row in sizes[pool] for k in row}) for pool in Pool}
-    table = fill_table(schedule, when, messages, alloc, offsets, dtypes_of)
+    sends: dict[tuple[int, int, int], int] = {}
+    for m in messages:
+        if m.src != m.dst:
+            key = (when[m.producer].tick, m.src, offsets.index((m.dst - m.src) % D))
+            sends[key] = sends.get(key, 0) + 1
+    units = tuple(max((n for (_, _, j), n in sends.items() if j == jj), default=0)
+                  for jj in range(len(offsets)))
+    alloc = allocate(run, when, messages, counts)
+    pool_classes = {pool: sorted({c for row in counts[pool] for c in row}, key=repr)
+                    for pool in Pool}
+    table = fill_table(run, when, messages, alloc, offsets, units, num_steps,
+                       last_step.__getitem__, body_of_stage, max(body_of_stage) + 1,
+                       pool_classes)
     return Lowering(
         table=table,
-        num_ticks=table.num_steps,
+        actions=dict(when),
+        messages=tuple(messages),
+        num_ticks=len(last_step),
+        num_steps=num_steps,
+        tick_of_step=tick_of_step,
         num_devices=D,
         num_stages=S,
         num_microbatches=schedule.num_microbatches,
         stages_per_device=max(len(schedule.device_stages(d)) for d in range(D)),
         perm_offsets=offsets,
-        storage=alloc.storage,
+        units=units,
+        slots=alloc.slots,
         num_inbox=alloc.num_inbox,
         residual_peak=alloc.residual_peak,
-        storage_per_device=alloc.storage_per_device,
+        slots_per_device=alloc.slots_per_device,
+        split_backward=split,
     )

@@ -6,8 +6,9 @@ the device's stage list), tied parameters get the sum of their gradients over th
 stages holding them, and the global gradient norm (for clipping, skipping non-finite
 steps and the metrics) is a ``psum`` over the pipe axis.
 
-Optimizer state is stored like residuals: each stage's state leaves packed into flat
-per-dtype rows, ``{dtype: [devices, stages_per_device, width]}``.
+Optimizer state is stored like parameters: per-class slot buffers ``{class: [devices,
+slots, *shape]}`` (:class:`~.layout.SlotLayout`), so a moment estimate of a parameter
+lives in a buffer of the parameter's own class.
 """
 
 from __future__ import annotations
@@ -21,40 +22,23 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.runtime.base import RuntimeSpec
-from jaxpipe.runtime.spmd.layout import Layout, ParamSlots, merge_widths
+from jaxpipe.runtime.spmd.layout import SlotLayout, ValueClass
 from jaxpipe.train import StageOptimizer, TrainOptions, global_norm_scale, sq_norm
 
-__all__ = ["OptimizerLayout", "make_epilogue"]
+__all__ = ["make_epilogue", "opt_slots"]
 
 
-class OptimizerLayout:
-    """Where each stage's optimizer-state leaves live in the flat per-dtype rows."""
-
-    def __init__(self, stage_opt: StageOptimizer) -> None:
-        self.stage_layouts = [Layout(avals) for avals in stage_opt.state_avals]
-        self.width = merge_widths(self.stage_layouts)
-
-    def pack_rows(self, spec: RuntimeSpec, rows: list[dict], stages_per_device: int) -> dict:
-        """Per-stage flat rows -> ``{dtype: [devices, stages_per_device, width]}``."""
-        sched = spec.schedule
-        out = {}
-        for dt, w in self.width.items():
-            zero = jnp.zeros((w,), dt)
-            out[dt] = jnp.stack([
-                jnp.stack([rows[s][dt] for s in sched.device_stages(d)]
-                          + [zero] * (stages_per_device - len(sched.device_stages(d))))
-                for d in range(sched.num_devices)
-            ])
-        return out
-
-    def specs(self, axis: str) -> dict:
-        return {dt: P(axis) for dt in self.width}
+def opt_slots(spec: RuntimeSpec, stage_opt: StageOptimizer) -> SlotLayout:
+    """Slots of every stage's optimizer-state leaves."""
+    sched = spec.schedule
+    return SlotLayout(stage_opt.state_avals,
+                      [sched.device_stages(d) for d in range(sched.num_devices)])
 
 
-def make_epilogue(spec: RuntimeSpec, slots: ParamSlots, stage_opt: StageOptimizer,
-                  layout: OptimizerLayout, options: TrainOptions,
-                  stages_per_device: int) -> Callable:
-    """``epilogue(pbuf, gbuf, loss, obuf) -> (pbuf, obuf, metrics)``, run per device."""
+def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimizer,
+                  ostate: SlotLayout, options: TrainOptions) -> Callable:
+    """``epilogue(pbuf, gbuf, loss, obuf) -> (pbuf, obuf, metrics)``, run per device;
+    parameters, gradients and optimizer state are per-class slot buffers."""
     stages, sched, axis = spec.stages, spec.schedule, spec.axis
     avals = spec.param_avals
     tied = spec.tied
@@ -64,48 +48,50 @@ def make_epilogue(spec: RuntimeSpec, slots: ParamSlots, stage_opt: StageOptimize
         return lax.switch(lax.axis_index(axis),
                           [lambda *a, d=d: fn(d, *a) for d in range(sched.num_devices)], *args)
 
-    def local_tied(d: int, buf: list, owner_only: bool) -> list:
+    def leaves(s: int) -> list[tuple[int, ValueClass, int]]:
+        """(leaf id, class, slot) of every parameter leaf of stage ``s``."""
+        return [(pid, c, i) for pid, (c, i) in zip(stages[s].param_ids, slots.where[s],
+                                                     strict=True)]
+
+    def local_tied(d: int, rows: dict, owner_only: bool) -> list:
         """Device d's contribution to each tied leaf (sum, or the first owner's value)."""
         out = [jnp.zeros(avals[pid].shape, avals[pid].dtype) for pid in tied]
         for s in sched.device_stages(d):
-            for pid, n in zip(stages[s].param_ids, slots.stage_slots[s], strict=True):
+            for pid, c, i in leaves(s):
                 if pid in tied and (not owner_only or owners[pid][0] == s):
-                    out[tied.index(pid)] = out[tied.index(pid)] + buf[n]
+                    out[tied.index(pid)] = out[tied.index(pid)] + rows[c][i]
         return out
 
-    def local_sq(d: int, gbuf: list) -> jax.Array:
-        return sq_norm([gbuf[n] for s in sched.device_stages(d)
-                        for pid, n in zip(stages[s].param_ids, slots.stage_slots[s],
-                                          strict=True) if pid not in tied])
+    def local_sq(d: int, grows: dict) -> jax.Array:
+        return sq_norm([grows[c][i] for s in sched.device_stages(d)
+                        for pid, c, i in leaves(s) if pid not in tied])
 
-    def update_device(d: int, pbuf: list, gbuf: list, obuf: dict, tied_total: list,
-                      scale: jax.Array) -> tuple[list, dict]:
-        pbuf = list(pbuf)
-        new_o = {dt: [v[k] for k in range(stages_per_device)] for dt, v in obuf.items()}
-        for k, s in enumerate(sched.device_stages(d)):
-            st, ns = stages[s], slots.stage_slots[s]
-            grads = [tied_total[tied.index(pid)] if pid in tied else gbuf[n]
-                     for pid, n in zip(st.param_ids, ns, strict=True)]
-            grads = [(g * scale).astype(g.dtype) for g in grads]
-            state = layout.stage_layouts[s].unpack({dt: v[k] for dt, v in obuf.items()})
-            new_params, new_state = stage_opt.update(s, [pbuf[n] for n in ns], grads, state)
-            for n, x in zip(ns, new_params, strict=True):
-                pbuf[n] = x
-            packed = layout.stage_layouts[s].pack(new_state, layout.width)
-            for dt in new_o:
-                new_o[dt][k] = packed[dt]
-        return pbuf, {dt: jnp.stack(v) for dt, v in new_o.items()}
-
-    def set_tied(d: int, pbuf: list, owned: list) -> list:
-        pbuf = list(pbuf)
+    # Every per-device function works on rows (lists of slot values), never on whole
+    # buffers: see SlotLayout.unstack.
+    def update_device(d: int, prow: dict, grow: dict, orow: dict, tied_total: list,
+                      scale: jax.Array) -> tuple[dict, dict]:
         for s in sched.device_stages(d):
-            for pid, n in zip(stages[s].param_ids, slots.stage_slots[s], strict=True):
-                if pid in tied:
-                    pbuf[n] = owned[tied.index(pid)]
-        return pbuf
+            mine = leaves(s)
+            grads = [tied_total[tied.index(pid)] if pid in tied else grow[c][i]
+                     for pid, c, i in mine]
+            grads = [(g * scale).astype(g.dtype) for g in grads]
+            new_params, new_state = stage_opt.update(
+                s, slots.gather(prow, s), grads, ostate.gather(orow, s))
+            prow = slots.scatter(prow, s, new_params)
+            orow = ostate.scatter(orow, s, new_state)
+        return prow, orow
 
-    def epilogue(pbuf: list, gout: list, loss: jax.Array, obuf: dict) -> tuple:
-        obuf = {k: v[0] for k, v in obuf.items()}
+    def set_tied(d: int, prow: dict, owned: list) -> dict:
+        prow = {c: list(r) for c, r in prow.items()}
+        for s in sched.device_stages(d):
+            for pid, c, i in leaves(s):
+                if pid in tied:
+                    prow[c][i] = owned[tied.index(pid)]
+        return prow
+
+    def epilogue(pbuf: dict, gbuf: dict, loss: jax.Array, obuf: dict) -> tuple:
+        obuf = {c: v[0] for c, v in obuf.items()}
+        pbuf, gout, obuf = slots.unstack(pbuf), slots.unstack(gbuf), ostate.unstack(obuf)
         tied_total = [lax.psum(x, axis) for x in per_device(
             lambda d, g: local_tied(d, g, False), gout)]
         total_sq = sq_norm(tied_total) + lax.psum(per_device(local_sq, gout), axis)
@@ -119,12 +105,19 @@ def make_epilogue(spec: RuntimeSpec, slots: ParamSlots, stage_opt: StageOptimize
                 lambda d, p: local_tied(d, p, True), new_p)]
             new_p = per_device(lambda d, p: set_tied(d, p, owned), new_p)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        new_p, new_o = slots.stack(new_p), ostate.stack(new_o)
         if options.skip_nonfinite:
-            new_p = [jnp.where(finite, a, b) for a, b in zip(new_p, pbuf, strict=True)]
-            new_o = {dt: jnp.where(finite, new_o[dt], obuf[dt]) for dt in new_o}
+            pbuf, obuf = slots.stack(pbuf), ostate.stack(obuf)
+            new_p = {c: jnp.where(finite, new_p[c], pbuf[c]) for c in new_p}
+            new_o = {c: jnp.where(finite, new_o[c], obuf[c]) for c in new_o}
         metrics = {"loss": loss, "grad_norm": gnorm,
                    "skipped": jnp.logical_and(options.skip_nonfinite,
                                               ~finite).astype(jnp.int32)}
-        return [x[None] for x in new_p], {dt: v[None] for dt, v in new_o.items()}, metrics
+        return ({c: x[None] for c, x in new_p.items()}, {c: x[None] for c, x in new_o.items()},
+                metrics)
 
     return epilogue
+
+
+def opt_specs(ostate: SlotLayout, axis: str) -> dict[ValueClass, P]:
+    return {c: P(axis) for c in ostate.counts}

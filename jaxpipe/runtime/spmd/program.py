@@ -1,24 +1,29 @@
 """The SPMD program: one ``jax.jit(jax.shard_map(...))`` runs a lowered schedule.
 
 Every device runs the same program: ``lax.scan`` over the steps of the
-:class:`~.lowering.TickTable`; each step reads its row, runs the branch for one (action
-kind, stage) pair, stores residuals and hand-offs in a flat per-dtype storage at the
-lowered offsets, accumulates parameter gradients in place, and moves the action's output
-to the device that needs it with ``lax.ppermute`` (one permutation per device offset the
-placement uses; a permutation is skipped in steps where nobody sends over it) or a local
-hand-off (V-shaped turn).
+:class:`~.lowering.TickTable`. In a step, a device runs the branch of one (action kind,
+body) pair, or nothing:
+
+- parameters come from per-class slot buffers (a shared body picks the running stage's
+  slots from a small table indexed by ``row.stage``);
+- residuals and the I -> W hand-off are stored in per-class buffers at the slots the
+  lowering chose, and gradients accumulate in place;
+- an output message goes into the outbox of its direction (or straight into the inbox
+  when it stays on the device, the turn of a V). At the end of a tick's last step, every
+  permutation someone uses runs once (``lax.ppermute`` of that direction's whole outbox)
+  and the arriving units land in inbox slots.
 
 Branch selection is a chain of zero-or-one-trip ``while_loop``s rather than
 ``lax.switch``: XLA copies every buffer that an untaken ``conditional`` branch passes
-through (whole residual storage and gradients, every step), while a ``while_loop``
-updates its carry in place. Per-step work is thus proportional to one microbatch:
-buffers are updated with ``dynamic_update_slice`` at table-given offsets, never
-rewritten whole, and idle steps cost a few scalar comparisons.
+through (whole storage and gradients, every step), while a ``while_loop`` updates its
+carry in place. Per-step work is thus proportional to one microbatch, and idle steps cost
+a few scalar comparisons.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,23 +32,31 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.runtime.spmd.layout import Layout, StageLayouts
+from jaxpipe.runtime.spmd.bodies import Body
+from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import IDLE, Lowering, Pool, TickTable, branch_id
 from jaxpipe.schedule import ACTION_KINDS
-from jaxpipe.stages import StageFn
 
 __all__ = ["build_step", "place"]
 
 #: ``epilogue(params_local, grads_local, loss, *extra_local)`` -> outputs of the program.
 Epilogue = Callable[..., object]
 
+Bufs = dict[ValueClass, jax.Array]
 
-def _zeros(widths: dict[str, int]) -> dict:
-    return {k: jnp.zeros((w,), k) for k, w in widths.items()}
+
+def _index(buf: jax.Array, i: Any) -> jax.Array:
+    if isinstance(i, int):
+        return buf[i]
+    return lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
+def _add_at(buf: jax.Array, i: Any, x: jax.Array) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(buf, _index(buf, i) + x.astype(buf.dtype), i, 0)
 
 
 def build_step(
-    stages: Sequence[StageFn],
+    bodies: Sequence[Body],
     layouts: StageLayouts,
     lowering: Lowering,
     mesh: Mesh,
@@ -56,8 +69,8 @@ def build_step(
 ) -> Callable:
     """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss)`` as a shard_map'ed function.
 
-    ``pbuf``/``gbuf``: one array ``[devices, *slot_shape]`` per parameter slot, sharded
-    over ``axis``. ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``.
+    ``pbuf``/``gbuf``: ``{class: [devices, slots, *shape]}`` sharded over ``axis``.
+    ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``.
 
     With ``epilogue``, the step instead returns ``epilogue(pbuf_local, gbuf_local, loss,
     *extra_local)`` computed on each device inside the same program (the optimizer update
@@ -67,179 +80,183 @@ def build_step(
     L = layouts
     D = lowering.num_devices
     perms = [[(d, (d + off) % D) for d in range(D)] for off in lowering.perm_offsets]
+    offset_index = {off: j for j, off in enumerate(lowering.perm_offsets)}
+    unit = L.unit
+    num_bodies = len(bodies)
 
-    # Branches update the carried buffers themselves, with static sizes: residual
-    # writes/reads touch exactly one stage's values, gradient accumulation touches
-    # exactly one stage's parameters, and idle steps touch nothing.
-    def read(layout: Layout, buf, offsets: dict) -> list:
-        # one slice per leaf, straight from the storage (no intermediate flat copy)
-        return [lax.dynamic_slice(buf[k], (offsets[k] + off,), (n,)).reshape(a.shape)
-                for (k, off, n), a in zip(layout.slots, layout.avals, strict=True)]
+    def bases(row: TickTable, pool: Pool) -> dict:
+        return {c: v for (p, c), v in row.pool_base.items() if p is pool}
 
-    def write(layout: Layout, buf, offsets: dict, leaves) -> dict:
-        # one in-place update per leaf: the producer can write straight into the storage
-        buf = dict(buf)
-        for (k, off, _), x in zip(layout.slots, leaves, strict=True):
-            buf[k] = lax.dynamic_update_slice(buf[k], jnp.ravel(x).astype(k),
-                                              (offsets[k] + off,))
-        return buf
+    def unit_base(packing: Packing, slot: Any) -> dict:
+        return {c: slot * unit[c] for c in packing.counts}
 
-    def offsets(row: TickTable, pool: Pool, writing: bool) -> dict:
-        cols = row.pool_write if writing else row.pool_read
-        return {k: v for (p, k), v in cols.items() if p is pool}
-
-    def store(st: StageFn, buf, row, stored) -> dict:
-        for pool, ids in ((Pool.RESIDUAL_A, st.i_only_residual_ids),
-                          (Pool.RESIDUAL_B, st.w_res_ids)):
-            buf = write(L.pools[pool][st.index], buf, offsets(row, pool, True),
-                        [stored[i] for i in ids])
-        return buf
-
-    def load(st: StageFn, buf, row) -> list:
-        out: list = [None] * len(st.residual_avals)
-        for pool, ids in ((Pool.RESIDUAL_A, st.i_only_residual_ids),
-                          (Pool.RESIDUAL_B, st.w_res_ids)):
-            vals = read(L.pools[pool][st.index], buf, offsets(row, pool, False))
-            for i, x in zip(ids, vals, strict=True):
-                out[i] = x
+    def body_params(body: Body, pbuf: Bufs, row: TickTable) -> list:
+        table = jnp.asarray(body.param_slot) if body.shared else None
+        out = []
+        for j, c in enumerate(body.param_classes):
+            i = body.static_slot(j)
+            out.append(_index(pbuf[c], i if i is not None else table[row.stage, j]))
         return out
 
-    def accumulate(st: StageFn, gbuf, ct_par) -> list:
-        gbuf = list(gbuf)
+    def accumulate(body: Body, gbuf: Bufs, row: TickTable, ct_par: Sequence) -> Bufs:
+        gbuf = dict(gbuf)
+        table = jnp.asarray(body.param_slot) if body.shared else None
         it = iter(ct_par)
-        for n, diff in zip(L.slots.stage_slots[st.index], st.diff_param_mask, strict=True):
+        for j, (c, diff) in enumerate(zip(body.param_classes, body.fn.diff_param_mask,
+                                          strict=True)):
             if diff:
-                gbuf[n] = gbuf[n] + next(it)
+                i = body.static_slot(j)
+                gbuf[c] = _add_at(gbuf[c], i if i is not None else table[row.stage, j],
+                                  next(it))
         return gbuf
 
-    def stage_inputs(st: StageFn, pbuf, mbd) -> tuple[list, list]:
-        params = [pbuf[n] for n in L.slots.stage_slots[st.index]]
-        return params, [mbd[i] for i in st.batch_ids]
+    def send(body: Body, packing: Packing, offset: int | None, state: tuple, row: TickTable,
+             leaves: Sequence) -> tuple:
+        store, inbox, outbox, gbuf, loss = state
+        if offset is None:
+            return state
+        if offset == 0:  # stays on this device: straight into the inbox
+            inbox = packing.write(inbox, unit_base(packing, row.out_unit), leaves)
+        else:
+            j = offset_index[offset]
+            outbox = list(outbox)
+            outbox[j] = packing.write(outbox[j], unit_base(packing, row.out_unit), leaves)
+        return store, inbox, outbox, gbuf, loss
 
-    def msg_in(layout: Layout, inbox, row: TickTable) -> list:
-        return layout.unpack({k: v[row.in_slot] for k, v in inbox.items()})
+    def make_branch(kind: str, body: Body) -> Callable:
+        st = body.fn
+        s = st.index  # the representative's packings (identical for every member)
 
-    def ct_received(st: StageFn, inbox, row: TickTable) -> list:
-        if st.is_last:
-            return [jnp.full((), 1.0 / m, st.out_avals[0].dtype)]
-        return msg_in(L.ct_out[st.index], inbox, row)
+        def inputs(row, pbuf, mbd):
+            return body_params(body, pbuf, row), [mbd[i] for i in st.batch_ids]
 
-    zero_loss = jnp.zeros((), jnp.float32)
+        def received_ct(row, inbox):
+            if st.is_last:
+                return [jnp.full((), 1.0 / m, st.out_avals[0].dtype)]
+            return L.ct_out[s].read(inbox, unit_base(L.ct_out[s], row.in_slot))
 
-    def make_branch(kind: str, st: StageFn) -> Callable:
-        s = st.index
+        def load(row, store):
+            out: list = [None] * len(st.residual_avals)
+            for pool, ids in ((Pool.RESIDUAL_A, st.i_only_residual_ids),
+                              (Pool.RESIDUAL_B, st.w_res_ids)):
+                for i, x in zip(ids, L.pools[pool][s].read(store, bases(row, pool)),
+                                strict=True):
+                    out[i] = x
+            return out
 
-        def f_branch(row, pbuf, mbd, pools, inbox, gbuf):
-            params, batch = stage_inputs(st, pbuf, mbd)
-            carry = msg_in(L.act_in[s], inbox, row) if s > 0 else []
+        def f_branch(row, pbuf, mbd, state):
+            store, inbox, outbox, gbuf, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            carry = L.act_in[s].read(inbox, unit_base(L.act_in[s], row.in_slot))
             outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry)
             n = len(st.out_avals)
-            pools = store(st, pools, row, outs[n:])
+            stored = outs[n:]
+            for pool, ids in ((Pool.RESIDUAL_A, st.i_only_residual_ids),
+                              (Pool.RESIDUAL_B, st.w_res_ids)):
+                store = L.pools[pool][s].write(store, bases(row, pool), [stored[i] for i in ids])
             if st.is_last:
-                return pools, gbuf, _zeros(L.msg_width), outs[0].astype(jnp.float32)
-            return pools, gbuf, L.act_out[s].pack(outs[:n], L.msg_width), zero_loss
+                return store, inbox, outbox, gbuf, loss + outs[0].astype(jnp.float32)
+            return send(body, L.act_out[s], body.send_offset,
+                        (store, inbox, outbox, gbuf, loss), row, outs[:n])
 
-        def b_branch(row, pbuf, mbd, pools, inbox, gbuf):
-            params, batch = stage_inputs(st, pbuf, mbd)
-            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *load(st, pools, row),
-                                        *ct_received(st, inbox, row))
+        def b_branch(row, pbuf, mbd, state):
+            store, inbox, outbox, gbuf, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *load(row, store),
+                                        *received_ct(row, inbox))
             n = sum(st.diff_param_mask)
-            msg = L.ct_in[s].pack(outs[n:], L.msg_width) if s > 0 else _zeros(L.msg_width)
-            return pools, accumulate(st, gbuf, outs[:n]), msg, zero_loss
+            gbuf = accumulate(body, gbuf, row, outs[:n])
+            return send(body, L.ct_in[s], body.back_offset,
+                        (store, inbox, outbox, gbuf, loss), row, outs[n:])
 
-        def i_branch(row, pbuf, mbd, pools, inbox, gbuf):
-            params, batch = stage_inputs(st, pbuf, mbd)
-            outs = jaxpr_as_fun(st.bwd_i)(*params, *batch, *load(st, pools, row),
-                                          *ct_received(st, inbox, row))
+        def i_branch(row, pbuf, mbd, state):
+            store, inbox, outbox, gbuf, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            outs = jaxpr_as_fun(st.bwd_i)(*params, *batch, *load(row, store),
+                                          *received_ct(row, inbox))
             n = len(st.ct_in_avals())
             # Finish every read of the storage before writing into it, or XLA copies the
             # whole storage to keep a late read valid.
-            outs, pools = lax.optimization_barrier((outs, pools))
-            msg = L.ct_in[s].pack(outs[:n], L.msg_width) if s > 0 else _zeros(L.msg_width)
-            pools = write(L.pools[Pool.HANDOFF][s], pools, offsets(row, Pool.HANDOFF, True),
-                          outs[n:])
-            return pools, gbuf, msg, zero_loss
+            outs, store = lax.optimization_barrier((outs, store))
+            store = L.pools[Pool.HANDOFF][s].write(store, bases(row, Pool.HANDOFF), outs[n:])
+            return send(body, L.ct_in[s], body.back_offset,
+                        (store, inbox, outbox, gbuf, loss), row, outs[:n])
 
-        def w_branch(row, pbuf, mbd, pools, inbox, gbuf):
-            params, batch = stage_inputs(st, pbuf, mbd)
-            stored = read(L.pools[Pool.RESIDUAL_B][s], pools,
-                          offsets(row, Pool.RESIDUAL_B, False))
-            handoff = read(L.pools[Pool.HANDOFF][s], pools, offsets(row, Pool.HANDOFF, False))
+        def w_branch(row, pbuf, mbd, state):
+            store, inbox, outbox, gbuf, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            stored = L.pools[Pool.RESIDUAL_B][s].read(store, bases(row, Pool.RESIDUAL_B))
+            handoff = L.pools[Pool.HANDOFF][s].read(store, bases(row, Pool.HANDOFF))
             ct_par = jaxpr_as_fun(st.bwd_w)(*params, *batch, *stored, *handoff)
-            return pools, accumulate(st, gbuf, ct_par), _zeros(L.msg_width), zero_loss
+            return store, inbox, outbox, accumulate(body, gbuf, row, ct_par), loss
 
         return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch}[kind]
 
-    # Only (kind, stage) pairs the schedule runs get a branch (e.g. no I/W for 1F1B):
-    # fewer branches to compile, and pools sized for what runs.
+    # Only (kind, body) pairs the schedule runs get a branch (e.g. no I/W for 1F1B).
     used = lowering.used_branches - {IDLE}
-    branches = {branch_id(kind, st.index, lowering.num_stages): make_branch(kind, st)
-                for kind in ACTION_KINDS for st in stages
-                if branch_id(kind, st.index, lowering.num_stages) in used}
+    branches = {branch_id(kind, b.index, num_bodies): make_branch(kind, b)
+                for kind in ACTION_KINDS for b in bodies
+                if branch_id(kind, b.index, num_bodies) in used}
+    units = lowering.units
 
     def per_device(pbuf, batch, table: TickTable, *extra):
-        pbuf = [v[0] for v in pbuf]
+        pbuf = {c: v[0] for c, v in pbuf.items()}
         table = jax.tree.map(lambda x: x[:, 0], table)  # this device's column
-        # every pool (residual parts, I->W hand-off) lives in one storage per dtype
-        pools = {k: jnp.zeros((n,), k) for k, n in lowering.storage.items()}
-        inbox = {k: jnp.zeros((lowering.num_inbox + 1, w), k) for k, w in L.msg_width.items()}
-        gbuf = [jnp.zeros(shape, dt) for shape, dt in zip(L.slots.shapes, L.slots.dtypes,
-                                                           strict=True)]
+        store = {c: c.zeros(n) for c, n in lowering.slots.items()}
+        inbox = {c: c.zeros((lowering.num_inbox + 1) * n) for c, n in unit.items()}
+        outbox = [{c: c.zeros(max(k, 1) * n) for c, n in unit.items()} for k in units]
+        gbuf = {c: c.zeros(n) for c, n in L.slots.counts.items()}
 
         def step(carry, row: TickTable):
-            pools, inbox, gbuf, loss = carry
             mbd = [lax.dynamic_index_in_dim(x, row.microbatch, 0, keepdims=False)
                    for x in batch]
             # One zero-or-one-trip while loop per branch instead of lax.switch: a
             # conditional copies every buffer its untaken branches pass through, while a
             # while loop updates its carry in place.
-            state = (pools, gbuf, _zeros(L.msg_width), zero_loss)
+            state = carry
             for b in sorted(branches):
                 def body(c, b=b):
                     # The barrier ties the loop-invariant inputs to the trip counter, or
                     # XLA's loop-invariant code motion hoists the stage's compute out of
                     # the zero-trip loop and runs it on every step.
-                    i, (pl, g, _, _) = c
-                    i, (rw, pb, mb, ib) = lax.optimization_barrier((i, (row, pbuf, mbd, inbox)))
-                    return i + 1, branches[b](rw, pb, mb, pl, ib, g)
+                    i, st = c
+                    i, (rw, pb, mb) = lax.optimization_barrier((i, (row, pbuf, mbd)))
+                    return i + 1, branches[b](rw, pb, mb, st)
                 state = lax.while_loop(
                     lambda c, b=b: c[0] < (row.branch == b).astype(jnp.int32),
                     body, (jnp.int32(0), state))[1]
-            pools, gbuf, msg, loss_t = state
-            inbox = {k: inbox[k].at[row.local_dst].set(msg[k]) for k in inbox}
+            store, inbox, outbox, gbuf, loss = state
+            # End of a tick: every permutation someone sends over runs once; the units
+            # that arrive go to their inbox slots (the dummy slot when unused).
             for j, perm in enumerate(perms):
                 recv = lax.cond(
                     row.exchange[j],
                     lambda x, perm=perm: lax.ppermute(x, axis, perm),
                     lambda x: jax.tree.map(jnp.zeros_like, x),
-                    msg,
+                    outbox[j],
                 )
-                inbox = {k: inbox[k].at[row.recv_slot[j]].set(recv[k]) for k in inbox}
-            return (pools, inbox, gbuf, loss + loss_t), None
+                for r in range(units[j]):
+                    slot = row.recv_slot[j, r]
+                    inbox = {c: lax.dynamic_update_slice_in_dim(
+                        inbox[c], lax.slice_in_dim(recv[c], r * n, (r + 1) * n), slot * n, 0)
+                        for c, n in unit.items()}
+            return (store, inbox, outbox, gbuf, loss), None
 
-        init = (pools, inbox, gbuf, jnp.zeros((), jnp.float32))
-        (_, _, gbuf, loss), _ = lax.scan(step, init, table)
+        init = (store, inbox, outbox, gbuf, jnp.zeros((), jnp.float32))
+        (_, _, _, gbuf, loss), _ = lax.scan(step, init, table)
         loss = lax.psum(loss, axis) / m
         if batch_axes:
             loss = lax.pmean(loss, batch_axes)
             gbuf = jax.tree.map(lambda x: lax.pmean(x, batch_axes), gbuf)
         if epilogue is not None:
             return epilogue(pbuf, gbuf, loss, *extra)
-        return [v[None] for v in gbuf], loss
+        return {c: v[None] for c, v in gbuf.items()}, loss
 
-    # The table: [steps, devices, ...] sharded over devices, except the exchange flags
-    # ([steps, offsets]), which every device reads whole (replicated, then "column" 0).
-    table = lowering.table
-    table_arrays = TickTable(
-        branch=table.branch, microbatch=table.microbatch, in_slot=table.in_slot,
-        local_dst=table.local_dst, recv_slot=table.recv_slot, pool_write=table.pool_write,
-        pool_read=table.pool_read, exchange=table.exchange[:, None, :].repeat(D, axis=1))
-    table_arrays = jax.tree.map(jnp.asarray, table_arrays)
+    table_arrays = jax.tree.map(jnp.asarray, lowering.table)
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
-
     data_spec = batch_axes if batch_axes else None
     batch_specs = [P(None, data_spec) for _ in range(num_batch_leaves)]
-    pspec = [P(axis)] * len(L.slots)
+    pspec = {c: P(axis) for c in L.slots.counts}
     in_specs = (pspec, batch_specs, table_specs, *extra_in_specs)
     fn = jax.shard_map(
         per_device,
@@ -263,3 +280,4 @@ def place(x, mesh: Mesh, spec: P):
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(x, sharding)
     return lax.with_sharding_constraint(x, sharding)
+
