@@ -107,10 +107,11 @@ def _check_lowering(schedule, split=False):
         p = low.actions[msg.producer]
         slot = t.in_slot[msg.read, msg.dst]
         if msg.src == msg.dst:
-            assert t.out_unit[p.step, p.device] == slot
+            assert t.local_slot[p.step, p.device] == slot
         else:
             j = low.perm_offsets.index((msg.dst - msg.src) % D)
-            r = t.out_unit[p.step, p.device]
+            r = t.out_unit[p.step, p.device, j]
+            assert r < low.units[j]
             assert t.exchange[msg.sent, :, j].all()
             assert t.recv_slot[msg.sent, msg.dst, j, r] == slot
     return low

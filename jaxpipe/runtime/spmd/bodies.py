@@ -31,8 +31,9 @@ class Body:
       stages: its stages, ascending.
       fn: the stage function all of them run (the first stage's).
       param_classes: the class of every parameter input of ``fn``.
-      param_slot: ``[num_stages, len(param_classes)]`` slot of every parameter input of
-        each member stage (rows of other stages are unused).
+      param_slot: ``[num_stages, len(param_classes)]`` slot (position in the device's
+        slot list) of every parameter input of each member stage (rows of other stages
+        are unused).
       send_offset, recv_offset: device offsets of the forward message it sends / the
         cotangent it sends back (``None``: none; ``0``: to the same device).
     """
@@ -49,10 +50,17 @@ class Body:
     def shared(self) -> bool:
         return len(self.stages) > 1
 
-    def static_slot(self, j: int) -> int | None:
-        """The slot of parameter input ``j`` when every member uses the same one."""
-        col = {int(self.param_slot[s, j]) for s in self.stages}
-        return col.pop() if len(col) == 1 else None
+    def candidates(self, j: int) -> tuple[int, ...]:
+        """The slots parameter input ``j`` comes from, over the members (one when every
+        member uses the same slot: then it is static)."""
+        return tuple(sorted({int(self.param_slot[s, j]) for s in self.stages}))
+
+    def choice(self, j: int) -> np.ndarray:
+        """``[num_stages]``: for each member stage, the position of its slot for input
+        ``j`` in :meth:`candidates`."""
+        cands = self.candidates(j)
+        return np.array([cands.index(int(x)) if int(x) in cands else 0
+                         for x in self.param_slot[:, j]], np.int32)
 
 
 def _same_consts(a: list, b: list) -> bool:
@@ -74,7 +82,7 @@ def _signature(st: StageFn, slots: SlotLayout, sched: Schedule) -> tuple:
     back = None if st.index == 0 else (sched.placement(st.index - 1) - here) % D
     return (
         tuple(str(f.jaxpr) for f in (st.fwd, st.bwd, st.bwd_i, st.bwd_w)),
-        tuple(c for c, _ in slots.where[st.index]),
+        tuple(slots.slots[k][0] for k in slots.where[st.index]),
         st.batch_ids, st.is_last, st.index == 0, st.diff_param_mask, st.diff_in_mask,
         st.diff_out_mask, st.w_res_ids, send, back,
     )
@@ -107,9 +115,10 @@ def group_bodies(stages: Sequence[StageFn], slots: SlotLayout, schedule: Schedul
         n = len(rep.param_ids)
         table = np.zeros((S, n), np.int32)
         for s in members:
-            table[s] = [i for _, i in slots.where[s]]
+            table[s] = slots.where[s]
             body_of[s] = b
         sig = _signature(rep, slots, schedule)
-        bodies.append(Body(b, tuple(members), rep, tuple(c for c, _ in slots.where[rep.index]),
+        bodies.append(Body(b, tuple(members), rep,
+                           tuple(slots.slots[k][0] for k in slots.where[rep.index]),
                            table, sig[-2], sig[-1]))
     return bodies, body_of

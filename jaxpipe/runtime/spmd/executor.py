@@ -3,8 +3,8 @@
 :class:`SpmdRuntime` is what users pass (``runtime="spmd"``, the default);
 :meth:`SpmdRuntime.build` lays out every stage's values (:mod:`.layout`), lowers the
 schedule to static tables (:mod:`.lowering`) and builds the program (:mod:`.program`).
-The :class:`SpmdExecutor` it returns keeps parameters in per-class slot buffers
-``[devices, slots, *shape]``, sharded over the pipe axis (see
+The :class:`SpmdExecutor` it returns keeps parameters in slots, one array
+``[devices, *shape]`` each, sharded over the pipe axis (see
 :class:`~.layout.SlotLayout`).
 """
 
@@ -76,9 +76,8 @@ class SpmdRuntime(Runtime):
 class SpmdExecutor(Executor):
     """A pipeline's SPMD program, its lowered tables and its slot buffers.
 
-    The staged layout of parameters (and of optimizer state) is a list of per-class
-    slot buffers ``[devices, slots, *shape]``, sharded over the pipe axis, in the order
-    of ``layouts.slots.classes``.
+    The staged layout of parameters (and of optimizer state) is a list of slots, each
+    ``[devices, *shape]`` sharded over the pipe axis (``layouts.slots``).
 
     Attributes:
       spec: what it was built from.
@@ -97,26 +96,20 @@ class SpmdExecutor(Executor):
             spec.stages, self.layouts.slots, sched, share=runtime.share_bodies)
         self.lowering: Lowering = lower(sched, self.layouts.pool_counts(), self.body_of_stage,
                                         split_backward=runtime.resolve_split())
-        self._classes = self.layouts.slots.classes
         self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
                                 spec.axis, spec.batch_axes, len(spec.microbatch_avals))
         self._staged_sharding = NamedSharding(spec.mesh, P(spec.axis))
 
     # -- parameters -----------------------------------------------------------------
-    def _to_dict(self, staged: list) -> dict:
-        return dict(zip(self._classes, staged, strict=True))
-
-    def _to_list(self, bufs: dict) -> list:
-        return [bufs[c] for c in self._classes]
-
     def staged_shapes(self) -> list[tuple[int, ...]]:
-        """Global shapes of the staged parameter buffers (one per class)."""
+        """Global shapes of the staged parameter arrays (one per slot)."""
         D = self.spec.schedule.num_devices
-        return [(D, n, *c.shape) for c, n in self.layouts.slots.counts.items()]
+        return [(D, *c.shape) for c, _ in self.layouts.slots.slots]
 
     def staged_abstract(self) -> list[jax.ShapeDtypeStruct]:
         return [jax.ShapeDtypeStruct(shape, np.dtype(c.dtype), sharding=self._staged_sharding)
-                for shape, c in zip(self.staged_shapes(), self._classes, strict=True)]
+                for shape, (c, _) in zip(self.staged_shapes(), self.layouts.slots.slots,
+                                         strict=True)]
 
     def check_staged(self, staged: Any, what: str) -> None:
         want = self.staged_shapes()
@@ -131,7 +124,7 @@ class SpmdExecutor(Executor):
             )
 
     def shard(self, param_leaves: list) -> list:
-        """User leaves (replicated) -> per-class slot buffers ``[devices, slots, *shape]``.
+        """User leaves (replicated) -> one ``[devices, *shape]`` array per slot.
 
         Runs as a shard_map: each device copies just its own stages' leaves into its
         slots (one copy of its parameters), instead of XLA partitioning a global stack.
@@ -141,12 +134,10 @@ class SpmdExecutor(Executor):
 
         def branch(d: int):
             def f(lv):
-                rows = {c: [c.zeros(1)[0]] * n for c, n in slots.counts.items()}
+                out = slots.zeros()
                 for s in sched.device_stages(d):
-                    for pid, (c, i) in zip(spec.stages[s].param_ids, slots.where[s],
-                                           strict=True):
-                        rows[c][i] = jnp.asarray(lv[pid], c.dtype)
-                return [jnp.stack(rows[c]) for c in self._classes]
+                    out = slots.scatter(out, s, [lv[pid] for pid in spec.stages[s].param_ids])
+                return out
             return f
 
         def local(lv):
@@ -155,7 +146,7 @@ class SpmdExecutor(Executor):
             return [x[None] for x in out]
 
         fn = jax.shard_map(local, mesh=spec.mesh, in_specs=(P(),),
-                           out_specs=[P(spec.axis)] * len(self._classes), check_vma=False)
+                           out_specs=[P(spec.axis)] * len(slots), check_vma=False)
         return fn([place(x, spec.mesh, P()) for x in param_leaves])
 
     def _gather(self, staged: list, owner_only: bool) -> list:
@@ -169,24 +160,21 @@ class SpmdExecutor(Executor):
             def f(local):
                 out: list = [None] * len(avals)
                 for s in sched.device_stages(d):
-                    for pid, (c, i) in zip(spec.stages[s].param_ids, slots.where[s],
-                                           strict=True):
+                    for pid, x in zip(spec.stages[s].param_ids, slots.gather(local, s),
+                                      strict=True):
                         if owner_only and spec.param_owners[pid][0] != s:
                             continue
-                        x = local[c][i]
                         out[pid] = x if out[pid] is None else out[pid] + x
                 return [jnp.zeros(a.shape, a.dtype) if x is None else x
                         for x, a in zip(out, avals, strict=True)]
             return f
 
         def local(buf):
-            buf = {c: x[0] for c, x in zip(self._classes, buf, strict=True)}
             out = lax.switch(lax.axis_index(spec.axis),
-                             [branch(d) for d in range(sched.num_devices)], buf)
+                             [branch(d) for d in range(sched.num_devices)], [x[0] for x in buf])
             return [lax.psum(x, spec.axis) for x in out]
 
-        fn = jax.shard_map(local, mesh=spec.mesh,
-                           in_specs=([P(spec.axis)] * len(self._classes),),
+        fn = jax.shard_map(local, mesh=spec.mesh, in_specs=([P(spec.axis)] * len(slots),),
                            out_specs=[P()] * len(avals), check_vma=False)
         return fn([place(x, spec.mesh, P(spec.axis)) for x in staged])
 
@@ -195,15 +183,15 @@ class SpmdExecutor(Executor):
 
     def stage_params(self, staged: list) -> list[list[jax.Array]]:
         """Each stage's parameter leaves as held on its device (tied leaves: every copy)."""
-        bufs = self._to_dict([place(v, self.spec.mesh, P()) for v in staged])
+        staged = [place(v, self.spec.mesh, P()) for v in staged]
         sched, slots = self.spec.schedule, self.layouts.slots
-        return [[bufs[c][sched.placement(st.index)][i] for c, i in slots.where[st.index]]
+        return [[staged[k][sched.placement(st.index)] for k in slots.where[st.index]]
                 for st in self.spec.stages]
 
     # -- compute --------------------------------------------------------------------
     def staged_value_and_grad(self, staged: list, batch_mb: list) -> tuple[jax.Array, list]:
-        gbuf, loss = self._step(self._to_dict(list(staged)), batch_mb)
-        return loss, self._to_list(gbuf)
+        gbuf, loss = self._step(list(staged), batch_mb)
+        return loss, gbuf
 
     def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
         loss, gbuf = self.staged_value_and_grad(self.shard(param_leaves), batch_mb)
@@ -214,10 +202,9 @@ class SpmdExecutor(Executor):
         spec = self.spec
         stage_opt = StageOptimizer(optimizer, spec)
         ostate = opt_slots(spec, stage_opt)
-        oclasses = ostate.classes
         epilogue = make_epilogue(spec, self.layouts.slots, stage_opt, ostate, options)
-        pspec = {c: P(spec.axis) for c in self._classes}
-        ospec = {c: P(spec.axis) for c in oclasses}
+        pspec = [P(spec.axis)] * len(self.layouts.slots)
+        ospec = [P(spec.axis)] * len(ostate)
         core = build_step(
             self.bodies, self.layouts, self.lowering, spec.mesh, spec.axis, spec.batch_axes,
             len(spec.microbatch_avals), epilogue=epilogue, extra_in_specs=(ospec,),
@@ -225,20 +212,16 @@ class SpmdExecutor(Executor):
         )
 
         def step(staged: list, opt_state: list, batch_mb: list) -> tuple:
-            new_p, new_o, metrics = core(self._to_dict(list(staged)), batch_mb,
-                                         dict(zip(oclasses, opt_state, strict=True)))
-            return self._to_list(new_p), [new_o[c] for c in oclasses], metrics
+            return core(list(staged), batch_mb, list(opt_state))
 
         def init_opt_state(param_leaves: list) -> list:
             D = spec.schedule.num_devices
-            rows = [ostate.unstack({c: c.zeros(n) for c, n in ostate.counts.items()})
-                    for _ in range(D)]
+            bufs = [ostate.zeros() for _ in range(D)]
             for st in spec.stages:
                 d = spec.schedule.placement(st.index)
                 leaves = stage_opt.init(st.index, [param_leaves[i] for i in st.param_ids])
-                rows[d] = ostate.scatter(rows[d], st.index, leaves)
-            bufs = [ostate.stack(r) for r in rows]
-            return [jnp.stack([bufs[d][c] for d in range(D)]) for c in oclasses]
+                bufs[d] = ostate.scatter(bufs[d], st.index, leaves)
+            return [jnp.stack([bufs[d][k] for d in range(D)]) for k in range(len(ostate))]
 
         return step, init_opt_state
 

@@ -105,69 +105,67 @@ def merge_counts(packings: Sequence[Packing]) -> dict[ValueClass, int]:
 
 
 class SlotLayout:
-    """Per-stage lists of values as per-class slot buffers ``[slots, *shape]``.
+    """Per-stage lists of values as *slots*: whole arrays every device holds.
 
     Each stage's values are assigned slots of their class on the stage's device, in
     stage order; a device needs as many slots of a class as its stages have values of
     it, and every device gets the maximum. Used for parameters (and their gradients) and
-    for optimizer state.
+    for optimizer state. Slots are separate arrays (a flat list, class by class): the
+    program reads a parameter and accumulates its gradient in place, without slicing
+    a stacked buffer.
 
     Attributes:
       counts: slots per class.
-      where: per stage, per value of the stage, ``(class, slot)``.
+      slots: ``(class, i)`` of every slot, in list order.
+      where: per stage, per value of the stage, its slot's position in the list.
     """
 
     def __init__(self, stage_avals: Sequence[Sequence[Any]],
                  device_stages: Sequence[Sequence[int]]) -> None:
-        self.counts: dict[ValueClass, int] = {}
-        where: dict[int, list[tuple[ValueClass, int]]] = {}
+        counts: dict[ValueClass, int] = {}
+        local: dict[int, list[tuple[ValueClass, int]]] = {}
         for mine in device_stages:
             used: dict[ValueClass, int] = {}
             for s in mine:
-                where[s] = []
+                local[s] = []
                 for a in stage_avals[s]:
                     c = value_class(a)
-                    where[s].append((c, used.get(c, 0)))
+                    local[s].append((c, used.get(c, 0)))
                     used[c] = used.get(c, 0) + 1
             for c, n in used.items():
-                self.counts[c] = max(self.counts.get(c, 0), n)
-        self.counts = dict(sorted(self.counts.items()))
-        self.where: list[list[tuple[ValueClass, int]]] = [where[s]
-                                                          for s in range(len(stage_avals))]
+                counts[c] = max(counts.get(c, 0), n)
+        self.counts = dict(sorted(counts.items()))
+        self.slots = [(c, i) for c, n in self.counts.items() for i in range(n)]
+        pos = {slot: k for k, slot in enumerate(self.slots)}
+        self.where: list[list[int]] = [[pos[x] for x in local[s]]
+                                       for s in range(len(stage_avals))]
+
+    def __len__(self) -> int:
+        return len(self.slots)
 
     @property
     def classes(self) -> list[ValueClass]:
-        return list(self.counts)
+        """The class of every slot, in list order."""
+        return [c for c, _ in self.slots]
 
     def nbytes(self) -> int:
         """Bytes of one device's slots."""
-        return sum(c.nbytes * n for c, n in self.counts.items())
+        return sum(c.nbytes for c, _ in self.slots)
 
-    def gather(self, rows: Mapping[ValueClass, Sequence[jax.Array]], stage: int
-               ) -> list[jax.Array]:
-        """The values of ``stage`` from one device's rows (see :meth:`unstack`)."""
-        return [rows[c][i] for c, i in self.where[stage]]
+    def zeros(self) -> list[jax.Array]:
+        return [jnp.zeros(c.shape, c.dtype) for c, _ in self.slots]
 
-    def scatter(self, rows: Mapping[ValueClass, Sequence[jax.Array]], stage: int,
-                values: Sequence[jax.Array]) -> dict[ValueClass, list[jax.Array]]:
-        """One device's rows with ``stage``'s values replaced."""
-        rows = {c: list(r) for c, r in rows.items()}
-        for (c, i), x in zip(self.where[stage], values, strict=True):
-            rows[c][i] = jnp.asarray(x, c.dtype)
-        return rows
+    def gather(self, bufs: Sequence[jax.Array], stage: int) -> list[jax.Array]:
+        """The values of ``stage`` from one device's slot list."""
+        return [bufs[k] for k in self.where[stage]]
 
-    def unstack(self, bufs: Mapping[ValueClass, jax.Array]) -> dict[ValueClass, list]:
-        """``{class: [slots, *shape]}`` -> ``{class: [row per slot]}``.
-
-        Code that replaces whole rows under a ``lax.switch`` works on rows: a branch
-        returning rows it did not touch copies only those rows, while one returning a
-        buffer it updated in place makes XLA copy the whole buffer.
-        """
-        return {c: [bufs[c][i] for i in range(n)] for c, n in self.counts.items()}
-
-    def stack(self, rows: Mapping[ValueClass, Sequence[jax.Array]]
-              ) -> dict[ValueClass, jax.Array]:
-        return {c: jnp.stack(list(rows[c])) for c in self.counts}
+    def scatter(self, bufs: Sequence[jax.Array], stage: int,
+                values: Sequence[jax.Array]) -> list[jax.Array]:
+        """One device's slot list with ``stage``'s values replaced."""
+        bufs = list(bufs)
+        for k, x in zip(self.where[stage], values, strict=True):
+            bufs[k] = jnp.asarray(x, self.slots[k][0].dtype)
+        return bufs
 
 
 def param_slots(stages: Sequence[StageFn], param_avals: Sequence[Any],

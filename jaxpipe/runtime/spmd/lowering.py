@@ -90,8 +90,10 @@ class TickTable:
       stage: the action's stage (selects a shared body's parameters).
       microbatch: the action's microbatch.
       in_slot: inbox slot holding the action's input message (stage carry or cotangent).
-      out_unit: where the action's output message goes: its unit in the outbox of its
-        direction, or (for a message to the same device) its inbox slot.
+      local_slot: inbox slot for the action's output message when it stays on the
+        device (the turn of a V); the dummy slot otherwise.
+      out_unit: ``[steps, devices, offsets]``: the unit of the outbox of each direction
+        the action's output message goes to (the dummy unit ``units[j]`` otherwise).
       recv_slot: ``[steps, devices, offsets, units]``: inbox slot for each unit arriving
         over each permutation offset at the end of the step (the dummy slot if none).
       pool_base: per (pool, class), the first slot of that class where the action writes
@@ -104,6 +106,7 @@ class TickTable:
     stage: np.ndarray
     microbatch: np.ndarray
     in_slot: np.ndarray
+    local_slot: np.ndarray
     out_unit: np.ndarray
     recv_slot: np.ndarray
     pool_base: dict[tuple[Pool, Hashable], np.ndarray]
@@ -115,7 +118,8 @@ class TickTable:
 
     def digest_bytes(self) -> bytes:
         """Every field, in a fixed order (for cross-process consistency checks)."""
-        parts = [self.branch, self.stage, self.microbatch, self.in_slot, self.out_unit,
+        parts = [self.branch, self.stage, self.microbatch, self.in_slot, self.local_slot,
+                 self.out_unit,
                  self.recv_slot, self.exchange]
         parts += [self.pool_base[k] for k in sorted(self.pool_base, key=repr)]
         return b"".join(np.ascontiguousarray(p).tobytes() + str(p.shape).encode()
@@ -377,7 +381,9 @@ def fill_table(schedule: Schedule, when: Mapping[Action, Timing], messages: Sequ
     stage = np.zeros(shape, np.int32)
     microbatch = np.zeros(shape, np.int32)
     in_slot = np.full(shape, dummy, np.int32)
-    out_unit = np.zeros(shape, np.int32)
+    local_slot = np.full(shape, dummy, np.int32)
+    out_unit = np.zeros((T, D, len(perm_offsets)), np.int32)
+    out_unit[:] = np.asarray(units, np.int32)  # the dummy unit of each direction
     recv_slot = np.full((T, D, len(perm_offsets), max(units, default=0)), dummy, np.int32)
     exchange = np.zeros((T, D, len(perm_offsets)), bool)
     keys = [(pool, c) for pool in Pool for c in pool_classes[pool]]
@@ -400,17 +406,17 @@ def fill_table(schedule: Schedule, when: Mapping[Action, Timing], messages: Sequ
         in_slot[msg.read, msg.dst] = slot
         p = when[msg.producer]
         if msg.src == msg.dst:
-            out_unit[p.step, p.device] = slot
+            local_slot[p.step, p.device] = slot
             continue
         j = list(perm_offsets).index((msg.dst - msg.src) % D)
         r = used.get((p.tick, msg.src, j), 0)
         used[(p.tick, msg.src, j)] = r + 1
-        out_unit[p.step, p.device] = r
+        out_unit[p.step, p.device, j] = r
         end = tick_end(p.tick)
         recv_slot[end, msg.dst, j, r] = slot
         exchange[end, :, j] = True
-    return TickTable(branch, stage, microbatch, in_slot, out_unit, recv_slot, pool_base,
-                     exchange)
+    return TickTable(branch, stage, microbatch, in_slot, local_slot, out_unit, recv_slot,
+                     pool_base, exchange)
 
 
 def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],

@@ -6,9 +6,9 @@ the device's stage list), tied parameters get the sum of their gradients over th
 stages holding them, and the global gradient norm (for clipping, skipping non-finite
 steps and the metrics) is a ``psum`` over the pipe axis.
 
-Optimizer state is stored like parameters: per-class slot buffers ``{class: [devices,
-slots, *shape]}`` (:class:`~.layout.SlotLayout`), so a moment estimate of a parameter
-lives in a buffer of the parameter's own class.
+Optimizer state is stored like parameters: a list of slots ``[devices, *shape]``
+(:class:`~.layout.SlotLayout`), so a moment estimate of a parameter has its own array
+of the parameter's shape (and, later, sharding).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from jaxpipe.runtime.base import RuntimeSpec
-from jaxpipe.runtime.spmd.layout import SlotLayout, ValueClass
+from jaxpipe.runtime.spmd.layout import SlotLayout
 from jaxpipe.train import StageOptimizer, TrainOptions, global_norm_scale, sq_norm
 
 __all__ = ["make_epilogue", "opt_slots"]
@@ -38,7 +37,7 @@ def opt_slots(spec: RuntimeSpec, stage_opt: StageOptimizer) -> SlotLayout:
 def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimizer,
                   ostate: SlotLayout, options: TrainOptions) -> Callable:
     """``epilogue(pbuf, gbuf, loss, obuf) -> (pbuf, obuf, metrics)``, run per device;
-    parameters, gradients and optimizer state are per-class slot buffers."""
+    parameters, gradients and optimizer state are slot lists."""
     stages, sched, axis = spec.stages, spec.schedule, spec.axis
     avals = spec.param_avals
     tied = spec.tied
@@ -48,50 +47,47 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
         return lax.switch(lax.axis_index(axis),
                           [lambda *a, d=d: fn(d, *a) for d in range(sched.num_devices)], *args)
 
-    def leaves(s: int) -> list[tuple[int, ValueClass, int]]:
-        """(leaf id, class, slot) of every parameter leaf of stage ``s``."""
-        return [(pid, c, i) for pid, (c, i) in zip(stages[s].param_ids, slots.where[s],
-                                                     strict=True)]
+    def leaves(s: int) -> list[tuple[int, int]]:
+        """(leaf id, slot) of every parameter leaf of stage ``s``."""
+        return list(zip(stages[s].param_ids, slots.where[s], strict=True))
 
-    def local_tied(d: int, rows: dict, owner_only: bool) -> list:
+    # Per-device functions take and return slot *lists* of whole arrays: a lax.switch
+    # branch returning arrays it replaced costs their size, never a copy of a buffer.
+    def local_tied(d: int, bufs: list, owner_only: bool) -> list:
         """Device d's contribution to each tied leaf (sum, or the first owner's value)."""
         out = [jnp.zeros(avals[pid].shape, avals[pid].dtype) for pid in tied]
         for s in sched.device_stages(d):
-            for pid, c, i in leaves(s):
+            for pid, k in leaves(s):
                 if pid in tied and (not owner_only or owners[pid][0] == s):
-                    out[tied.index(pid)] = out[tied.index(pid)] + rows[c][i]
+                    out[tied.index(pid)] = out[tied.index(pid)] + bufs[k]
         return out
 
-    def local_sq(d: int, grows: dict) -> jax.Array:
-        return sq_norm([grows[c][i] for s in sched.device_stages(d)
-                        for pid, c, i in leaves(s) if pid not in tied])
+    def local_sq(d: int, gbuf: list) -> jax.Array:
+        return sq_norm([gbuf[k] for s in sched.device_stages(d)
+                        for pid, k in leaves(s) if pid not in tied])
 
-    # Every per-device function works on rows (lists of slot values), never on whole
-    # buffers: see SlotLayout.unstack.
-    def update_device(d: int, prow: dict, grow: dict, orow: dict, tied_total: list,
-                      scale: jax.Array) -> tuple[dict, dict]:
+    def update_device(d: int, pbuf: list, gbuf: list, obuf: list, tied_total: list,
+                      scale: jax.Array) -> tuple[list, list]:
         for s in sched.device_stages(d):
-            mine = leaves(s)
-            grads = [tied_total[tied.index(pid)] if pid in tied else grow[c][i]
-                     for pid, c, i in mine]
+            grads = [tied_total[tied.index(pid)] if pid in tied else gbuf[k]
+                     for pid, k in leaves(s)]
             grads = [(g * scale).astype(g.dtype) for g in grads]
             new_params, new_state = stage_opt.update(
-                s, slots.gather(prow, s), grads, ostate.gather(orow, s))
-            prow = slots.scatter(prow, s, new_params)
-            orow = ostate.scatter(orow, s, new_state)
-        return prow, orow
+                s, slots.gather(pbuf, s), grads, ostate.gather(obuf, s))
+            pbuf = slots.scatter(pbuf, s, new_params)
+            obuf = ostate.scatter(obuf, s, new_state)
+        return list(pbuf), list(obuf)
 
-    def set_tied(d: int, prow: dict, owned: list) -> dict:
-        prow = {c: list(r) for c, r in prow.items()}
+    def set_tied(d: int, pbuf: list, owned: list) -> list:
+        pbuf = list(pbuf)
         for s in sched.device_stages(d):
-            for pid, c, i in leaves(s):
+            for pid, k in leaves(s):
                 if pid in tied:
-                    prow[c][i] = owned[tied.index(pid)]
-        return prow
+                    pbuf[k] = owned[tied.index(pid)]
+        return pbuf
 
-    def epilogue(pbuf: dict, gbuf: dict, loss: jax.Array, obuf: dict) -> tuple:
-        obuf = {c: v[0] for c, v in obuf.items()}
-        pbuf, gout, obuf = slots.unstack(pbuf), slots.unstack(gbuf), ostate.unstack(obuf)
+    def epilogue(pbuf: list, gout: list, loss: jax.Array, obuf: list) -> tuple:
+        obuf = [v[0] for v in obuf]
         tied_total = [lax.psum(x, axis) for x in per_device(
             lambda d, g: local_tied(d, g, False), gout)]
         total_sq = sq_norm(tied_total) + lax.psum(per_device(local_sq, gout), axis)
@@ -105,19 +101,13 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
                 lambda d, p: local_tied(d, p, True), new_p)]
             new_p = per_device(lambda d, p: set_tied(d, p, owned), new_p)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        new_p, new_o = slots.stack(new_p), ostate.stack(new_o)
         if options.skip_nonfinite:
-            pbuf, obuf = slots.stack(pbuf), ostate.stack(obuf)
-            new_p = {c: jnp.where(finite, new_p[c], pbuf[c]) for c in new_p}
-            new_o = {c: jnp.where(finite, new_o[c], obuf[c]) for c in new_o}
+            new_p = [jnp.where(finite, a, b) for a, b in zip(new_p, pbuf, strict=True)]
+            new_o = [jnp.where(finite, a, b) for a, b in zip(new_o, obuf, strict=True)]
         metrics = {"loss": loss, "grad_norm": gnorm,
                    "skipped": jnp.logical_and(options.skip_nonfinite,
                                               ~finite).astype(jnp.int32)}
-        return ({c: x[None] for c, x in new_p.items()}, {c: x[None] for c, x in new_o.items()},
-                metrics)
+        return [x[None] for x in new_p], [x[None] for x in new_o], metrics
 
     return epilogue
 
-
-def opt_specs(ostate: SlotLayout, axis: str) -> dict[ValueClass, P]:
-    return {c: P(axis) for c in ostate.counts}

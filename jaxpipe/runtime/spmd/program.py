@@ -4,11 +4,11 @@ Every device runs the same program: ``lax.scan`` over the steps of the
 :class:`~.lowering.TickTable`. In a step, a device runs the branch of one (action kind,
 body) pair, or nothing:
 
-- parameters come from per-class slot buffers (a shared body picks the running stage's
-  slots from a small table indexed by ``row.stage``);
+- parameters come from slots, whole arrays (a shared body whose members use different
+  slots on one device picks the running stage's from a small table by ``row.stage``);
 - residuals and the I -> W hand-off are stored in per-class buffers at the slots the
   lowering chose, and gradients accumulate in place;
-- an output message goes into the outbox of its direction (or straight into the inbox
+- an output message goes into the outbox unit of its direction (or into an inbox slot
   when it stays on the device, the turn of a V). At the end of a tick's last step, every
   permutation someone uses runs once (``lax.ppermute`` of that direction's whole outbox)
   and the arriving units land in inbox slots.
@@ -45,16 +45,6 @@ Epilogue = Callable[..., object]
 Bufs = dict[ValueClass, jax.Array]
 
 
-def _index(buf: jax.Array, i: Any) -> jax.Array:
-    if isinstance(i, int):
-        return buf[i]
-    return lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-
-
-def _add_at(buf: jax.Array, i: Any, x: jax.Array) -> jax.Array:
-    return lax.dynamic_update_index_in_dim(buf, _index(buf, i) + x.astype(buf.dtype), i, 0)
-
-
 def build_step(
     bodies: Sequence[Body],
     layouts: StageLayouts,
@@ -69,8 +59,8 @@ def build_step(
 ) -> Callable:
     """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss)`` as a shard_map'ed function.
 
-    ``pbuf``/``gbuf``: ``{class: [devices, slots, *shape]}`` sharded over ``axis``.
-    ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``.
+    ``pbuf``/``gbuf``: the slot list (``layouts.slots``), each ``[devices, *shape]``
+    sharded over ``axis``. ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``.
 
     With ``epilogue``, the step instead returns ``epilogue(pbuf_local, gbuf_local, loss,
     *extra_local)`` computed on each device inside the same program (the optimizer update
@@ -80,8 +70,8 @@ def build_step(
     L = layouts
     D = lowering.num_devices
     perms = [[(d, (d + off) % D) for d in range(D)] for off in lowering.perm_offsets]
-    offset_index = {off: j for j, off in enumerate(lowering.perm_offsets)}
     unit = L.unit
+    units = lowering.units
     num_bodies = len(bodies)
 
     def bases(row: TickTable, pool: Pool) -> dict:
@@ -90,38 +80,39 @@ def build_step(
     def unit_base(packing: Packing, slot: Any) -> dict:
         return {c: slot * unit[c] for c in packing.counts}
 
-    def body_params(body: Body, pbuf: Bufs, row: TickTable) -> list:
-        table = jnp.asarray(body.param_slot) if body.shared else None
+    def empty_msg() -> Bufs:
+        return {c: c.zeros(n) for c, n in unit.items()}
+
+    def as_msg(packing: Packing, leaves: Sequence) -> Bufs:
+        """Leaves -> one message unit (rows beyond the packing's are zero)."""
+        return packing.write(empty_msg(), {c: 0 for c in packing.counts}, leaves)
+
+    def body_params(body: Body, pbuf: list, row: TickTable) -> list:
         out = []
-        for j, c in enumerate(body.param_classes):
-            i = body.static_slot(j)
-            out.append(_index(pbuf[c], i if i is not None else table[row.stage, j]))
+        for j in range(len(body.param_classes)):
+            cands = body.candidates(j)
+            if len(cands) == 1:
+                out.append(pbuf[cands[0]])
+            else:  # a shared body whose members use different slots on one device
+                pos = jnp.asarray(body.choice(j))[row.stage]
+                out.append(lax.select_n(pos, *[pbuf[k] for k in cands]))
         return out
 
-    def accumulate(body: Body, gbuf: Bufs, row: TickTable, ct_par: Sequence) -> Bufs:
-        gbuf = dict(gbuf)
-        table = jnp.asarray(body.param_slot) if body.shared else None
+    def accumulate(body: Body, gbuf: list, row: TickTable, ct_par: Sequence) -> list:
+        gbuf = list(gbuf)
         it = iter(ct_par)
-        for j, (c, diff) in enumerate(zip(body.param_classes, body.fn.diff_param_mask,
-                                          strict=True)):
-            if diff:
-                i = body.static_slot(j)
-                gbuf[c] = _add_at(gbuf[c], i if i is not None else table[row.stage, j],
-                                  next(it))
+        for j, diff in enumerate(body.fn.diff_param_mask):
+            if not diff:
+                continue
+            ct = next(it)
+            cands = body.candidates(j)
+            if len(cands) == 1:
+                gbuf[cands[0]] = gbuf[cands[0]] + ct.astype(gbuf[cands[0]].dtype)
+            else:
+                pos = jnp.asarray(body.choice(j))[row.stage]
+                for q, k in enumerate(cands):
+                    gbuf[k] = gbuf[k] + jnp.where(pos == q, ct, 0).astype(gbuf[k].dtype)
         return gbuf
-
-    def send(body: Body, packing: Packing, offset: int | None, state: tuple, row: TickTable,
-             leaves: Sequence) -> tuple:
-        store, inbox, outbox, gbuf, loss = state
-        if offset is None:
-            return state
-        if offset == 0:  # stays on this device: straight into the inbox
-            inbox = packing.write(inbox, unit_base(packing, row.out_unit), leaves)
-        else:
-            j = offset_index[offset]
-            outbox = list(outbox)
-            outbox[j] = packing.write(outbox[j], unit_base(packing, row.out_unit), leaves)
-        return store, inbox, outbox, gbuf, loss
 
     def make_branch(kind: str, body: Body) -> Callable:
         st = body.fn
@@ -144,8 +135,11 @@ def build_step(
                     out[i] = x
             return out
 
-        def f_branch(row, pbuf, mbd, state):
-            store, inbox, outbox, gbuf, loss = state
+        # Every branch: (row, pbuf, mbd, inbox, (store, gbuf, msg, loss)) -> (store, gbuf,
+        # msg, loss). The output message is returned, and written to the inbox/outbox
+        # after the branch chain: a branch that read the inbox does not also write it.
+        def f_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
             carry = L.act_in[s].read(inbox, unit_base(L.act_in[s], row.in_slot))
             outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry)
@@ -155,22 +149,20 @@ def build_step(
                               (Pool.RESIDUAL_B, st.w_res_ids)):
                 store = L.pools[pool][s].write(store, bases(row, pool), [stored[i] for i in ids])
             if st.is_last:
-                return store, inbox, outbox, gbuf, loss + outs[0].astype(jnp.float32)
-            return send(body, L.act_out[s], body.send_offset,
-                        (store, inbox, outbox, gbuf, loss), row, outs[:n])
+                return store, gbuf, msg, loss + outs[0].astype(jnp.float32)
+            return store, gbuf, as_msg(L.act_out[s], outs[:n]), loss
 
-        def b_branch(row, pbuf, mbd, state):
-            store, inbox, outbox, gbuf, loss = state
+        def b_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
             outs = jaxpr_as_fun(st.bwd)(*params, *batch, *load(row, store),
                                         *received_ct(row, inbox))
             n = sum(st.diff_param_mask)
             gbuf = accumulate(body, gbuf, row, outs[:n])
-            return send(body, L.ct_in[s], body.back_offset,
-                        (store, inbox, outbox, gbuf, loss), row, outs[n:])
+            return store, gbuf, as_msg(L.ct_in[s], outs[n:]), loss
 
-        def i_branch(row, pbuf, mbd, state):
-            store, inbox, outbox, gbuf, loss = state
+        def i_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
             outs = jaxpr_as_fun(st.bwd_i)(*params, *batch, *load(row, store),
                                           *received_ct(row, inbox))
@@ -179,16 +171,15 @@ def build_step(
             # whole storage to keep a late read valid.
             outs, store = lax.optimization_barrier((outs, store))
             store = L.pools[Pool.HANDOFF][s].write(store, bases(row, Pool.HANDOFF), outs[n:])
-            return send(body, L.ct_in[s], body.back_offset,
-                        (store, inbox, outbox, gbuf, loss), row, outs[:n])
+            return store, gbuf, as_msg(L.ct_in[s], outs[:n]), loss
 
-        def w_branch(row, pbuf, mbd, state):
-            store, inbox, outbox, gbuf, loss = state
+        def w_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
             stored = L.pools[Pool.RESIDUAL_B][s].read(store, bases(row, Pool.RESIDUAL_B))
             handoff = L.pools[Pool.HANDOFF][s].read(store, bases(row, Pool.HANDOFF))
             ct_par = jaxpr_as_fun(st.bwd_w)(*params, *batch, *stored, *handoff)
-            return store, inbox, outbox, accumulate(body, gbuf, row, ct_par), loss
+            return store, accumulate(body, gbuf, row, ct_par), msg, loss
 
         return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch}[kind]
 
@@ -197,35 +188,44 @@ def build_step(
     branches = {branch_id(kind, b.index, num_bodies): make_branch(kind, b)
                 for kind in ACTION_KINDS for b in bodies
                 if branch_id(kind, b.index, num_bodies) in used}
-    units = lowering.units
+
+    def write_unit(buf: Bufs, msg: Bufs, slot: Any) -> Bufs:
+        return {c: lax.dynamic_update_slice_in_dim(buf[c], msg[c], slot * n, 0)
+                for c, n in unit.items()}
 
     def per_device(pbuf, batch, table: TickTable, *extra):
-        pbuf = {c: v[0] for c, v in pbuf.items()}
+        pbuf = [v[0] for v in pbuf]
         table = jax.tree.map(lambda x: x[:, 0], table)  # this device's column
         store = {c: c.zeros(n) for c, n in lowering.slots.items()}
         inbox = {c: c.zeros((lowering.num_inbox + 1) * n) for c, n in unit.items()}
-        outbox = [{c: c.zeros(max(k, 1) * n) for c, n in unit.items()} for k in units]
-        gbuf = {c: c.zeros(n) for c, n in L.slots.counts.items()}
+        # one unit more than used per direction: the dummy that non-senders write to
+        outbox = [{c: c.zeros((k + 1) * n) for c, n in unit.items()} for k in units]
+        gbuf = [jnp.zeros(c.shape, c.dtype) for c, _ in L.slots.slots]
 
         def step(carry, row: TickTable):
+            store, inbox, outbox, gbuf, loss = carry
             mbd = [lax.dynamic_index_in_dim(x, row.microbatch, 0, keepdims=False)
                    for x in batch]
             # One zero-or-one-trip while loop per branch instead of lax.switch: a
             # conditional copies every buffer its untaken branches pass through, while a
             # while loop updates its carry in place.
-            state = carry
+            state = (store, gbuf, empty_msg(), loss)
             for b in sorted(branches):
                 def body(c, b=b):
                     # The barrier ties the loop-invariant inputs to the trip counter, or
                     # XLA's loop-invariant code motion hoists the stage's compute out of
                     # the zero-trip loop and runs it on every step.
                     i, st = c
-                    i, (rw, pb, mb) = lax.optimization_barrier((i, (row, pbuf, mbd)))
-                    return i + 1, branches[b](rw, pb, mb, st)
+                    i, (rw, pb, mb, ib) = lax.optimization_barrier((i, (row, pbuf, mbd, inbox)))
+                    return i + 1, branches[b](rw, pb, mb, ib, st)
                 state = lax.while_loop(
                     lambda c, b=b: c[0] < (row.branch == b).astype(jnp.int32),
                     body, (jnp.int32(0), state))[1]
-            store, inbox, outbox, gbuf, loss = state
+            store, gbuf, msg, loss = state
+            # The message goes to its inbox slot (it stays here) or its outbox unit; the
+            # others get it in their dummy slot / unit.
+            inbox = write_unit(inbox, msg, row.local_slot)
+            outbox = [write_unit(box, msg, row.out_unit[j]) for j, box in enumerate(outbox)]
             # End of a tick: every permutation someone sends over runs once; the units
             # that arrive go to their inbox slots (the dummy slot when unused).
             for j, perm in enumerate(perms):
@@ -236,10 +236,8 @@ def build_step(
                     outbox[j],
                 )
                 for r in range(units[j]):
-                    slot = row.recv_slot[j, r]
-                    inbox = {c: lax.dynamic_update_slice_in_dim(
-                        inbox[c], lax.slice_in_dim(recv[c], r * n, (r + 1) * n), slot * n, 0)
-                        for c, n in unit.items()}
+                    inbox = write_unit(inbox, {c: lax.slice_in_dim(recv[c], r * n, (r + 1) * n)
+                                               for c, n in unit.items()}, row.recv_slot[j, r])
             return (store, inbox, outbox, gbuf, loss), None
 
         init = (store, inbox, outbox, gbuf, jnp.zeros((), jnp.float32))
@@ -250,13 +248,13 @@ def build_step(
             gbuf = jax.tree.map(lambda x: lax.pmean(x, batch_axes), gbuf)
         if epilogue is not None:
             return epilogue(pbuf, gbuf, loss, *extra)
-        return {c: v[None] for c, v in gbuf.items()}, loss
+        return [v[None] for v in gbuf], loss
 
     table_arrays = jax.tree.map(jnp.asarray, lowering.table)
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
     data_spec = batch_axes if batch_axes else None
     batch_specs = [P(None, data_spec) for _ in range(num_batch_leaves)]
-    pspec = {c: P(axis) for c in L.slots.counts}
+    pspec = [P(axis)] * len(L.slots)
     in_specs = (pspec, batch_specs, table_specs, *extra_in_specs)
     fn = jax.shard_map(
         per_device,
@@ -267,7 +265,7 @@ def build_step(
     )
 
     def run(pbuf, batch_mb, *extra):
-        args = (pbuf, list(batch_mb), table_arrays, *extra)
+        args = (list(pbuf), list(batch_mb), table_arrays, *extra)
         return fn(*jax.tree.map(lambda x, s: place(x, mesh, s), args, in_specs,
                                 is_leaf=lambda x: x is None))
 
