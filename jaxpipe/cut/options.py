@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +20,15 @@ _NAMED_MODELS = {"spmd": SPMD_MEMORY, "device": DEVICE_MEMORY}
 
 class CutError(ValueError):
     """The requested cut is impossible; the message says what would make it possible."""
+
+
+def _number(name: str, value: object, what: str, allow_inf: bool = False) -> float:
+    """``value`` as a float; a CutError naming the field unless it is a real number
+    (not NaN; infinite only where ``allow_inf``)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value)
+            or (math.isinf(value) and not allow_inf)):
+        raise CutError(f"Cut.{name} must be {what}, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -72,8 +83,11 @@ class Cut:
     profile: bool = False
 
     def __post_init__(self) -> None:
-        if self.objective not in ("time", "memory"):
-            raise CutError(f"Cut.objective must be 'time' or 'memory', got {self.objective!r}")
+        # Types first: every field is checked before anything compares or converts it,
+        # so a wrong type gets this message, not a TypeError from deep in the cutter.
+        if not (isinstance(self.objective, str) and self.objective in ("time", "memory")):
+            raise CutError(
+                f"Cut.objective must be 'time' or 'memory', got {self.objective!r}")
         model = self.memory_model
         if not (model is None or isinstance(model, MemoryModel)
                 or (isinstance(model, str) and model in _NAMED_MODELS)):
@@ -81,17 +95,44 @@ class Cut:
                 f"Cut.memory_model must be None (the runtime's), 'spmd', 'device' or a "
                 f"jaxpipe.cut.MemoryModel, got {model!r}"
             )
-        if self.memory_budget is not None and self.memory_budget <= 0:
-            raise CutError(f"Cut.memory_budget must be positive bytes, got {self.memory_budget}")
-        if not self.time_slack >= 0:
-            raise CutError(f"Cut.time_slack must be >= 0, got {self.time_slack}")
-        if self.optimizer_bytes_per_param_byte < 0 or self.grad_bytes_per_param_byte < 0:
-            raise CutError("Cut: bytes per parameter byte must be >= 0")
-        if self.workspace_residual_sets is not None and not self.workspace_residual_sets >= 0:
-            raise CutError(
-                f"Cut.workspace_residual_sets must be >= 0, got {self.workspace_residual_sets}")
+        if self.memory_budget is not None:
+            budget = _number("memory_budget", self.memory_budget,
+                             "positive bytes per device, e.g. 40 * 2**30", allow_inf=True)
+            if not budget > 0:
+                raise CutError(
+                    f"Cut.memory_budget must be positive bytes per device (e.g. 40 * 2**30) "
+                    f"or None, got {self.memory_budget!r}")
+        slack = _number("time_slack", self.time_slack, "a fraction >= 0, e.g. 0.10",
+                        allow_inf=True)
+        if not slack >= 0:
+            raise CutError(f"Cut.time_slack must be >= 0 (e.g. 0.10 for 10%), got {slack!r}")
+        for name in ("optimizer_bytes_per_param_byte", "grad_bytes_per_param_byte"):
+            value = _number(name, getattr(self, name), "a number >= 0")
+            if not value >= 0:
+                raise CutError(f"Cut.{name} must be >= 0, got {value!r}")
+        if self.workspace_residual_sets is not None:
+            ws = _number("workspace_residual_sets", self.workspace_residual_sets,
+                         "a number >= 0 or None")
+            if not ws >= 0:
+                raise CutError(
+                    f"Cut.workspace_residual_sets must be >= 0 or None, got {ws!r}")
+        if not isinstance(self.profile, bool):
+            raise CutError(f"Cut.profile must be True or False, got {self.profile!r}")
         if self.indices is not None:
-            idx = tuple(int(i) for i in self.indices)
+            if isinstance(self.indices, (str, bytes)) or not isinstance(self.indices,
+                                                                          Iterable):
+                raise CutError(
+                    f"Cut.indices must be a sequence of marker indices (ints), e.g. "
+                    f"Cut(indices=[3, 7]), got {self.indices!r}")
+            idx = tuple(self.indices)
+            bad = [i for i in idx if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
+            if bad:
+                raise CutError(
+                    f"Cut.indices must be ints (marker indices), got {bad[0]!r} in "
+                    f"{list(idx)!r}")
+            idx = tuple(int(i) for i in idx)
+            if any(i < 0 for i in idx):
+                raise CutError(f"Cut.indices must be >= 0 (marker indices), got {list(idx)}")
             if list(idx) != sorted(set(idx)):
                 raise CutError(f"Cut.indices must be strictly increasing, got {list(idx)}")
             object.__setattr__(self, "indices", idx)
