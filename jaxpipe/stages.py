@@ -17,22 +17,31 @@ Residuals that are just a parameter or a microbatch leaf are not stored: the bac
 re-reads them (parameters are resident on the device anyway). Only inexact (float)
 parameters and carries are differentiated; integer values (token ids, masks) flow
 through as non-differentiable inputs.
+
+PRNG keys (``jax.random.key`` values, an extended dtype) never appear at a stage's
+boundary: every key-typed input, output, residual or hand-off of a stage function is
+passed as its raw key data (``jax.random.key_data``, ``uint32``) and re-wrapped with
+its own implementation inside the stage (:func:`boundary_aval`). Runtimes keep
+messages and residuals in numeric buffers, so they only ever see plain dtypes; the
+batch and parameter leaves a runtime feeds in follow the same rule.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
 from jax.extend import core as jcore
+from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.avals import is_differentiable
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import eval_eqns, read
 from jaxpipe.trace import Traced, segments
 
-__all__ = ["StageFn", "param_owners", "split"]
+__all__ = ["StageFn", "boundary_aval", "is_key", "param_owners", "split"]
 
 
 @dataclass
@@ -123,6 +132,13 @@ def split(traced: Traced, cuts: Sequence[int]) -> list[StageFn]:
         live = [v for v, d in defined.items() if d <= s and last_use.get(v, -1) > s]
         return sorted(live, key=order.__getitem__)
 
+    # Parameter leaves the loss never reads still belong to a stage (the first): they keep
+    # their values through shard/unshard and training and get zero gradients, as with
+    # jax.grad; an optimizer may still change them (weight decay), as without a pipeline.
+    read_anywhere = {v for e in eqns for v in e.invars if isinstance(v, jcore.Var)}
+    read_anywhere |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    unread = [v for v in jaxpr.invars[:n_p] if v not in read_anywhere]
+
     names = [n for n in traced.marker_names]
     stages = []
     for s, (a, b) in enumerate(ranges):
@@ -132,7 +148,7 @@ def split(traced: Traced, cuts: Sequence[int]) -> list[StageFn]:
         used = [v for e in eqns[a:b] for v in e.invars if isinstance(v, jcore.Var)]
         if is_last and isinstance(loss_var, jcore.Var):
             used.append(loss_var)
-        used = set(used) | set(carry_out)
+        used = set(used) | set(carry_out) | (set(unread) if s == 0 else set())
         p_ids = tuple(sorted(param_index[v] for v in used if v in param_index))
         b_ids = tuple(sorted(batch_index[v] for v in used if v in batch_index))
         seg_names = tuple(
@@ -146,7 +162,7 @@ def split(traced: Traced, cuts: Sequence[int]) -> list[StageFn]:
                 const_vals, is_last, seg_names,
             )
         )
-    return stages
+    return [_keys_as_data(st) for st in stages]
 
 
 def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, const_vals,
@@ -303,6 +319,58 @@ def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_pb: int, n_ct_out: int
         [v.aval for v in handoff],
         w_res_ids,
     )
+
+
+def is_key(aval) -> bool:
+    """True for PRNG key values (``jax.random.key``): an extended dtype."""
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def boundary_aval(aval):
+    """How a value of abstract type ``aval`` crosses a stage boundary.
+
+    Keys cross as their raw key data (shape ``aval.shape + impl key shape``, ``uint32``);
+    every other value as itself.
+    """
+    if not is_key(aval):
+        return aval
+    return jax.make_jaxpr(jax.random.key_data)(_sds(aval)).out_avals[0]
+
+
+def to_boundary(x):
+    """A concrete or traced value in its boundary form (key data for keys)."""
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def from_boundary(x, aval):
+    """Inverse of :func:`to_boundary` for a value whose traced type is ``aval``."""
+    if not is_key(aval):
+        return x
+    return jax.random.wrap_key_data(x, impl=aval.dtype._impl)
+
+
+def _keys_as_data(st: StageFn) -> StageFn:
+    """``st`` with every key-typed boundary value passed as key data (see module doc)."""
+    jaxprs = (st.fwd, st.bwd, st.bwd_i, st.bwd_w)
+    if not any(is_key(a) for cj in jaxprs for a in (*cj.in_avals, *cj.out_avals)):
+        return st
+
+    def convert(cj: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+        def fn(*args):
+            inner = [from_boundary(x, a) for x, a in zip(args, cj.in_avals, strict=True)]
+            return [to_boundary(y) for y in jaxpr_as_fun(cj)(*inner)]
+
+        return jax.make_jaxpr(fn)(*[_sds(boundary_aval(a)) for a in cj.in_avals])
+
+    def avals(xs: list) -> list:
+        return [boundary_aval(a) for a in xs]
+
+    return dataclasses.replace(
+        st, fwd=convert(st.fwd), bwd=convert(st.bwd), bwd_i=convert(st.bwd_i),
+        bwd_w=convert(st.bwd_w), in_avals=avals(st.in_avals), out_avals=avals(st.out_avals),
+        residual_avals=avals(st.residual_avals),
+        w_residual_avals=avals(st.w_residual_avals))
 
 
 def param_owners(stages: Sequence[StageFn]) -> dict[int, tuple[int, ...]]:
