@@ -196,10 +196,15 @@ class NnxPipeline(_Delegating):
         """
         from flax import nnx
 
+        if not isinstance(model, nnx.Module):
+            raise PipelineTypeError(
+                f"update_model(model, params): model must be the nnx.Module to write into, "
+                f"got {type(model).__name__}.")
         if not isinstance(params, nnx.State | Mapping):
             params = self.pipe.params(params)  # a training state from init/train_step
-        state = _state_from_pure(self.template, _nnx_pure(params, self.wrt))
-        nnx.update(model, state)
+        pure = _nnx_pure(params, self.wrt)
+        self.pipe.check_params(pure, "update_model(model, params)")
+        nnx.update(model, _state_from_pure(self.template, pure))
         return model
 
 
@@ -347,6 +352,11 @@ class LinenPipeline(_Delegating):
         """
         if not isinstance(params, Mapping):
             params = self.pipe.params(params)
+        if not isinstance(variables, Mapping):
+            raise PipelineTypeError(
+                "update_variables(variables, params): variables must be the dict from "
+                f"module.init, got {type(variables).__name__}.")
+        self.pipe.check_params(params, "update_variables(variables, params)")
         return {**variables, "params": params}
 
 
