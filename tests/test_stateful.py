@@ -192,7 +192,7 @@ def test_reference_runtime_runs_keys():
 def _int_loss(params, mb):
     h = mb["x"] * params["scale"].astype(jnp.float32)
     h = jp.boundary(jnp.tanh(h @ params["w"][0]))
-    h = h + params["offset"].astype(jnp.float32) * 0.01
+    h = h + params["offset"].astype(jnp.float32) * 0.01 * params["scale"]  # scale: tied
     return jnp.mean((jnp.tanh(h @ params["w"][1]) - mb["y"]) ** 2)
 
 
@@ -202,6 +202,7 @@ def test_int_and_unused_leaves_keep_values_and_train_like_optax():
               "flag": jnp.array(True)}
     batch = _batch()
     pipe = jp.pipeline(_int_loss, params, batch, mesh=_mesh(), schedule=jp.OneFOneB(P_, M))
+    assert pipe.param_owners[2] == (0, 1)  # the int scale (leaf 2) is read by both stages
     loss, grads = pipe.value_and_grad(params, batch)
     ref_loss, ref_grads = jax.value_and_grad(
         lambda w: jnp.mean(jnp.stack([_int_loss({**params, "w": w}, mb)
@@ -386,3 +387,25 @@ def test_linen_dropout_matches_unpipelined():
                                     variables["params"], batch, key)
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     _close(grads, ref_grads)
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    "SPMD runtime: a bool parameter leaf read by several stages (tied) breaks train_step. "
+    "runtime/spmd/optimizer.py make_epilogue sums tied leaves with lax.psum, which turns a "
+    "bool leaf into int32; set_tied writes that int32 into the bool slot on the devices "
+    "holding the leaf, so per_device's lax.switch has branches returning int32 and bool "
+    "('switch branches must have equal output types'). With p=2 (every device holds it) the "
+    "slot silently becomes int32 and SpmdExecutor._gather fails the same way. Fix: cast the "
+    "psum results back to the leaf's dtype. Integer tied leaves work."))
+def test_tied_bool_parameter_leaf_trains():
+    def loss_fn(params, mb):
+        h = mb["x"] * jnp.where(params["flag"], 1.0, 2.0)
+        for w in params["w"]:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean((h * jnp.where(params["flag"], 1.0, 3.0) - mb["y"]) ** 2)
+
+    params = {"w": _params()["w"], "flag": jnp.array(True)}
+    pipe = jp.pipeline(loss_fn, params, _batch(), mesh=_mesh(4), schedule=jp.OneFOneB(4, M))
+    assert pipe.param_owners[0] == (0, 3)  # the flag is read by the first and last stage
+    state, _ = pipe.train_step(pipe.init(params, optax.sgd(0.1)), _batch())
+    assert pipe.params(state)["flag"].dtype == jnp.bool_
