@@ -409,3 +409,39 @@ def test_tied_bool_parameter_leaf_trains():
     assert pipe.param_owners[0] == (0, 3)  # the flag is read by the first and last stage
     state, _ = pipe.train_step(pipe.init(params, optax.sgd(0.1)), _batch())
     assert pipe.params(state)["flag"].dtype == jnp.bool_
+
+
+def test_flax_state_mistakes_are_named():
+    class Plain(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jnp.eye(W))
+
+        def __call__(self, x):
+            return jp.boundary(jnp.tanh(x @ self.w[...])) @ self.w[...]
+
+    def assigning_loss(model, mb):
+        model.w[...] = model.w[...] * 2  # an update the pipeline would lose
+        return nnx_loss(model, mb)
+
+    batch = _batch()
+    with pytest.raises(jp.PipelineError, match=r"no RNG streams to seed"):
+        jp.flax.pipeline(Plain(nnx.Rngs(0)), nnx_loss, batch, mesh=_mesh(),
+                         schedule=jp.GPipe(P_, M), rng=True)
+    with pytest.raises(jp.PipelineError, match=r"assigns to the parameter \['w'\]"):
+        jp.flax.pipeline(Plain(nnx.Rngs(0)), assigning_loss, batch, mesh=_mesh(),
+                         schedule=jp.GPipe(P_, M))
+
+    class LinenBN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = jp.boundary(jnp.tanh(nn.Dense(W)(x)))
+            return nn.BatchNorm(use_running_average=True)(x)
+
+    module = LinenBN()
+    variables = module.init(jax.random.key(0), batch["x"])
+    pipe = jp.flax.pipeline_linen(
+        module, variables, lambda m, v, mb: jnp.mean((m.apply(v, mb["x"]) - mb["y"]) ** 2),
+        batch, mesh=_mesh(), schedule=jp.GPipe(P_, M))
+    moved = {**variables, "batch_stats": jax.tree.map(lambda x: x + 1, variables["batch_stats"])}
+    with pytest.raises(jp.PipelineError, match=r"variables\['batch_stats'\] differs"):
+        pipe.value_and_grad(moved, batch)
