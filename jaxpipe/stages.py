@@ -251,7 +251,10 @@ def _run_groups(eqns, groups: list[_Group], io: list[tuple[list, list]], start: 
             eval_eqns(_eqns, inner)
             return [read(inner, v) for v in _outs]
 
-        results = jax.checkpoint(body, policy=pol)(*[env[v] for v in ins])
+        # prevent_cse=False: the backward that recomputes runs in a jaxpr of its own
+        # (another branch, another tick), so there is no forward to merge it with, and
+        # the barrier that would prevent it copies the wrapped inputs (parameters).
+        results = jax.checkpoint(body, policy=pol, prevent_cse=False)(*[env[v] for v in ins])
         env.update(zip(outs, results, strict=True))
 
 
