@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -84,7 +85,20 @@ def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: An
                 f"the schedule has {S}; pass {S - 1} marker indices."
             )
         # Explicit cuts go through the cutter too: it reports their predicted costs.
-        costs = segment_costs(traced, profile=cut.profile, remat=cut.costed_policies())
+        policies = cut.costed_policies()
+        costs = segment_costs(traced, profile=cut.profile, remat=policies[:1])
+        if len(policies) > 1 and cut.remat == "auto" and cut.memory_budget is not None:
+            # Recomputation only adds time: when placement alone reaches the fastest
+            # cut within the budget, measuring the other policies buys nothing.
+            try:
+                plain = cutmod.choose_cuts(costs, schedule, replace(cut, remat="none"),
+                                           memory_model=memory_model)
+                if plain.max_stage_time <= plain.time_optimum:
+                    return list(plain.cuts), plain
+            except cutmod.CutError:
+                pass
+        if len(policies) > 1:
+            costs = segment_costs(traced, profile=cut.profile, remat=policies)
         result = cutmod.choose_cuts(costs, schedule, cut, memory_model=memory_model)
         return list(result.cuts), result
     raise PipelineError(

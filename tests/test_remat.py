@@ -406,6 +406,25 @@ def test_pipeline_fits_a_budget_by_recomputing_and_the_plan_says_so(monkeypatch)
         assert r["remat"] == policy.value and r["remat"] in text
 
 
+def test_a_budget_that_fits_without_recomputation_changes_nothing(lm, monkeypatch):
+    import jaxpipe.cost as cost
+    import jaxpipe.cut.budget as budget
+
+    loss_fn, params, batch, _ = lm
+    mesh = jax.make_mesh((4,), ("pipe",))
+    plain = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, M))
+    monkeypatch.setattr(budget, "device_memory_limit", lambda devices: (1 << 40, "FakeGPU"))
+    costed = []
+    real = cost.segment_costs
+    monkeypatch.setattr(cost, "segment_costs",
+                        lambda *a, **k: costed.append(k.get("remat")) or real(*a, **k))
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, M))
+    res = pipe.cut_report
+    assert res.remat == (Remat.NONE,) * 4 and res.objective == "budget"
+    assert res.max_stage_time == plain.cut_report.max_stage_time == res.time_optimum
+    assert costed == [(Remat.NONE,)]  # the other policies were never measured
+
+
 @pytest.mark.parametrize("policy", ["dots", "boundary", "full"])
 def test_plan_predicts_compiled_memory_within_15_percent_with_recomputation(policy):
     loss_fn, params, batch = tiny_lm(8, vocab=512, width=64, seq=32, batch=32)
