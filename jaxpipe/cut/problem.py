@@ -138,11 +138,12 @@ class Problem:
 
         # Per recomputation policy: stored residual bytes and recompute cost of [a, b).
         self.policies = tuple(policies)
+        # profiled: a recomputed FLOP takes what the segment's forward FLOPs take
+        per_flop = [(c.fwd_time / c.flops if c.flops else 0.0) if profiled else 1.0
+                    for c in costs]
         residual, recompute = [], []
         for policy in self.policies:
             rc = [c.remat_cost(policy) for c in costs]
-            per_flop = [(c.fwd_time / c.flops if c.flops else 0.0) if profiled else 1.0
-                        for c in costs]
             recompute.append(_range(_prefix(
                 [r.recompute_flops * f for r, f in zip(rc, per_flop, strict=True)])))
             if policy.whole_stage:
@@ -172,7 +173,6 @@ class Problem:
         # activation in + out, and their cotangents back: one buffer each
         self.transfers = 2.0 * (recv[:, None] + send[None, :])
         self._resolve(np.zeros((n + 1, n + 1), np.int64))
-        self.cap = math.inf
         self._views: dict[float, Problem] = {}
 
     def _resolve(self, choice: np.ndarray) -> None:
@@ -206,7 +206,6 @@ class Problem:
             view._views = {}
             view._resolve(choice)
             view.time = np.where(ok.any(axis=0), view.time, np.inf)
-            view.cap = cap
             self._views[cap] = view
         return self._views[cap]
 
