@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -45,10 +46,14 @@ from jaxpipe.trace import Traced, microbatch_like, trace
 __all__ = ["Pipeline", "pipeline"]
 
 
-def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any
-                  ) -> tuple[list[int], Any]:
-    """Marker positions after which a new stage starts, plus the cutter's report."""
+def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any,
+                  devices: tuple = ()) -> tuple[list[int], Any]:
+    """Marker positions after which a new stage starts, plus the cutter's report.
+
+    ``cut="auto"`` budgets the memory ``devices`` report (``jaxpipe.cut.auto_cut``).
+    """
     from jaxpipe import cut as cutmod
+    from jaxpipe.avals import aval_bytes
     from jaxpipe.cost import segment_costs
 
     S = schedule.num_stages
@@ -63,7 +68,9 @@ def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: An
         # Group segments evenly: segment boundaries at round(i * n_seg / S).
         cut = cutmod.Cut(indices=[round(i * n_seg / S) - 1 for i in range(1, S)])
     if isinstance(cut, str) and cut == "auto":
-        cut = cutmod.Cut()
+        # every pipeline device also holds the whole batch (its data shard)
+        batch = sum(aval_bytes(v.aval) for v in traced.jaxpr.invars[traced.num_params:])
+        cut = cutmod.auto_cut(devices, held_bytes=batch * schedule.num_microbatches)
     if isinstance(cut, cutmod.Cut):
         if cut.indices is not None and len(cut.indices) != S - 1:
             raise PipelineError(
@@ -71,8 +78,21 @@ def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: An
                 f"the schedule has {S}; pass {S - 1} marker indices."
             )
         # Explicit cuts go through the cutter too: it reports their predicted costs.
-        result = cutmod.choose_cuts(segment_costs(traced, profile=cut.profile), schedule, cut,
-                                    memory_model=memory_model)
+        policies = cut.costed_policies()
+        costs = segment_costs(traced, profile=cut.profile, remat=policies[:1])
+        if len(policies) > 1 and cut.remat == "auto" and cut.memory_budget is not None:
+            # Recomputation only adds time: when placement alone reaches the fastest
+            # cut within the budget, measuring the other policies buys nothing.
+            try:
+                plain = cutmod.choose_cuts(costs, schedule, replace(cut, remat="none"),
+                                           memory_model=memory_model)
+                if plain.max_stage_time <= plain.time_optimum:
+                    return list(plain.cuts), plain
+            except cutmod.CutError:
+                pass
+        if len(policies) > 1:
+            costs = segment_costs(traced, profile=cut.profile, remat=policies)
+        result = cutmod.choose_cuts(costs, schedule, cut, memory_model=memory_model)
         return list(result.cuts), result
     hint = (f" (for explicit cuts: jp.Cut(indices={list(cut)!r}))"
             if isinstance(cut, list | tuple) else "")
@@ -160,8 +180,9 @@ class Pipeline:
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
         self.cuts, self.cut_report = _resolve_cuts(self.traced, schedule, cut,
-                                                   self.runtime.memory_model)
-        self.stages: list[StageFn] = split(self.traced, self.cuts)
+                                                   self.runtime.memory_model,
+                                                   tuple(mesh.devices.flat))
+        self.stages: list[StageFn] = split(self.traced, self.cuts, remat=self.cut_report.remat)
         self.executor: Executor = self.runtime.build(RuntimeSpec(
             stages=tuple(self.stages),
             schedule=schedule,
