@@ -10,7 +10,7 @@ embedding and the last the output head, so a *compute*-balanced cut gives the la
 stage few blocks (the head is expensive) and piles blocks, and their in-flight
 residuals, onto the early stages. BPipe (ICML'23) answers this by evicting
 activations between paired stages; jaxpipe's cutter instead moves the stage
-boundaries (``jp.Cut(objective="memory")``), with no extra transfers.
+boundaries (``jp.Cut(objective="memory", remat="none")``), with no extra transfers.
 
 For each cut this script prints, per device, the cutter's predicted bytes (params,
 grads, Adam state, residuals in flight, transfer buffers, workspace), the padded
@@ -26,9 +26,11 @@ first block, the head with the last):
 
 * ``uniform``: the same number of blocks on every stage.
 * ``time``: ``jp.Cut()`` -- minimise the slowest stage.
-* ``memory``: ``jp.Cut(objective="memory", time_slack=s)`` -- minimise peak memory
-  among cuts at most ``s`` slower than the fastest (``--slack``, default 10%;
-  ``--slack2 0.25`` adds a second one).
+* ``memory``: ``jp.Cut(objective="memory", time_slack=s, remat="none")`` -- minimise
+  peak memory by placement alone among cuts at most ``s`` slower than the fastest
+  (``--slack``, default 10%; ``--slack2 0.25`` adds a second one).
+* ``memory+remat``: the same with ``remat="auto"`` (the default): recomputation chosen
+  per stage together with the cut, within the same slack.
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ def summarize(name: str, res: CutResult) -> dict[str, Any]:
         "name": name,
         "cuts": list(res.cuts),
         "blocks_per_stage": blocks,
+        "remat": [str(p.value) for p in res.remat],
         "in_flight": list(res.in_flight),
         "stage_time_flops": list(res.stage_time),
         "predicted_makespan_flops": res.makespan,
@@ -250,10 +253,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cuts = {
         "uniform": Cut(indices=[per * i - 1 for i in range(1, p)]),
         "time": Cut(),
-        f"memory ({args.slack:.0%})": Cut(objective="memory", time_slack=args.slack),
+        f"memory ({args.slack:.0%})": Cut(objective="memory", time_slack=args.slack,
+                                          remat="none"),
     }
     if args.slack2 >= 0:
-        cuts[f"memory ({args.slack2:.0%})"] = Cut(objective="memory", time_slack=args.slack2)
+        cuts[f"memory ({args.slack2:.0%})"] = Cut(objective="memory", time_slack=args.slack2,
+                                                  remat="none")
+    cuts[f"mem+remat ({args.slack:.0%})"] = Cut(objective="memory", time_slack=args.slack)
 
     results = []
     for name, cut in cuts.items():
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.no_compile:
             t0 = time.perf_counter()
             pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule,
-                               cut=Cut(indices=res.cuts))
+                               cut=Cut(indices=res.cuts, remat=res.remat))
             row["compiled"] = compiled_memory(pipe, params, batch)
             # what the lowered program's own buffers add up to (Pipeline.plan)
             row["runtime_buffer_bytes"] = pipe.plan.buffer_bytes
@@ -270,8 +276,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results.append(row)
 
     base = results[0]
-    header = (f"{'cut':<14} {'blocks/stage':<16} {'pred. own per device (MiB)':<30} "
-              f"{'pred max':>8} {'pred pad':>8} {'buffers':>8} {'compiled':>8} {'step t':>7}")
+    header = (f"{'cut':<16} {'blocks/stage':<16} {'pred. own per device (MiB)':<30} "
+              f"{'pred max':>8} {'pred pad':>8} {'buffers':>8} {'compiled':>8} {'step t':>7}"
+              f"  remat")
     print(f"\np={p} 1F1B m={m}, {args.layers} blocks, d={args.d_model}, seq={args.seq}, "
           f"vocab={args.vocab}, Adam; bytes per device")
     print(header)
@@ -281,10 +288,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         comp = r.get("compiled", {}).get("total_bytes", float("nan")) / MiB
         bufs = r.get("runtime_buffer_bytes", float("nan")) / MiB
         t_rel = r["predicted_makespan_flops"] / base["predicted_makespan_flops"]
-        print(f"{r['name']:<14} {str(r['blocks_per_stage']):<16} {own:<30} "
+        print(f"{r['name']:<16} {str(r['blocks_per_stage']):<16} {own:<30} "
               f"{r['predicted_max_device_bytes'] / MiB:8.1f} "
               f"{r['predicted_padded_bytes']['total'] / MiB:8.1f} {bufs:8.1f} {comp:8.1f} "
-              f"{t_rel:6.2f}x")
+              f"{t_rel:6.2f}x  {','.join(r['remat'])}")
 
     summary: dict[str, Any] = {}
     for r in results[1:]:
@@ -302,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r["compiled"]["total_bytes"] / base["compiled"]["total_bytes"])
     print("\nratios vs uniform (memory: <1 is better; step time: <1 is faster)")
     for key, s in summary.items():
-        print(f"  {key:<14} " + "  ".join(f"{k}={v:.3f}" for k, v in s.items()))
+        print(f"  {key:<16} " + "  ".join(f"{k}={v:.3f}" for k, v in s.items()))
     if "compiled" in base:
         print("\ncompiled vs predicted (SPMD padded): "
               + ", ".join(f"{r['name']}: {r['compiled']['total_bytes'] / r['predicted_padded_bytes']['total']:.2f}x"  # noqa: E501

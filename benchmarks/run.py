@@ -20,6 +20,9 @@ scaling      1F1B at p=4 as m grows: compile time (should be flat) and step time
              (should be linear in m).
 concurrency  2 processes x 1 device (jax.distributed + gloo) running the p=2 pipeline vs
              one process doing the same work; speed-up against the ideal 2m/(m+1).
+remat        GPT, 1F1B, budget = 60% of the no-recompute peak device: recomputation
+             chosen with the cut (jp.Cut(memory_budget=B)) vs every layer recomputed
+             vs one uniform selective policy (benchmarks/remat.py).
 
 Writes ``<out>/benchmarks.json`` (everything), one ``<out>/<section>.json`` per section and
 PNG plots. Timings are medians of repeated runs after warm-up; on a shared machine they
@@ -92,10 +95,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpipe as jp  # noqa: E402
 from benchmarks import common as C  # noqa: E402
+from benchmarks import remat as R  # noqa: E402
 from benchmarks.baselines import spmd_gpipe as B  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("overhead", "baseline", "sweep", "scaling", "concurrency")
+SECTIONS = ("overhead", "baseline", "sweep", "scaling", "concurrency", "remat")
 
 #: Fields every section of the JSON has (the test suite checks them).
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -108,6 +112,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "scaling": ("p", "schedule", "rows", "step_time_fit", "compile_time_spread"),
     "concurrency": ("microbatches", "ideal", "speedup", "fraction_of_ideal", "two_process",
                     "single", "per_schedule", "error"),
+    "remat": R.FIELDS,
     "headline": ("overhead_p1", "overhead_p4", "memory_1f1b_vs_baseline_m4p",
                  "step_1f1b_vs_baseline_m4p", "concurrency_fraction_of_ideal"),
 }
@@ -144,6 +149,13 @@ class Settings:
     conc_mb: int = 8  # bigger microbatches: per-tick compute must dwarf gloo latency
     conc_schedules: tuple[str, ...] = ("1f1b", "gpipe", "schedules/zero_bubble.py:ZeroBubbleH1")
     conc_timeout: float = 300.0
+    # remat: a wider model with longer sequences, so that matmuls dominate the time
+    # (recomputing one costs what it should) and activations dominate the memory
+    remat_model: C.GPTConfig = field(default_factory=lambda: C.GPTConfig(
+        vocab=256, d_model=256, n_heads=4, n_layers=8, seq=64))
+    remat_mb: int = 4  # remat: sequences per microbatch
+    remat_m_factor: int = 2  # remat: m = factor * p
+    remat_budget: float = 0.6  # remat: budget as a fraction of the no-recompute peak
     plots: bool = True
     sections: tuple[str, ...] = SECTIONS
     extra: dict[str, Any] = field(default_factory=dict)
@@ -157,7 +169,8 @@ def default_settings(quick: bool) -> Settings:
         return Settings(model=model, quick=True, p=2, p_big=2, overhead_m=4, overhead_mb=2,
                         mb=2, m_factors=(4,), scaling_factors=(1, 4), sweep_factor=4,
                         sweep_compile=False, warmup=1, repeats=2, conc_m=4, conc_mb=2,
-                        conc_schedules=("1f1b",), conc_timeout=120.0)
+                        conc_schedules=("1f1b",), conc_timeout=120.0,
+                        remat_model=replace(model, seq=16), remat_mb=2, remat_budget=0.9)
     return Settings(model=C.GPTConfig())
 
 
@@ -510,6 +523,21 @@ def section_concurrency(r: Runner, workdir: Path) -> dict[str, Any]:
     return res
 
 
+def section_remat(r: Runner) -> dict[str, Any]:
+    """Recomputation chosen with the cut under a budget (see :mod:`benchmarks.remat`)."""
+    s = r.s
+    cfg = s.remat_model
+
+    def compile_fn(jitted: Any, args: tuple) -> tuple[Any, dict[str, Any]]:
+        return _compile(jitted, args)
+
+    def time_fn(runs: dict[str, tuple[Any, tuple]]) -> dict[str, dict[str, Any]]:
+        return C.time_interleaved(runs, warmup=s.warmup, repeats=s.repeats)
+
+    return R.run_remat(cfg, s.p, s.remat_m_factor * s.p, s.remat_mb, s.remat_budget,
+                       compile_fn, time_fn, _log)
+
+
 # ----------------------------------------------------------------------------- plots
 
 
@@ -730,6 +758,26 @@ def markdown_summary(res: dict[str, Any]) -> str:
                          f"{_f(v.get('speedup_value_and_grad'))} |")
     elif cc:
         lines += ["", f"**Real concurrency**: {cc.get('error')}"]
+    rm = res.get("remat")
+    if rm and rm.get("error"):
+        lines += ["", f"**Recomputation under a budget**: {rm['error']}"]
+    elif rm:
+        lines += ["", f"**Recomputation under a budget** (GPT, 1F1B, p={rm['p']}, "
+                  f"m={rm['microbatches']}, {rm['mb_size']} seq/microbatch; budget "
+                  f"{rm['budget_fraction']:.0%} of the no-recompute peak = "
+                  f"{rm['budget_bytes'] / 2**20:.1f} MiB; ratios to auto)", "",
+                  "| config | remat per stage | blocks | predicted MiB | compiled MiB | fits | "
+                  "step ms (CPU) | step (CPU) | step (wall) | fastest run | FLOPs |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in rm["rows"]:
+            lines.append(
+                f"| {row['name']} | {','.join(row['remat'])} | {row['blocks_per_stage']} | "
+                f"{row['predicted_bytes'] / 2**20:.1f} | {row['compiled_bytes'] / 2**20:.1f} | "
+                f"{'yes' if row['fits'] else 'no'} | {row['cpu_median_s'] * 1e3:.1f} | "
+                f"{_f(row['step_vs_auto_cpu'], '{:.3f}')} | "
+                f"{_f(row['step_vs_auto_wall'], '{:.3f}')} | "
+                f"{_f(row.get('step_vs_auto_min'), '{:.3f}')} | "
+                f"{_f(row['flops_vs_auto'], '{:.3f}')} |")
     return "\n".join(lines) + "\n"
 
 

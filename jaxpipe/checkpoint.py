@@ -40,7 +40,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpipe.errors import PipelineError
+from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.inputs import check_alive
 
 __all__ = ["restore", "restore_params", "save", "save_params"]
 
@@ -62,20 +63,70 @@ def _checkpointer():
 
 
 def _abspath(path: str | os.PathLike) -> Path:
+    if not isinstance(path, str | os.PathLike):
+        raise PipelineTypeError(
+            f"a checkpoint path must be a str or os.PathLike (a directory), got "
+            f"{type(path).__name__}.")
     # orbax needs absolute paths.
     return Path(path).expanduser().absolute()
+
+
+def _pipeline(pipe: Any, what: str, required: bool = True):
+    """The :class:`jaxpipe.Pipeline` behind ``pipe`` (flax wrappers included), checked."""
+    from jaxpipe.pipeline import Pipeline
+
+    if pipe is None and not required:
+        return None
+    inner = getattr(pipe, "pipe", pipe)  # jp.flax.NnxPipeline / LinenPipeline
+    if not isinstance(inner, Pipeline):
+        raise PipelineTypeError(
+            f"{what} needs the pipeline (from jp.pipeline or jp.flax.pipeline), got "
+            f"{type(pipe).__name__}.")
+    return inner
 
 
 def _layout_summary(pipe) -> dict[str, Any]:
     return pipe.layout_summary()
 
 
+# Files orbax writes into every checkpoint directory it finishes.
+_ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (any((path / m).exists() for m in _ORBAX_MARKERS)
+                              or (path / "meta").is_dir() or (path / "state").is_dir())
+
+
+def _reason(err: BaseException) -> str:
+    """The first readable sentence of a (tensorstore/orbax) error, without driver specs."""
+    text = " ".join(str(err).split())
+    for cut in (" [tensorstore_spec", "[tensorstore_spec", " [source locations", "; spec="):
+        text = text.split(cut)[0]
+    return text if len(text) <= 200 else text[:200] + " ..."
+
+
+def _damaged(path: Path, what: str, err: BaseException) -> PipelineError:
+    return PipelineError(
+        f"the checkpoint at {str(path)!r} is damaged: {what} ({type(err).__name__}: "
+        f"{_reason(err)}). Restore from another copy, or save it again.")
+
+
 def _save(path: Path, tree: Any, meta: dict, overwrite: bool) -> None:
     ocp = _ocp()
+    if not isinstance(overwrite, bool):
+        raise PipelineTypeError(f"overwrite must be True or False, got {overwrite!r}.")
     if path.exists() and not overwrite:
         raise PipelineError(
             f"checkpoint directory {str(path)!r} already exists; pass overwrite=True to "
             "replace it or choose a new path (e.g. one directory per step)."
+        )
+    if path.exists() and not (_looks_like_checkpoint(path)
+                              or (path.is_dir() and not any(path.iterdir()))):
+        kind = "a directory that is not a checkpoint" if path.is_dir() else "a file"
+        raise PipelineError(
+            f"{str(path)!r} is {kind}; overwrite=True only replaces checkpoints, so its "
+            "contents stay. Choose another path, or remove it yourself first."
         )
     _checkpointer().save(
         path,
@@ -89,16 +140,26 @@ def _read_meta(path: Path, want_kind: str) -> tuple[dict, Any]:
     """The checkpoint's json metadata and its array-tree metadata; clear errors if not ours."""
     if not path.is_dir():
         raise PipelineError(f"no checkpoint at {str(path)!r} (not a directory).")
+    if not _looks_like_checkpoint(path):
+        raise PipelineError(
+            f"{str(path)!r} is not a jaxpipe checkpoint (no checkpoint files in it; "
+            "jaxpipe.checkpoint.save and save_params write them)."
+        )
     ocp = _ocp()
     ckptr = _checkpointer()
     try:
         meta = ckptr.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        tree_meta = ckptr.metadata(path).item_metadata["state"].tree
-    except (FileNotFoundError, KeyError, ValueError, AttributeError, TypeError) as err:
+    except Exception as err:  # orbax/tensorstore raise many types for a bad directory
+        raise _damaged(path, "its metadata (meta/) cannot be read", err) from err
+    if not isinstance(meta, dict) or meta.get("kind") not in (_KIND_STATE, _KIND_PARAMS):
         raise PipelineError(
-            f"{str(path)!r} is not a jaxpipe checkpoint (written by jaxpipe.checkpoint.save or "
-            f"save_params): {err}"
-        ) from err
+            f"{str(path)!r} is an orbax checkpoint but not a jaxpipe one (its metadata has "
+            f"no jaxpipe kind); read it with orbax, or save with jaxpipe.checkpoint."
+        )
+    try:
+        tree_meta = ckptr.metadata(path).item_metadata["state"].tree
+    except Exception as err:
+        raise _damaged(path, "the array metadata (state/) cannot be read", err) from err
     kind = (meta or {}).get("kind")
     if kind != want_kind:
         other = {_KIND_STATE: "restore", _KIND_PARAMS: "restore_params"}.get(kind, "?")
@@ -124,15 +185,18 @@ def save(path: str | os.PathLike, state, *, pipe=None, overwrite: bool = False) 
     from jaxpipe.train import TrainState
 
     if not isinstance(state, TrainState):
-        raise PipelineError(
+        raise PipelineTypeError(
             f"save needs the TrainState from pipe.init/train_step, got {type(state).__name__};"
             " for a parameter pytree use jaxpipe.checkpoint.save_params."
         )
+    pipe = _pipeline(pipe, "save(..., pipe=)", required=False)
+    path = _abspath(path)
+    check_alive(state, "state", "Save the state the last train_step returned.")
     tree = {"params": state.params, "opt_state": state.opt_state,
             "step": np.asarray(fetch(state.step), np.int32)}
     meta = {"kind": _KIND_STATE, "format": _FORMAT,
             "layout": _layout_summary(pipe) if pipe is not None else None}
-    _save(_abspath(path), tree, meta, overwrite)
+    _save(path, tree, meta, overwrite)
 
 
 def _shape_map(tree: Any) -> dict[str, tuple]:
@@ -170,12 +234,23 @@ def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
 
     from jaxpipe.train import TrainState
 
+    pipe = _pipeline(pipe, "restore(path, pipe, ...)")
     path = _abspath(path)
     meta, tree_meta = _read_meta(path, _KIND_STATE)
+    if like is not None and optimizer is not None:
+        raise PipelineError(
+            "restore takes like= or optimizer=, not both: like's optimizer would be "
+            "silently replaced (or optimizer ignored); pass one.")
     if like is None:
         like = _abstract_state(pipe, optimizer, skip_nonfinite, clip_global_norm)
     if not isinstance(like, TrainState):
-        raise PipelineError(f"like must be a TrainState, got {type(like).__name__}.")
+        raise PipelineTypeError(
+            f"like must be a TrainState (e.g. pipe.init(params, optimizer)), got "
+            f"{type(like).__name__}.")
+    if like.trainer.executor is not pipe.executor:
+        raise PipelineError(
+            "like is a TrainState of another pipeline; make it with this pipeline "
+            "(pipe.init(params, optimizer)) so the restored state trains here.")
 
     def abstract(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
@@ -196,8 +271,11 @@ def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
             "with save_params, restore them with restore_params and call pipe.init."
         )
     ocp = _ocp()
-    out = _checkpointer().restore(
-        path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    try:
+        out = _checkpointer().restore(
+            path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    except Exception as err:
+        raise _damaged(path, "its arrays cannot be read", err) from err
     # The step counter goes back replicated over the pipeline's mesh (as train_step
     # returns it); every process passes the same value.
     step = jax.make_array_from_process_local_data(
@@ -240,16 +318,22 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
     """
     from jaxpipe.train import TrainState
 
+    wrapper = pipe
+    pipe = _pipeline(pipe, "save_params(path, pipe, state)")
+    path = _abspath(path)
     if isinstance(state_or_params, TrainState):
         params = pipe.params(state_or_params)
     elif _is_staged(pipe, state_or_params):
         params = pipe.unshard(state_or_params)
     else:
-        pipe.check_params(state_or_params)
+        if wrapper is not pipe:  # a flax model, nnx State or variables dict is fine too
+            state_or_params = wrapper._as_params(state_or_params)
+        pipe.check_params(state_or_params, "save_params")
+        check_alive(state_or_params, "params", "Save live parameters.")
         params = state_or_params
     meta = {"kind": _KIND_PARAMS, "format": _FORMAT,
             "treedef": str(jax.tree.structure(params)), "layout": _layout_summary(pipe)}
-    _save(_abspath(path), params, meta, overwrite)
+    _save(path, params, meta, overwrite)
 
 
 def _is_staged(pipe, x) -> bool:
@@ -273,6 +357,7 @@ def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> A
     Raises:
       PipelineError: not a params checkpoint, or shapes/structure differ from the target.
     """
+    pipe = _pipeline(pipe, "restore_params(path, pipe=...)", required=False)
     path = _abspath(path)
     meta, tree_meta = _read_meta(path, _KIND_PARAMS)
     if like is None and pipe is not None:
@@ -304,5 +389,8 @@ def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> A
                 f"shapes {want}); restore into the same model."
             )
     ocp = _ocp()
-    return _checkpointer().restore(
-        path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    try:
+        return _checkpointer().restore(
+            path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    except Exception as err:
+        raise _damaged(path, "its arrays cannot be read", err) from err

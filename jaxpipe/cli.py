@@ -5,7 +5,8 @@ Subcommands are registered in :data:`SUBCOMMANDS`: each entry is a function
 ``args -> int`` exit code) with ``parser.set_defaults(func=...)``. To add a
 subcommand, write such a function and append it to :data:`SUBCOMMANDS`.
 
-Errors (bad arguments, invalid schedules) print one line to stderr and exit 2.
+Every failure (bad arguments, an invalid schedule, a schedule file that does not import,
+an exception raised by a schedule's own code) prints one line to stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def parse_costs(text: str) -> dict[str, Fraction]:
             raise argparse.ArgumentTypeError(f"bad cost {item!r}: costs must be >= 0")
         costs[kind] = cost
     return costs
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+    return value
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
@@ -119,11 +131,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="number of pipeline devices")
     parser.add_argument("-m", "--microbatches", dest="m", type=int, required=True,
                         help="number of microbatches")
-    parser.add_argument("-v", "--stages-per-device", dest="v", type=int, default=None,
+    parser.add_argument("-v", "--stages-per-device", dest="v", type=_positive_int, default=None,
                         help="stages (model chunks) per device; default: the schedule's")
     parser.add_argument("--costs", type=parse_costs, default=None, metavar="F=1,B=2,I=1,W=1",
                         help="action costs (default F=1,B=2,I=1,W=1)")
-    parser.add_argument("--width", type=int, default=None,
+    parser.add_argument("--width", type=_positive_int, default=None,
                         help="cap the ASCII timeline width in characters")
     parser.add_argument("--plot", metavar="OUT.png", help="save a Gantt chart (PNG/SVG)")
     parser.add_argument("--trace", metavar="OUT.json",
@@ -169,6 +181,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(err).split())  # one line, whatever the exception held
         print(f"jaxpipe {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except Exception as err:  # e.g. a bug in the user's schedule: name it and where
+        message = " ".join(str(err).split())
+        print(f"jaxpipe {args.command}: error: {type(err).__name__}: {message}"
+              f"{_origin(err)}", file=sys.stderr)
+        return 2
+
+
+def _origin(err: BaseException) -> str:
+    """`` (at file.py:12)``: the innermost frame of the traceback, if there is one."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    return f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
 
 
 if __name__ == "__main__":

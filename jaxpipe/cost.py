@@ -27,6 +27,16 @@ markers (see :func:`jaxpipe.trace.segments`); it is the smallest unit the cutter
   forward/backward split the runtime executes.
 * ``out_bytes``: bytes of the (non-parameter) values live across the marker that
   ends the segment, i.e. what a stage boundary placed there has to send.
+* ``remat``: per recomputation policy (:class:`jaxpipe.remat.Remat`), the residual
+  bytes the segment stores and the FLOPs its backward spends recomputing
+  (:class:`RematCost`), measured like ``residual_bytes``: by building the one-stage-
+  per-segment split *under that policy* and counting the stored residuals and the
+  backward's FLOPs (recompute = backward FLOPs under the policy minus without it).
+* ``input_values``: the values the segment reads that an earlier segment defined
+  (an id, the defining segment, bytes); a stage recomputed as a whole
+  (``Remat.FULL``) stores exactly those of its segments' inputs defined before it.
+* ``user_remat``: the segment holds a user's own ``jax.checkpoint``; jaxpipe never
+  wraps it again, so every policy costs what ``NONE`` costs there.
 """
 
 from __future__ import annotations
@@ -42,8 +52,10 @@ from jax.extend import core as jcore
 
 from jaxpipe.avals import aval_bytes, is_differentiable
 from jaxpipe.interpret import eval_eqns, read
+from jaxpipe.remat import Remat
 
 __all__ = [
+    "RematCost",
     "SegmentCost",
     "segment_costs",
     "jaxpr_flops",
@@ -51,6 +63,25 @@ __all__ = [
     "aval_bytes",  # re-exported from jaxpipe.avals
     "profile_segments",
 ]
+
+
+@dataclass(frozen=True)
+class RematCost:
+    """What one recomputation policy costs one segment (run as a stage of its own).
+
+    Attributes:
+      residual_bytes: bytes stored per microbatch between forward and backward.
+      recompute_flops: extra backward FLOPs per microbatch (the forward work the
+        backward redoes).
+    """
+
+    residual_bytes: int
+    recompute_flops: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.residual_bytes < 0 or not self.recompute_flops >= 0:
+            raise ValueError(f"RematCost needs residual_bytes >= 0 and recompute_flops >= 0, "
+                             f"got {self.residual_bytes}, {self.recompute_flops}")
 
 
 @dataclass(frozen=True)
@@ -77,6 +108,15 @@ class SegmentCost:
         to predict padded parameter bytes; leaves without a shape pad as one group.
       fwd_time, bwd_time: measured seconds per microbatch when profiled
         (``jp.Cut(profile=True)``); ``None`` means "use FLOPs".
+      remat: recomputation policy -> its :class:`RematCost` for this segment. The
+        cutter chooses among the policies every segment lists (``Remat.NONE`` is
+        always available: ``residual_bytes``, no recompute). Empty for hand-built
+        costs: no recomputation.
+      input_values: id of a value another segment defined -> ``(defining segment,
+        bytes)`` for every such value this segment reads (defining segment ``-1``:
+        a constant). Used for what a whole recomputed stage stores (its inputs).
+      user_remat: the segment holds the user's own ``jax.checkpoint``; jaxpipe
+        applies no policy to it (all policies cost what ``NONE`` costs).
     """
 
     flops: float
@@ -89,6 +129,9 @@ class SegmentCost:
         default_factory=dict, hash=False)
     fwd_time: float | None = None
     bwd_time: float | None = None
+    remat: Mapping[Remat, RematCost] = field(default_factory=dict, hash=False)
+    input_values: Mapping[int, tuple[int, int]] = field(default_factory=dict, hash=False)
+    user_remat: bool = False
 
     def __post_init__(self) -> None:
         shared = sum(self.param_leaf_bytes.values())
@@ -105,6 +148,22 @@ class SegmentCost:
                         ("out_bytes", self.out_bytes)):
             if what < 0:
                 raise ValueError(f"SegmentCost {self.name!r}: {k} must be >= 0, got {what}")
+
+    def remat_cost(self, policy: Remat) -> RematCost:
+        """This segment's cost under ``policy`` (``NONE``: ``residual_bytes``, no recompute)."""
+        if policy is Remat.NONE or self.user_remat:
+            return RematCost(self.residual_bytes, 0.0)
+        if policy not in self.remat:
+            raise KeyError(f"segment {self.name!r} has no cost for remat policy {policy}")
+        return self.remat[policy]
+
+    @property
+    def remat_policies(self) -> frozenset[Remat]:
+        """The policies this segment has costs for (always including ``NONE``; every
+        policy for a segment with a user's own ``jax.checkpoint``, which none changes)."""
+        if self.user_remat:
+            return frozenset(Remat)
+        return frozenset({Remat.NONE, *self.remat})
 
     @property
     def param_ids(self) -> frozenset[int]:
@@ -212,7 +271,8 @@ def _segment_ranges(traced: Any) -> list[tuple[int, int]]:
     return [tuple(r) for r in _trace.segments(traced)]  # type: ignore[misc]
 
 
-def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
+def segment_costs(traced: Any, *, profile: bool = False,
+                  remat: Sequence[Remat] = tuple(Remat)) -> list[SegmentCost]:
     """Cost of every segment of a traced loss function, in program order.
 
     Args:
@@ -221,11 +281,13 @@ def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
       profile: also time each segment's compiled forward and backward on the
         default device and fill ``fwd_time``/``bwd_time`` (seconds). Off by
         default: timings are noisy and cost a compile per segment.
+      remat: the recomputation policies to cost (``SegmentCost.remat``); each one
+        costs one more split of the model. ``(Remat.NONE,)``: none.
 
     Returns:
       One :class:`SegmentCost` per segment (``len(traced.markers) + 1``).
     """
-    from jaxpipe.stages import split
+    from jaxpipe.stages import has_user_remat, split
 
     closed = traced.closed_jaxpr
     jaxpr = closed.jaxpr
@@ -245,10 +307,15 @@ def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
                     leaf_bytes[k][i] = aval_bytes(v.aval)
 
     # Residuals: one stage per segment, exactly as the runtime would store them.
-    stage_fns = split(traced, list(range(len(traced.markers))))
+    all_cuts = list(range(len(traced.markers)))
+    stage_fns = split(traced, all_cuts)
     residual = [sum(aval_bytes(a) for a in s.residual_avals) for s in stage_fns]
     # What crosses each boundary: what the next stage receives (its in_avals).
     outs = [sum(aval_bytes(a) for a in s.in_avals) for s in stage_fns[1:]] + [0]
+    user_remat = [has_user_remat(jaxpr.eqns[a:b]) for a, b in ranges]
+    remat_costs = _remat_costs(traced, all_cuts, stage_fns,
+                               [p for p in remat if p is not Remat.NONE])
+    inputs = _input_values(traced, ranges)
 
     names = list(getattr(traced, "marker_names", ()) or ())
     times: list[tuple[float, float]] | None = profile_segments(traced) if profile else None
@@ -266,9 +333,56 @@ def segment_costs(traced: Any, *, profile: bool = False) -> list[SegmentCost]:
                 name=label,
                 fwd_time=times[k][0] if times else None,
                 bwd_time=times[k][1] if times else None,
+                remat={} if user_remat[k] else {p: c[k] for p, c in remat_costs.items()},
+                input_values=inputs[k],
+                user_remat=user_remat[k],
             )
         )
     return result
+
+
+def _remat_costs(traced: Any, cuts: list[int], plain: list[Any], policies: Sequence[Remat]
+                 ) -> dict[Remat, list[RematCost]]:
+    """Per policy, every segment's stored bytes and recompute FLOPs, measured on the split
+    the runtime would run (one stage per segment, built under that policy)."""
+    from jaxpipe.stages import split
+
+    base = [jaxpr_flops(s.bwd) for s in plain]
+    out: dict[Remat, list[RematCost]] = {}
+    for policy in policies:
+        # With one segment per stage, the whole-stage wrap is the per-segment one.
+        same = Remat.BOUNDARY if policy is Remat.FULL else policy
+        if same in out:
+            out[policy] = out[same]
+            continue
+        stages = split(traced, cuts, [policy] * len(plain))
+        out[policy] = [
+            RematCost(sum(aval_bytes(a) for a in s.residual_avals),
+                      max(jaxpr_flops(s.bwd) - b, 0.0))
+            for s, b in zip(stages, base, strict=True)]
+        out[same] = out[policy]
+    return {p: out[p] for p in policies}
+
+
+def _input_values(traced: Any, ranges: list[tuple[int, int]]) -> list[dict[int, tuple[int, int]]]:
+    """Per segment: values it reads that another segment (or a constant) defined, as
+    ``id -> (defining segment, bytes)``; parameters and batch leaves are re-read, not
+    stored, so they are left out."""
+    jaxpr = traced.closed_jaxpr.jaxpr
+    where: dict[Any, int] = {v: -1 for v in jaxpr.constvars}
+    ids: dict[Any, int] = {}
+    out: list[dict[int, tuple[int, int]]] = []
+    for k, (a, b) in enumerate(ranges):
+        mine: dict[int, tuple[int, int]] = {}
+        for eqn in jaxpr.eqns[a:b]:
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var) and v in where and where[v] != k:
+                    i = ids.setdefault(v, len(ids))
+                    mine[i] = (where[v], aval_bytes(v.aval))
+        for eqn in jaxpr.eqns[a:b]:
+            where.update((v, k) for v in eqn.outvars if not isinstance(v, jcore.DropVar))
+        out.append(mine)
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -3,3 +3,8 @@
 
 class PipelineError(ValueError):
     """A pipeline input is invalid; the message names the problem and how to fix it."""
+
+
+class PipelineTypeError(PipelineError, TypeError):
+    """An argument of the wrong type (a class where an instance is expected, a train
+    state where parameters are expected, ...); also a ``TypeError``."""

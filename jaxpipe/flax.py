@@ -29,6 +29,23 @@ Pipelining a model
 pure ``dict`` pytree, pipeline a loss over that dict (rebuilding the model inside
 the traced loss), and hand back an object with the whole ``jp.Pipeline`` API plus a
 way to write trained parameters back into the model or variables.
+
+State that is not a trained parameter
+-------------------------------------
+- *Randomness (dropout).* Build with ``rng=True`` and pass a PRNG key to every call
+  (``pipe.value_and_grad(model, batch, key)``, ``pipe.train_step(state, batch, key)``).
+  Microbatch ``i`` gets ``jax.random.fold_in(key, i)`` (see :func:`jaxpipe.pipeline`);
+  for nnx, every RNG stream of the model is reseeded from it before ``loss_fn`` runs
+  (:func:`reseed`), so the streams' keys and counters flow through the stages and each
+  dropout layer of each microbatch draws its own bits. For linen, ``loss_fn`` receives
+  the key as its last argument (``module.apply(..., rngs={"dropout": key})``). A loss
+  that draws from the model's streams without ``rng=True`` is refused: every
+  microbatch and step would reuse the same bits.
+- *Other non-parameter state* (batch statistics in eval mode, constants) is read as a
+  constant. A loss that *updates* it (``nnx.BatchNorm`` in training mode, or assigning
+  to a parameter) is refused: the pipeline returns only the loss and gradients, so the
+  update would be lost. Passing a model whose non-parameter state or static attributes
+  changed since the pipeline was built is refused the same way.
 """
 
 from __future__ import annotations
@@ -38,12 +55,23 @@ from typing import Any
 
 import jax
 
+from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.flax_state import (
+    check_same_model,
+    check_updates,
+    reseed,  # re-exported: what rng=True does per microbatch
+    same_tree,
+    stream_tags,
+    value,
+    variables_of,
+)
 from jaxpipe.markers import layer_class  # re-exported: the class form of @jp.layer
 
 __all__ = [
     "layer_class",
     "pipeline",
     "pipeline_linen",
+    "reseed",
     "NnxPipeline",
     "LinenPipeline",
 ]
@@ -84,9 +112,11 @@ class _Delegating:
         """Inverse of :meth:`shard`: the parameters as the pure-dict pytree."""
         return self.pipe.unshard(staged)
 
-    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
-        """Pipelined mean loss over microbatches and its gradient (a pure dict)."""
-        return self.pipe.value_and_grad(self._as_params(params), batch)
+    def value_and_grad(self, params: Any, batch: Any, key: Any = None
+                       ) -> tuple[jax.Array, Any]:
+        """Pipelined mean loss over microbatches and its gradient (a pure dict);
+        ``key`` with ``rng=True``."""
+        return self.pipe.value_and_grad(self._as_params(params), batch, key)
 
     def init(self, params: Any, optimizer: Any, *, skip_nonfinite: bool = False,
              clip_global_norm: float | None = None) -> Any:
@@ -95,9 +125,11 @@ class _Delegating:
         return self.pipe.init(self._as_params(params), optimizer,
                               skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
 
-    def train_step(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-        """One jitted optimizer step; ``state`` is donated. Returns ``(state, metrics)``."""
-        return self.pipe.train_step(state, batch)
+    def train_step(self, state: Any, batch: Any, key: Any = None
+                   ) -> tuple[Any, dict[str, Any]]:
+        """One jitted optimizer step; ``state`` is donated. Returns ``(state, metrics)``;
+        ``key`` with ``rng=True``."""
+        return self.pipe.train_step(state, batch, key)
 
     def params(self, state: Any) -> Any:
         """The parameters (pure-dict pytree) held in a :meth:`init`/:meth:`train_step` state."""
@@ -141,10 +173,19 @@ class NnxPipeline(_Delegating):
         self.graphdef = graphdef
         self.template = template
         self.rest = rest
+        # The values traced into the pipeline (the model's Variables may change later).
+        self._rest_values = {path: value(v) for path, v in variables_of(rest)}
         self.wrt = wrt
 
     def _as_params(self, params: Any) -> Any:
+        from flax import nnx
+
+        if isinstance(params, nnx.Module):
+            self._check_same_model(params)
         return _nnx_pure(params, self.wrt)
+
+    def _check_same_model(self, model: Any) -> None:
+        check_same_model(model, self.graphdef, self._rest_values, self.wrt)
 
     def update_model(self, model: Any, params: Any) -> Any:
         """Write ``params`` (pure dict, ``nnx.State``, or a :meth:`init` state) into ``model``.
@@ -155,10 +196,15 @@ class NnxPipeline(_Delegating):
         """
         from flax import nnx
 
+        if not isinstance(model, nnx.Module):
+            raise PipelineTypeError(
+                f"update_model(model, params): model must be the nnx.Module to write into, "
+                f"got {type(model).__name__}.")
         if not isinstance(params, nnx.State | Mapping):
             params = self.pipe.params(params)  # a training state from init/train_step
-        state = _state_from_pure(self.template, _nnx_pure(params, self.wrt))
-        nnx.update(model, state)
+        pure = _nnx_pure(params, self.wrt)
+        self.pipe.check_params(pure, "update_model(model, params)")
+        nnx.update(model, _state_from_pure(self.template, pure))
         return model
 
 
@@ -181,6 +227,7 @@ def pipeline(
     cut: Any = "auto",
     axis: str = "pipe",
     wrt: Any = None,
+    rng: bool = False,
     **kwargs: Any,
 ) -> NnxPipeline:
     """Pipeline an nnx model: ``loss_fn(model, microbatch) -> scalar`` over ``model``'s params.
@@ -201,8 +248,10 @@ def pipeline(
         pipe.update_model(model, pipe.params(state))   # trained weights back in model
 
     Mark cut points with ``@jp.layer`` on the block class (or ``jp.boundary`` calls).
-    Non-parameter state (RNG counters, batch statistics) is read as a constant inside
-    the pipeline; updates ``loss_fn`` makes to it are not kept.
+    Non-parameter state (batch statistics in eval mode) is read as a constant inside
+    the pipeline; a ``loss_fn`` that updates it is refused (see the module doc). For
+    dropout build with ``rng=True`` and pass a key per call: each microbatch's key
+    reseeds the model's RNG streams (:func:`reseed`).
 
     Args:
       model: the nnx Module (not modified).
@@ -211,6 +260,7 @@ def pipeline(
       batch: an example batch (pytree, leading axis split into microbatches).
       mesh, schedule, cut, axis: as for :func:`jaxpipe.pipeline`.
       wrt: nnx filter selecting the trained parameters (default ``nnx.Param``).
+      rng: the model draws random numbers (dropout): every call then takes a PRNG key.
       **kwargs: passed on to :func:`jaxpipe.pipeline` (e.g. ``runtime="reference"``).
 
     Returns:
@@ -220,19 +270,47 @@ def pipeline(
 
     wrt = nnx.Param if wrt is None else wrt
     if not isinstance(model, nnx.Module):
-        raise TypeError(
+        raise PipelineTypeError(
             f"jp.flax.pipeline expects an nnx.Module, got {type(model).__name__}; "
             "for linen use jp.flax.pipeline_linen(module, variables, loss_fn, batch, ...)"
         )
+    if not callable(loss_fn):
+        raise PipelineTypeError(
+            f"jp.flax.pipeline(model, loss_fn, batch, ...): loss_fn must be a function "
+            f"loss_fn(model, microbatch) -> scalar, got {type(loss_fn).__name__}.")
     graphdef, template, rest = nnx.split(model, wrt, ...)
     params = nnx.to_pure_dict(template)
+    streams = stream_tags(rest)
 
-    def pure_loss(p: Any, microbatch: Any) -> jax.Array:
-        m = nnx.merge(graphdef, _state_from_pure(template, p), rest)
-        return loss_fn(m, microbatch)
+    def run(p: Any, microbatch: Any, key: Any) -> jax.Array:
+        # Fresh Variables belong to this trace, so the model may update them here (RNG
+        # counters); what it updates is checked below.
+        fresh = jax.tree.map(lambda v: v, rest)
+        before = {path: value(v) for path, v in variables_of(fresh)}
+        param_state = _state_from_pure(template, p)
+        before_p = {path: value(v) for path, v in variables_of(param_state)}
+        m = nnx.merge(graphdef, param_state, fresh)
+        if key is not None:
+            reseed(m, key)
+        out = loss_fn(m, microbatch)
+        _, p_after, r_after = nnx.split(m, wrt, ...)
+        check_updates(before, before_p, r_after, p_after, rng=key is not None)
+        return out
 
+    if rng:
+        def pure_loss(p: Any, microbatch: Any, key: Any) -> jax.Array:
+            return run(p, microbatch, key)
+    else:
+        def pure_loss(p: Any, microbatch: Any) -> jax.Array:
+            return run(p, microbatch, None)
+
+    if rng and not streams:
+        raise PipelineError(
+            "jp.flax.pipeline(..., rng=True) but the model holds no RNG streams to seed "
+            "(no nnx.Rngs stored in it, e.g. nnx.Dropout(rate, rngs=rngs)); give its "
+            "random layers rngs=... or build without rng=True.")
     pipe = _pipeline_fn()(pure_loss, params, batch, mesh=mesh, schedule=schedule, cut=cut,
-                          axis=axis, **kwargs)
+                          axis=axis, rng=rng, **kwargs)
     return NnxPipeline(pipe, graphdef, template, rest, wrt)
 
 
@@ -254,7 +332,16 @@ class LinenPipeline(_Delegating):
 
     def _as_params(self, params: Any) -> Any:
         if isinstance(params, Mapping) and set(params) == set(self.variables):
-            return params["params"]  # the full variables dict was passed
+            # The full variables dict: its other collections must be the ones the
+            # pipeline reads as constants, or they would be silently ignored.
+            for name in params:
+                if name != "params" and not same_tree(params[name], self.variables[name]):
+                    raise PipelineError(
+                        f"variables[{name!r}] differs from the one the pipeline was built "
+                        "with; the pipeline reads collections other than 'params' as "
+                        "constants. Rebuild it with jp.flax.pipeline_linen(module, "
+                        "variables, ...) to use the new values.")
+            return params["params"]
         return params
 
     def update_variables(self, variables: Mapping[str, Any], params: Any) -> dict[str, Any]:
@@ -265,6 +352,11 @@ class LinenPipeline(_Delegating):
         """
         if not isinstance(params, Mapping):
             params = self.pipe.params(params)
+        if not isinstance(variables, Mapping):
+            raise PipelineTypeError(
+                "update_variables(variables, params): variables must be the dict from "
+                f"module.init, got {type(variables).__name__}.")
+        self.pipe.check_params(params, "update_variables(variables, params)")
         return {**variables, "params": params}
 
 
@@ -278,6 +370,7 @@ def pipeline_linen(
     schedule: Any,
     cut: Any = "auto",
     axis: str = "pipe",
+    rng: bool = False,
     **kwargs: Any,
 ) -> LinenPipeline:
     """Pipeline a linen module: ``loss_fn(module, variables, microbatch) -> scalar``.
@@ -300,14 +393,22 @@ def pipeline_linen(
       variables: the result of ``module.init``; must contain ``"params"``.
       loss_fn: per-microbatch loss; the pipeline's loss is the mean over microbatches.
       batch, mesh, schedule, cut, axis: as for :func:`jaxpipe.pipeline`.
+      rng: ``loss_fn(module, variables, microbatch, key)`` gets microbatch ``i``'s key
+        (``jax.random.fold_in(key, i)`` of the key passed to each call), e.g. for
+        ``module.apply(variables, x, rngs={"dropout": key})``.
       **kwargs: passed on to :func:`jaxpipe.pipeline` (e.g. ``runtime="reference"``).
 
     Returns:
       a :class:`LinenPipeline` (the ``jp.Pipeline`` API plus
       :meth:`LinenPipeline.update_variables`).
     """
+    if not callable(loss_fn):
+        raise PipelineTypeError(
+            "jp.flax.pipeline_linen(module, variables, loss_fn, batch, ...): loss_fn must be "
+            f"a function loss_fn(module, variables, microbatch) -> scalar, got "
+            f"{type(loss_fn).__name__}.")
     if not isinstance(variables, Mapping) or "params" not in variables:
-        raise TypeError(
+        raise PipelineTypeError(
             "jp.flax.pipeline_linen expects the variables dict returned by module.init "
             f"(with a 'params' collection); got {type(variables).__name__}"
         )
@@ -315,9 +416,13 @@ def pipeline_linen(
     variables = {k: v for k, v in variables.items()}
     others = {k: v for k, v in variables.items() if k != "params"}
 
-    def params_loss(params: Any, microbatch: Any) -> jax.Array:
-        return loss_fn(module, {**others, "params": params}, microbatch)
+    if rng:
+        def params_loss(params: Any, microbatch: Any, key: Any) -> jax.Array:
+            return loss_fn(module, {**others, "params": params}, microbatch, key)
+    else:
+        def params_loss(params: Any, microbatch: Any) -> jax.Array:
+            return loss_fn(module, {**others, "params": params}, microbatch)
 
     pipe = _pipeline_fn()(params_loss, variables["params"], batch, mesh=mesh,
-                          schedule=schedule, cut=cut, axis=axis, **kwargs)
+                          schedule=schedule, cut=cut, axis=axis, rng=rng, **kwargs)
     return LinenPipeline(pipe, module, variables)

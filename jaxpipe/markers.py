@@ -56,9 +56,20 @@ def boundary(x: T, name: str | None = None) -> T:
       x: the value(s) that flow over the cut.
       name: optional label shown in ``Pipeline.plan``.
     """
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"jp.boundary: name must be a str (a label for the plan), got {name!r}")
     leaves, treedef = jax.tree.flatten(x)
     if not leaves:
         return x
+    for leaf in leaves:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                or isinstance(leaf, bool | int | float | complex)):
+            path = next(jax.tree_util.keystr(p) for p, v in jax.tree.flatten_with_path(x)[0]
+                        if v is leaf)
+            raise TypeError(
+                f"jp.boundary marks arrays, but leaf {path or '(the value)'} is a "
+                f"{type(leaf).__name__}; pass the arrays that flow over the cut (keep "
+                "static values out of the marked pytree).")
     out = boundary_p.bind(*leaves, name=name)
     return jax.tree.unflatten(treedef, out)
 
@@ -85,13 +96,34 @@ def layer(fn: F | None = None, *, name: str | None = None) -> F:
     are unchanged.
 
     Args:
-      fn: the function or Module class to decorate.
+      fn: the function or Module class to decorate (not a Module *instance*: decorate
+        its class, or mark the call with :func:`boundary`).
       name: label for the plan table (default: the function's ``__qualname__``).
+
+    Raises:
+      TypeError: for a Module instance, a non-callable, or a ``name`` that is not a str.
     """
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"@jp.layer: name must be a str (a label for the plan), got {name!r}")
     if fn is None:
         return functools.partial(layer, name=name)  # type: ignore[return-value]
+    if isinstance(fn, str):
+        raise TypeError(
+            f"@jp.layer got the string {fn!r} as the function to decorate; pass the label "
+            f"by keyword: @jp.layer(name={fn!r})")
     if isinstance(fn, type):
         return layer_class(fn, name=name)  # type: ignore[return-value]
+    if _is_module_instance(fn):
+        cls = type(fn).__name__
+        raise TypeError(
+            f"jp.layer got an instance of the flax module {cls}, not the class: a wrapped "
+            "instance would hide the module's parameters from flax, so nothing in it would "
+            f"train. Decorate the class (jp.layer({cls}), or @jp.layer on its definition) and "
+            "create instances of that, or mark the call instead: jp.boundary(module(x)).")
+    if not callable(fn):
+        raise TypeError(
+            f"@jp.layer decorates a function or a Module class, got {type(fn).__name__} "
+            f"{fn!r}")
     label = name or getattr(fn, "__qualname__", None) or repr(fn)
 
     @functools.wraps(fn)
@@ -100,6 +132,16 @@ def layer(fn: F | None = None, *, name: str | None = None) -> F:
 
     setattr(wrapped, _LAYER_ATTR, label)
     return wrapped  # type: ignore[return-value]
+
+
+def _is_module_instance(obj: Any) -> bool:
+    """True for an instance of a flax nnx or linen Module (checked without importing flax)."""
+    import sys
+
+    flax_nnx = sys.modules.get("flax.nnx")
+    linen = sys.modules.get("flax.linen")
+    return ((flax_nnx is not None and isinstance(obj, flax_nnx.Module))
+            or (linen is not None and isinstance(obj, linen.Module)))
 
 
 def layer_class(cls: C, name: str | None = None) -> C:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -23,39 +24,36 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpipe.errors import PipelineError
+from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.inputs import (
+    CompileWatch,
+    Placement,
+    check_alive,
+    check_batch,
+    check_key,
+    check_mesh,
+    check_no_keys,
+    check_params,
+    leaf_paths,
+    live_state,
+    with_key,
+)
 from jaxpipe.runtime import Executor, Runtime, RuntimeSpec, resolve
 from jaxpipe.schedule import Schedule
-from jaxpipe.stages import StageFn, param_owners, split
+from jaxpipe.stages import StageFn, boundary_aval, param_owners, split, to_boundary
 from jaxpipe.trace import Traced, microbatch_like, trace
 
 __all__ = ["Pipeline", "pipeline"]
 
 
-def _check_mesh(mesh: Mesh, axis: str, schedule: Schedule) -> tuple[str, ...]:
-    if not isinstance(mesh, Mesh):
-        raise PipelineError(
-            f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
-            f"jax.make_mesh(({schedule.num_devices},), ('{axis}',))."
-        )
-    if axis not in mesh.axis_names:
-        raise PipelineError(
-            f"the mesh has axes {tuple(mesh.axis_names)} but no '{axis}' axis to pipeline "
-            f"over; build it with jax.make_mesh(({schedule.num_devices},), ('{axis}',)) or pass "
-            "axis=<name of your pipeline axis>."
-        )
-    if mesh.shape[axis] != schedule.num_devices:
-        raise PipelineError(
-            f"mesh axis '{axis}' has size {mesh.shape[axis]} but the schedule has "
-            f"num_devices={schedule.num_devices}; make them equal."
-        )
-    return tuple(a for a in mesh.axis_names if a != axis)
+def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any,
+                  devices: tuple = ()) -> tuple[list[int], Any]:
+    """Marker positions after which a new stage starts, plus the cutter's report.
 
-
-def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any
-                  ) -> tuple[list[int], Any]:
-    """Marker positions after which a new stage starts, plus the cutter's report."""
+    ``cut="auto"`` budgets the memory ``devices`` report (``jaxpipe.cut.auto_cut``).
+    """
     from jaxpipe import cut as cutmod
+    from jaxpipe.avals import aval_bytes
     from jaxpipe.cost import segment_costs
 
     S = schedule.num_stages
@@ -70,7 +68,9 @@ def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: An
         # Group segments evenly: segment boundaries at round(i * n_seg / S).
         cut = cutmod.Cut(indices=[round(i * n_seg / S) - 1 for i in range(1, S)])
     if isinstance(cut, str) and cut == "auto":
-        cut = cutmod.Cut()
+        # every pipeline device also holds the whole batch (its data shard)
+        batch = sum(aval_bytes(v.aval) for v in traced.jaxpr.invars[traced.num_params:])
+        cut = cutmod.auto_cut(devices, held_bytes=batch * schedule.num_microbatches)
     if isinstance(cut, cutmod.Cut):
         if cut.indices is not None and len(cut.indices) != S - 1:
             raise PipelineError(
@@ -78,11 +78,26 @@ def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: An
                 f"the schedule has {S}; pass {S - 1} marker indices."
             )
         # Explicit cuts go through the cutter too: it reports their predicted costs.
-        result = cutmod.choose_cuts(segment_costs(traced, profile=cut.profile), schedule, cut,
-                                    memory_model=memory_model)
+        policies = cut.costed_policies()
+        costs = segment_costs(traced, profile=cut.profile, remat=policies[:1])
+        if len(policies) > 1 and cut.remat == "auto" and cut.memory_budget is not None:
+            # Recomputation only adds time: when placement alone reaches the fastest
+            # cut within the budget, measuring the other policies buys nothing.
+            try:
+                plain = cutmod.choose_cuts(costs, schedule, replace(cut, remat="none"),
+                                           memory_model=memory_model)
+                if plain.max_stage_time <= plain.time_optimum:
+                    return list(plain.cuts), plain
+            except cutmod.CutError:
+                pass
+        if len(policies) > 1:
+            costs = segment_costs(traced, profile=cut.profile, remat=policies)
+        result = cutmod.choose_cuts(costs, schedule, cut, memory_model=memory_model)
         return list(result.cuts), result
-    raise PipelineError(
-        f"cut must be 'auto', 'markers' or a jaxpipe.Cut, got {cut!r}."
+    hint = (f" (for explicit cuts: jp.Cut(indices={list(cut)!r}))"
+            if isinstance(cut, list | tuple) else "")
+    raise PipelineTypeError(
+        f"cut must be 'auto', 'markers' or a jaxpipe.Cut, got {cut!r}{hint}."
     )
 
 
@@ -107,24 +122,41 @@ class Pipeline:
         SPMD runtime's tick tables).
     """
 
-    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch: Any, *,
+    def __init__(self, loss_fn: Callable[..., jax.Array], params: Any, batch: Any, *,
                  mesh: Mesh, schedule: Schedule, cut: Any = "auto", axis: str = "pipe",
-                 runtime: str | Runtime = "spmd") -> None:
+                 runtime: str | Runtime = "spmd", rng: bool = False) -> None:
         if not isinstance(schedule, Schedule):
-            raise PipelineError(
+            raise PipelineTypeError(
                 f"schedule must be a jaxpipe.Schedule instance, got {type(schedule).__name__};"
                 " e.g. jp.OneFOneB(num_devices=4, num_microbatches=8)."
             )
+        if not callable(loss_fn):
+            raise PipelineTypeError(
+                f"loss_fn must be a function loss_fn(params, microbatch) -> scalar, got "
+                f"{type(loss_fn).__name__}; jp.pipeline(loss_fn, params, batch, ...).")
+        if not isinstance(axis, str):
+            raise PipelineTypeError(f"axis must be the name (str) of the pipeline mesh axis, "
+                                    f"got {axis!r}.")
+        if not isinstance(rng, bool):
+            raise PipelineTypeError(f"rng must be True or False, got {rng!r}.")
         self.runtime: Runtime = resolve(runtime)
         schedule.validate()
         self.loss_fn = loss_fn
         self.schedule = schedule
         self.mesh = mesh
         self.axis = axis
-        self.batch_axes = _check_mesh(mesh, axis, schedule)
+        self.rng = rng
+        self.batch_axes = check_mesh(mesh, axis, schedule)
         self.num_microbatches = schedule.num_microbatches
+        self.placement = Placement(mesh, self.batch_axes)
         mb = microbatch_like(batch, self.num_microbatches)
         self._mb_shapes = [a.shape for a in jax.tree.leaves(mb)]
+        self._batch_treedef = jax.tree.structure(batch)
+        self._batch_dtypes = [a.dtype for a in jax.tree.leaves(mb)]
+        if any(shape[0] == 0 for shape in self._mb_shapes):
+            raise PipelineError(
+                "the batch is empty (batch size 0); pass at least num_microbatches="
+                f"{self.num_microbatches} rows.")
         n = self.batch_shards
         for leaf in jax.tree.leaves(mb):
             if leaf.shape[0] % n:
@@ -133,14 +165,24 @@ class Pipeline:
                     f"the data axes {self.batch_axes}; use a batch size divisible by "
                     f"{n * self.num_microbatches}."
                 )
+        check_no_keys(params)
         # Stage functions run on one batch shard of a microbatch: trace at that size.
-        self.traced = trace(loss_fn, params, jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype), mb))
+        shard_mb = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype), mb)
+        self.key_dtype = jax.random.key(0).dtype if rng else None
+        if rng:
+            # One key per microbatch piece rides along as a hidden batch leaf.
+            traced_loss = with_key(loss_fn)
+            shard_mb = (shard_mb, jax.ShapeDtypeStruct((1,), self.key_dtype))
+        else:
+            traced_loss = loss_fn
+        self.traced = trace(traced_loss, params, shard_mb)
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
         self.cuts, self.cut_report = _resolve_cuts(self.traced, schedule, cut,
-                                                   self.runtime.memory_model)
-        self.stages: list[StageFn] = split(self.traced, self.cuts)
+                                                   self.runtime.memory_model,
+                                                   tuple(mesh.devices.flat))
+        self.stages: list[StageFn] = split(self.traced, self.cuts, remat=self.cut_report.remat)
         self.executor: Executor = self.runtime.build(RuntimeSpec(
             stages=tuple(self.stages),
             schedule=schedule,
@@ -149,12 +191,16 @@ class Pipeline:
             batch_axes=self.batch_axes,
             param_avals=self.param_avals,
             params_treedef=self.traced.params_treedef,
-            microbatch_avals=tuple(v.aval for v in self.traced.jaxpr.invars[
+            # key-typed batch leaves reach a runtime as key data (see jaxpipe.stages)
+            microbatch_avals=tuple(boundary_aval(v.aval) for v in self.traced.jaxpr.invars[
                 self.traced.num_params:]),
             param_owners=param_owners(self.stages),
         ))
+        self._param_paths = leaf_paths(self.traced.params_treedef)
         self._vg = jax.jit(self._value_and_grad)
         self._staged_vg = jax.jit(self._staged_value_and_grad)
+        self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad")
+        self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad")
         self._shard_jit = jax.jit(self.executor.shard)
         self._unshard_jit = jax.jit(self.executor.unshard)
         self._plan = None
@@ -182,48 +228,73 @@ class Pipeline:
         return dict(self.executor.spec.param_owners)
 
     # ---------------------------------------------------------------- checks
-    def check_params(self, params: Any) -> list:
-        """The flat leaves of ``params``; a clear error unless it is the traced structure."""
-        leaves, tree = jax.tree.flatten(params)
-        if tree != self.traced.params_treedef:
-            raise PipelineError(
-                "params do not have the structure the pipeline was built with:\n"
-                f"  expected {self.traced.params_treedef}\n  got      {tree}\n"
-                "pass the same parameter pytree (or rebuild the pipeline)."
-            )
-        for i, (x, a) in enumerate(zip(leaves, self.param_avals, strict=True)):
-            if jnp.shape(x) != a.shape or jnp.result_type(x) != a.dtype:
-                raise PipelineError(
-                    f"parameter leaf {i} has shape {jnp.shape(x)} dtype {jnp.result_type(x)}, "
-                    f"but the pipeline was traced with {a.shape} {a.dtype}."
-                )
-        return leaves
+    def check_params(self, params: Any, what: str = "params") -> list:
+        """The flat leaves of ``params``; a clear error unless it is the traced structure
+        (and not, say, a train state or the stage layout)."""
+        return check_params(params, self.traced.params_treedef, self.param_avals,
+                            self.staged_shapes(), what)
 
-    def microbatches(self, batch: Any) -> list:
+    def check_batch(self, batch: Any) -> list:
+        """The flat leaves of ``batch``; a clear error unless it has the structure, shapes
+        and dtypes the pipeline was built for."""
+        return check_batch(batch, self._batch_treedef, self._mb_shapes, self._batch_dtypes,
+                           self.num_microbatches, multiprocess=jax.process_count() > 1)
+
+    def microbatches(self, batch: Any, key: Any = None) -> list:
         """The batch's flat leaves reshaped to ``[num_microbatches, microbatch, ...]``.
 
         Checks the structure, shapes and dtypes against what the pipeline was built for.
+        With ``rng=True`` the per-microbatch keys derived from ``key`` follow as one more
+        leaf (``[m, data shards, key data]``). Key-typed leaves are passed as key data.
         """
         m = self.num_microbatches
-        mb = microbatch_like(batch, m)
-        leaves, tree = jax.tree.flatten(batch)
-        if tree != self.traced.batch_treedef:
-            raise PipelineError(
-                f"batch structure {tree} differs from the traced {self.traced.batch_treedef}."
-            )
-        dtypes = [v.aval.dtype for v in self.traced.jaxpr.invars[self.traced.num_params:]]
-        for w, shape, dt in zip(jax.tree.leaves(mb), self._mb_shapes, dtypes, strict=True):
-            if w.shape != shape:
-                raise PipelineError(
-                    f"microbatch leaf shape {w.shape} differs from the {shape} the pipeline "
-                    "was built for; rebuild the pipeline for a new batch size."
-                )
-            if w.dtype != dt:
-                raise PipelineError(
-                    f"batch leaf has dtype {w.dtype} but the pipeline was traced with {dt}; "
-                    f"cast it (x.astype(jnp.{dt})) or rebuild the pipeline for this dtype."
-                )
-        return [jnp.reshape(x, (m, -1, *jnp.shape(x)[1:])) for x in leaves]
+        leaves = [to_boundary(x) for x in self.check_batch(batch)]
+        out = [jnp.reshape(x, (m, -1, *jnp.shape(x)[1:])) for x in leaves]
+        if self.rng:
+            if key is None:
+                check_key(key, True, self.key_dtype, "this call")
+            pieces = jnp.arange(m * self.batch_shards, dtype=jnp.uint32)
+            keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(pieces)
+            out.append(jnp.reshape(jax.random.key_data(keys), (m, self.batch_shards, -1)))
+        return out
+
+    def _user_tree(self, leaves: list) -> Any:
+        """Flat leaves from a runtime -> the user's pytree, each leaf in its traced dtype
+        (a runtime's cross-device sum turns a bool leaf into int32)."""
+        leaves = [x if x.dtype == a.dtype else x.astype(a.dtype)
+                  for x, a in zip(leaves, self.param_avals, strict=True)]
+        return jax.tree.unflatten(self.traced.params_treedef, leaves)
+
+    def _place_params(self, params: Any, what: str = "params") -> Any:
+        """``params`` checked, alive and on the mesh (same pytree)."""
+        leaves = self.check_params(params, what)
+        check_alive(leaves, what, "Pass parameters that are still alive, e.g. "
+                    "pipe.params(state) of the state the last train_step returned.")
+        placed = self.placement.params(leaves, self._param_paths)
+        return jax.tree.unflatten(self.traced.params_treedef, placed)
+
+    def _place_batch(self, batch: Any) -> Any:
+        leaves = self.check_batch(batch)
+        check_alive(leaves, "batch", "Pass a batch whose arrays are alive.")
+        placed = self.placement.batch_leaves(leaves, leaf_paths(self._batch_treedef))
+        return jax.tree.unflatten(self._batch_treedef, placed)
+
+    def _place_key(self, key: Any, what: str) -> Any:
+        key = check_key(key, self.rng, self.key_dtype, what)
+        if key is None:
+            return None
+        return self.placement.put(key, self.placement.replicated, "key")
+
+    def _place_staged(self, staged: Any, what: str) -> list:
+        from jaxpipe.train import TrainState
+
+        if isinstance(staged, TrainState):
+            raise PipelineTypeError(
+                f"{what} expects staged parameters (pipe.shard(params) or state.params), got "
+                "a TrainState; use pipe.params(state) for the user pytree, or state.params.")
+        self.executor.check_staged(staged, what)
+        check_alive(list(staged), what, "Use the state the last train_step returned.")
+        return self.placement.like(list(staged), self.executor.staged_abstract(), what)
 
     # ---------------------------------------------------------------- layout
     def shard(self, params: Any) -> Any:
@@ -232,12 +303,13 @@ class Pipeline:
         For the SPMD runtime: one array ``[devices, *shape]`` per parameter slot, sharded
         over the pipe axis; tied parameters are copied onto every stage that reads them.
         """
-        return self._shard_jit(self.check_params(params))
+        placed = self._place_params(params, "pipe.shard(params)")
+        return self._shard_jit(jax.tree.leaves(placed))
 
     def unshard(self, staged: Any) -> Any:
         """Inverse of :meth:`shard`: the user's parameter pytree (replicated)."""
-        self.executor.check_staged(staged, "unshard")
-        return jax.tree.unflatten(self.traced.params_treedef, self._unshard_jit(list(staged)))
+        staged = self._place_staged(staged, "unshard")
+        return self._user_tree(self._unshard_jit(staged))
 
     def staged_shapes(self) -> list[tuple[int, ...]]:
         """Global shapes of the staged parameter arrays."""
@@ -245,34 +317,48 @@ class Pipeline:
 
     def stage_params(self, staged: Any) -> list[list[jax.Array]]:
         """Every stage's parameter leaves as its device holds them (tied: each copy)."""
-        self.executor.check_staged(staged, "stage_params")
+        staged = self._place_staged(staged, "stage_params")
         if hasattr(self.executor, "stage_params"):
             return self.executor.stage_params(staged)
         leaves = self.executor.unshard(staged)
         return [[leaves[i] for i in st.param_ids] for st in self.stages]
 
     # ---------------------------------------------------------------- compute
-    def _value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def _value_and_grad(self, params: Any, batch: Any, key: Any = None
+                        ) -> tuple[jax.Array, Any]:
         loss, grads = self.executor.value_and_grad(self.check_params(params),
-                                                   self.microbatches(batch))
-        return loss, jax.tree.unflatten(self.traced.params_treedef, grads)
+                                                   self.microbatches(batch, key))
+        return loss, self._user_tree(grads)
 
-    def _staged_value_and_grad(self, staged: Any, batch: Any) -> tuple[jax.Array, Any]:
-        return self.executor.staged_value_and_grad(staged, self.microbatches(batch))
+    def _staged_value_and_grad(self, staged: Any, batch: Any, key: Any = None
+                               ) -> tuple[jax.Array, Any]:
+        return self.executor.staged_value_and_grad(staged, self.microbatches(batch, key))
 
-    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
-        """Mean loss over microbatches and its gradient w.r.t. ``params`` (same pytree)."""
+    def value_and_grad(self, params: Any, batch: Any, key: Any = None
+                       ) -> tuple[jax.Array, Any]:
+        """Mean loss over microbatches and its gradient w.r.t. ``params`` (same pytree).
+
+        ``key``: with ``rng=True``, the PRNG key of this call (microbatch ``i`` gets
+        ``jax.random.fold_in(key, i)``); otherwise ``None``. Inputs are moved onto the
+        pipeline's mesh first, wherever they are.
+        """
+        params = self._place_params(params)
+        batch = self._place_batch(batch)
+        key = self._place_key(key, "pipe.value_and_grad")
         if getattr(self.executor, "eager", False):
-            return self._value_and_grad(params, batch)
-        return self._vg(params, batch)
+            return self._value_and_grad(params, batch, key)
+        return self._vg_watch(params, batch, key)
 
-    def staged_value_and_grad(self, staged: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def staged_value_and_grad(self, staged: Any, batch: Any, key: Any = None
+                              ) -> tuple[jax.Array, Any]:
         """As :meth:`value_and_grad`, with parameters and gradients in the stage layout
         (what a training loop keeps resident; no gather of gradients)."""
-        self.executor.check_staged(staged, "staged_value_and_grad")
+        staged = self._place_staged(staged, "staged_value_and_grad")
+        batch = self._place_batch(batch)
+        key = self._place_key(key, "pipe.staged_value_and_grad")
         if getattr(self.executor, "eager", False):
-            return self._staged_value_and_grad(staged, batch)
-        return self._staged_vg(staged, batch)
+            return self._staged_value_and_grad(staged, batch, key)
+        return self._staged_vg_watch(staged, batch, key)
 
     @property
     def value_and_grad_fn(self) -> Any:
@@ -290,11 +376,14 @@ class Pipeline:
 
         return ReferenceRuntime().build(self.executor.spec)
 
-    def reference_value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def reference_value_and_grad(self, params: Any, batch: Any, key: Any = None
+                                 ) -> tuple[jax.Array, Any]:
         """Same as :meth:`value_and_grad`, run by the sequential reference executor."""
-        loss, grads = self._reference.value_and_grad(self.check_params(params),
-                                                     self.microbatches(batch))
-        return loss, jax.tree.unflatten(self.traced.params_treedef, grads)
+        params = self._place_params(params)
+        key = self._place_key(key, "pipe.reference_value_and_grad")
+        loss, grads = self._reference.value_and_grad(
+            self.check_params(params), self.microbatches(self._place_batch(batch), key))
+        return loss, self._user_tree(grads)
 
     def lower_step(self, params: Any, batch: Any) -> Any:
         """``jax.jit(...).lower`` of the value-and-grad step (for memory/cost inspection)."""
@@ -317,47 +406,44 @@ class Pipeline:
           clip_global_norm: clip gradients by their true global norm (over all stages)
             before the optimizer.
         """
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
         from jaxpipe.train import Trainer, TrainOptions, TrainState
 
-        if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
-            raise PipelineError(
-                f"optimizer must be an optax.GradientTransformation, got "
-                f"{type(optimizer).__name__}; e.g. optax.adamw(1e-3)."
+        if isinstance(optimizer, type) or not (callable(getattr(optimizer, "init", None))
+                                               and callable(getattr(optimizer, "update", None))):
+            what = (f"the function {optimizer.__name__} (call it to make one)"
+                    if callable(optimizer) and hasattr(optimizer, "__name__")
+                    else type(optimizer).__name__)
+            raise PipelineTypeError(
+                f"optimizer must be an optax.GradientTransformation, got {what}; e.g. "
+                "optax.adamw(1e-3)."
             )
         options = TrainOptions(skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
-        leaves = self.check_params(params)
+        params = self._place_params(params, "pipe.init(params, ...)")
         trainer = Trainer(self.executor, optimizer, options, self.microbatches)
         # Replicated over the mesh, as train_step returns it (else the 2nd step recompiles).
-        step = jax.make_array_from_process_local_data(NamedSharding(self.mesh, P()),
-                                                      np.zeros((), np.int32))
-        return TrainState(self.shard(params), trainer.init_opt_state(leaves), step, trainer)
+        step = self.placement.put(np.zeros((), np.int32), self.placement.replicated, "step")
+        return TrainState(self._shard_jit(jax.tree.leaves(params)),
+                          trainer.init_opt_state(jax.tree.leaves(params)), step, trainer)
 
-    def train_step(self, state: Any, batch: Any) -> tuple[Any, dict]:
-        """One optimizer step: ``(state, batch) -> (state, metrics)``; jitted, state donated."""
-        from jaxpipe.train import TrainState
+    def train_step(self, state: Any, batch: Any, key: Any = None) -> tuple[Any, dict]:
+        """One optimizer step: ``(state, batch) -> (state, metrics)``; jitted, state donated.
 
-        if not isinstance(state, TrainState):
-            raise PipelineError(
-                f"train_step needs the TrainState returned by pipe.init, got "
-                f"{type(state).__name__}; call pipe.init(params, optimizer) before "
-                "pipe.train_step(state, batch)."
-            )
-        if state.trainer.executor is not self.executor:
-            raise PipelineError(
-                "this TrainState was made by another pipeline: its state layout belongs to "
-                "that pipeline's stages and optimizer, not this pipeline's. Train it with "
-                "that pipeline, or start from its parameters here with "
-                "pipe.init(other.params(state), optimizer)."
-            )
-        self.executor.check_staged(state.params, "train_step (state.params)")
-        return state.trainer.step_fn(state, batch)
+        ``state`` must be the one the previous step returned (its buffers are reused);
+        ``key`` is the step's PRNG key with ``rng=True`` (split a fresh one every step).
+        """
+        state = self._live_state(state, "train_step")
+        batch = self._place_batch(batch)
+        key = self._place_key(key, "pipe.train_step")
+        return state.trainer.step(state, batch, key)
+
+    def _live_state(self, state: Any, what: str) -> Any:
+        """``state`` checked (type, owner, layout, not donated) and placed on the mesh."""
+        return live_state(state, self.executor, self.placement, what)
 
     def params(self, state: Any) -> Any:
         """The user parameter pytree held by a train state."""
-        return self.unshard(state.params)
+        state = self._live_state(state, "pipe.params")
+        return self._user_tree(self._unshard_jit(state.params))
 
     # ---------------------------------------------------------------- reports
     @property
@@ -431,6 +517,7 @@ def pipeline(
     cut: Any = "auto",
     axis: str = "pipe",
     runtime: str | Runtime = "spmd",
+    rng: bool = False,
 ) -> Pipeline:
     """Compile ``loss_fn`` for pipelined execution under ``schedule`` on ``mesh``.
 
@@ -448,6 +535,11 @@ def pipeline(
       axis: name of the pipeline mesh axis.
       runtime: ``"spmd"`` (one jit(shard_map) program), ``"reference"`` (sequential), or
         a :class:`jaxpipe.runtime.Runtime` instance.
+      rng: ``True`` for a loss that draws random numbers (dropout):
+        ``loss_fn(params, microbatch, key)`` then gets microbatch ``i``'s key
+        ``jax.random.fold_in(key, i)`` of the key passed to ``value_and_grad`` /
+        ``train_step`` (with ``n`` data shards: piece ``j`` of microbatch ``i`` gets
+        ``fold_in(key, i * n + j)``).
 
     Example::
 
@@ -457,4 +549,4 @@ def pipeline(
         loss, grads = pipe.value_and_grad(params, batch)
     """
     return Pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut=cut, axis=axis,
-                    runtime=runtime)
+                    runtime=runtime, rng=rng)

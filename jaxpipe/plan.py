@@ -8,6 +8,11 @@ Two memory figures are shown per device:
 - *buffers*: what the lowered SPMD program actually allocates for parameters, gradients,
   residual pools and message slots (liveness-sized, padded to one shape on every device).
 
+Per stage the plan also shows its recomputation policy (:class:`jaxpipe.remat.Remat`),
+what the policy costs (recomputed FLOPs, as a share of the stage's forward) and the
+stage's predicted bytes; and which memory budget the cut was chosen under and where it
+came from (``jp.Cut(memory_budget=...)``, or the device's limit for ``cut="auto"``).
+
 ``compare_compiled`` puts the compiled program's ``memory_analysis()`` next to them.
 """
 
@@ -35,6 +40,8 @@ class Plan:
     buffer_bytes: int  # what the lowered program allocates per device (same on all)
     predicted_padded_bytes: float  # the cutter's SPMD prediction + the batch, per device
     batch_bytes: int  # the (data-shard of the) batch every pipeline device holds
+    memory_budget: float | None = None  # the budget the cut was chosen under (bytes/device)
+    budget_source: str | None = None  # where that budget came from
 
     @classmethod
     def build(cls, pipe) -> Plan:
@@ -53,6 +60,10 @@ class Plan:
                 "param_bytes": int(sum(aval_bytes(pipe.param_avals[i]) for i in st.param_ids)),
                 "residual_bytes": int(sum(aval_bytes(a) for a in st.residual_avals)),
                 "in_flight": res.in_flight[s],
+                "remat": str(st.remat.value),
+                "recompute_flops": res.stage_recompute[s],
+                "recompute_share": res.stage_recompute[s] / (res.stage_fwd[s] or 1.0),
+                "predicted_bytes": res.stage_memory[s].total,
             })
         device_rows = []
         for d in range(sched.num_devices):
@@ -68,18 +79,19 @@ class Plan:
         return cls(stage_rows, device_rows, float(res.makespan or 0.0),
                    float(res.bubble_fraction or 0.0), type(sched).__name__, res.objective,
                    int(report["buffer_bytes"]), float(res.padded_memory.total) + batch_bytes,
-                   batch_bytes)
+                   batch_bytes, res.memory_budget, res.budget_source)
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
-                f"{'in-flight':>9}  layers")
+                f"{'in-flight':>9} {'remat':>13} {'recomp':>6} {'memory':>10}  layers")
         lines = [f"jaxpipe plan: {self.schedule_name}, cut objective '{self.objective}', "
                  f"predicted bubble {self.bubble_fraction:.3f}", head]
         for r in self.stage_rows:
             layers = r["layers"] if len(r["layers"]) <= 40 else r["layers"][:37] + "..."
             lines.append(f"{r['stage']:>5} {r['device']:>3} {r['flops_share']:>6.1%} "
                          f"{_fmt(r['param_bytes']):>10} {_fmt(r['residual_bytes']):>10} "
-                         f"{r['in_flight']:>9}  {layers}")
+                         f"{r['in_flight']:>9} {r['remat']:>13} {r['recompute_share']:>6.0%} "
+                         f"{_fmt(r['predicted_bytes']):>10}  {layers}")
         lines.append(f"{'dev':>5} {'stages':>10} {'predicted':>11} {'live resid':>10} "
                      f"{'resid bytes':>11}")
         for r in self.device_rows:
@@ -90,6 +102,13 @@ class Plan:
                      f"{_fmt(self.batch_bytes)} of batch): {_fmt(self.predicted_padded_bytes)}")
         lines.append(f"runtime buffers per device (params+grads+residual pools+messages): "
                      f"{_fmt(self.buffer_bytes)}")
+        if self.memory_budget is None:
+            lines.append("memory budget: none (no device memory limit reported, none given)")
+        else:
+            lines.append(f"memory budget: {_fmt(self.memory_budget)} per device for the cutter's "
+                         f"prediction, from {self.budget_source}")
+        lines.append("remat: recomputation policy per stage; recomp: recomputed FLOPs / stage "
+                     "forward; memory: the stage's predicted bytes")
         return "\n".join(lines)
 
     __repr__ = __str__

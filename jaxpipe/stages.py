@@ -17,22 +17,39 @@ Residuals that are just a parameter or a microbatch leaf are not stored: the bac
 re-reads them (parameters are resident on the device anyway). Only inexact (float)
 parameters and carries are differentiated; integer values (token ids, masks) flow
 through as non-differentiable inputs.
+
+PRNG keys (``jax.random.key`` values, an extended dtype) never appear at a stage's
+boundary: every key-typed input, output, residual or hand-off of a stage function is
+passed as its raw key data (``jax.random.key_data``, ``uint32``) and re-wrapped with
+its own implementation inside the stage (:func:`boundary_aval`). Runtimes keep
+messages and residuals in numeric buffers, so they only ever see plain dtypes; the
+batch and parameter leaves a runtime feeds in follow the same rule.
+
+**Recomputation.** ``split(..., remat=...)`` gives every stage a
+:class:`~jaxpipe.remat.Remat` policy. The forward is then traced with the stage's
+segments (or, for ``Remat.FULL``, runs of segments) wrapped in ``jax.checkpoint`` with
+that policy, so the stored residuals are what the policy keeps and the backward
+recomputes the rest; the runtimes size their storage from ``residual_avals`` and need
+to know nothing else. Segments holding a user's own ``jax.checkpoint`` are never wrapped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
 from jax.extend import core as jcore
+from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.avals import is_differentiable
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import eval_eqns, read
+from jaxpipe.remat import Remat, parse_remat
 from jaxpipe.trace import Traced, segments
 
-__all__ = ["StageFn", "param_owners", "split"]
+__all__ = ["StageFn", "boundary_aval", "has_user_remat", "is_key", "param_owners", "split"]
 
 
 @dataclass
@@ -57,6 +74,7 @@ class StageFn:
     names: tuple[str, ...] = ()
     is_last: bool = False
     w_res_ids: tuple[int, ...] = ()  # stored residuals the W half reads (others die at I)
+    remat: Remat = Remat.NONE  # the recomputation policy the forward/backward apply
 
     def ct_in_avals(self) -> list:
         """Cotangents this stage's backward sends to the previous stage."""
@@ -77,11 +95,15 @@ def _sds(aval):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
-def split(traced: Traced, cuts: Sequence[int]) -> list[StageFn]:
+def split(traced: Traced, cuts: Sequence[int],
+          remat: Sequence[Remat | str] | None = None) -> list[StageFn]:
     """Cut ``traced`` after the markers at positions ``cuts`` (indices into ``traced.markers``).
 
+    ``remat`` is one :class:`~jaxpipe.remat.Remat` policy per stage (``None``: no
+    recomputation anywhere; ``CutResult.remat`` is what the cutter chose).
+
     Returns ``len(cuts) + 1`` stages. Raises :class:`PipelineError` for cut positions that are
-    out of range, unsorted or repeated.
+    out of range, unsorted or repeated, or a ``remat`` of the wrong length.
     """
     cuts = list(cuts)
     n_markers = len(traced.markers)
@@ -97,6 +119,7 @@ def split(traced: Traced, cuts: Sequence[int]) -> list[StageFn]:
     bounds = [0, *(segs[c][1] for c in cuts), len(eqns)]
     ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
     n_stages = len(ranges)
+    policies = _stage_policies(remat, n_stages)
 
     param_index = {v: i for i, v in enumerate(jaxpr.invars[:n_p])}
     batch_index = {v: i for i, v in enumerate(jaxpr.invars[n_p:])}
@@ -123,6 +146,13 @@ def split(traced: Traced, cuts: Sequence[int]) -> list[StageFn]:
         live = [v for v, d in defined.items() if d <= s and last_use.get(v, -1) > s]
         return sorted(live, key=order.__getitem__)
 
+    # Parameter leaves the loss never reads still belong to a stage (the first): they keep
+    # their values through shard/unshard and training and get zero gradients, as with
+    # jax.grad; an optimizer may still change them (weight decay), as without a pipeline.
+    read_anywhere = {v for e in eqns for v in e.invars if isinstance(v, jcore.Var)}
+    read_anywhere |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    unread = [v for v in jaxpr.invars[:n_p] if v not in read_anywhere]
+
     names = [n for n in traced.marker_names]
     stages = []
     for s, (a, b) in enumerate(ranges):
@@ -132,7 +162,7 @@ def split(traced: Traced, cuts: Sequence[int]) -> list[StageFn]:
         used = [v for e in eqns[a:b] for v in e.invars if isinstance(v, jcore.Var)]
         if is_last and isinstance(loss_var, jcore.Var):
             used.append(loss_var)
-        used = set(used) | set(carry_out)
+        used = set(used) | set(carry_out) | (set(unread) if s == 0 else set())
         p_ids = tuple(sorted(param_index[v] for v in used if v in param_index))
         b_ids = tuple(sorted(batch_index[v] for v in used if v in batch_index))
         seg_names = tuple(
@@ -140,17 +170,112 @@ def split(traced: Traced, cuts: Sequence[int]) -> list[StageFn]:
             for i, m in enumerate(traced.markers)
             if a <= m < b
         )
+        groups = _remat_groups(eqns, [(x, y) for x, y in segs if a <= x < b], policies[s])
         stages.append(
             _build_stage(
                 s, (a, b), eqns[a:b], jaxpr, n_p, p_ids, b_ids, carry_in, carry_out,
-                const_vals, is_last, seg_names,
+                const_vals, is_last, seg_names, groups, policies[s],
             )
         )
-    return stages
+    return [_keys_as_data(st) for st in stages]
+
+
+def _stage_policies(remat: Sequence[Remat | str] | None, n_stages: int) -> list[Remat]:
+    if remat is None:
+        return [Remat.NONE] * n_stages
+    if isinstance(remat, (str, Remat)) or len(remat) != n_stages:
+        raise PipelineError(
+            f"remat must give one recomputation policy per stage ({n_stages}), got "
+            f"{remat!r}; e.g. remat=[Remat.NONE] * {n_stages}.")
+    try:
+        return [parse_remat(r, f"remat[{i}]") for i, r in enumerate(remat)]
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
+
+
+def has_user_remat(eqns: Sequence[jcore.JaxprEqn]) -> bool:
+    """True when some equation (at any depth) is a user's ``jax.checkpoint``."""
+    for e in eqns:
+        if e.primitive.name in ("checkpoint", "remat", "remat2"):
+            return True
+        if any(has_user_remat(_inner(sub).eqns) for sub in jcore.jaxprs_in_params(e.params)):
+            return True
+    return False
+
+
+def _inner(j):
+    return getattr(j, "jaxpr", j)
+
+
+#: A run of a stage's equations ``[start, end)`` (absolute indices) and the
+#: ``jax.checkpoint`` policy it runs under (``None``: evaluated as traced).
+_Group = tuple[int, int, object]
+
+
+def _remat_groups(eqns, seg_ranges: list[tuple[int, int]], policy: Remat) -> list[_Group]:
+    """How a stage's equations run under ``policy``: runs of equations and their wrap.
+
+    Per-segment policies wrap each segment on its own; ``Remat.FULL`` wraps each maximal
+    run of consecutive segments. Segments holding a user's ``jax.checkpoint`` run as
+    traced under every policy (their recomputation is the user's choice).
+    """
+    wrap = policy.checkpoint_policy
+    groups: list[list] = []
+    for x, y in seg_ranges:
+        pol = None if wrap is None or has_user_remat(eqns[x:y]) else wrap
+        merge = groups and groups[-1][2] is pol and (pol is None or policy.whole_stage)
+        if merge:
+            groups[-1][1] = y
+        else:
+            groups.append([x, y, pol])
+    return [tuple(g) for g in groups]
+
+
+def _group_io(eqns, groups: list[_Group], start: int, outputs: list) -> list[tuple[list, list]]:
+    """Per group: the variables it reads from outside (in order) and those it defines
+    that later groups or the stage's ``outputs`` read."""
+    later: set = {v for v in outputs if isinstance(v, jcore.Var)}
+    io: list[tuple[list, list]] = []
+    for x, y, _ in reversed(groups):
+        defined: set = set()
+        ins: list = []
+        seen: set = set()
+        for e in eqns[x - start:y - start]:
+            for v in e.invars:
+                if isinstance(v, jcore.Var) and v not in defined and v not in seen:
+                    seen.add(v)
+                    ins.append(v)
+            defined.update(e.outvars)
+        outs = [v for e in eqns[x - start:y - start] for v in e.outvars
+                if v in later and not isinstance(v, jcore.DropVar)]
+        io.append((ins, outs))
+        later |= seen
+    return io[::-1]
+
+
+def _run_groups(eqns, groups: list[_Group], io: list[tuple[list, list]], start: int,
+                env: dict) -> None:
+    """Evaluate a stage's equations into ``env``, wrapping groups in ``jax.checkpoint``."""
+    for (x, y, pol), (ins, outs) in zip(groups, io, strict=True):
+        body_eqns = eqns[x - start:y - start]
+        if pol is None or not outs:
+            eval_eqns(body_eqns, env)
+            continue
+
+        def body(*vals, _eqns=body_eqns, _ins=ins, _outs=outs):
+            inner = dict(zip(_ins, vals, strict=True))
+            eval_eqns(_eqns, inner)
+            return [read(inner, v) for v in _outs]
+
+        # prevent_cse=False: the backward that recomputes runs in a jaxpr of its own
+        # (another branch, another tick), so there is no forward to merge it with, and
+        # the barrier that would prevent it copies the wrapped inputs (parameters).
+        results = jax.checkpoint(body, policy=pol, prevent_cse=False)(*[env[v] for v in ins])
+        env.update(zip(outs, results, strict=True))
 
 
 def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, const_vals,
-                 is_last, names) -> StageFn:
+                 is_last, names, groups, policy) -> StageFn:
     p_vars = [jaxpr.invars[i] for i in p_ids]
     b_vars = [jaxpr.invars[n_p + i] for i in b_ids]
     p_avals = [v.aval for v in p_vars]
@@ -163,12 +288,14 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
     if is_last and not do[0]:
         raise PipelineError("the loss must be a floating-point scalar.")
 
+    io = _group_io(eqns, groups, rng[0], carry_out)
+
     def run(params, batch, carry):
         env = dict(const_vals)
         env.update(zip(p_vars, params, strict=True))
         env.update(zip(b_vars, batch, strict=True))
         env.update(zip(carry_in, carry, strict=True))
-        eval_eqns(eqns, env)
+        _run_groups(eqns, groups, io, rng[0], env)
         return [read(env, v) for v in carry_out]
 
     def pick(xs, mask, keep):
@@ -250,6 +377,7 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
         out_avals=out_avals, residual_avals=residual_avals, w_residual_avals=w_avals,
         fwd=fwd_jaxpr, bwd=bwd_jaxpr, bwd_i=bwd_i, bwd_w=bwd_w, diff_param_mask=dp,
         diff_in_mask=di, diff_out_mask=do, names=names, is_last=is_last, w_res_ids=w_res_ids,
+        remat=policy,
     )
 
 
@@ -303,6 +431,58 @@ def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_pb: int, n_ct_out: int
         [v.aval for v in handoff],
         w_res_ids,
     )
+
+
+def is_key(aval) -> bool:
+    """True for PRNG key values (``jax.random.key``): an extended dtype."""
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def boundary_aval(aval):
+    """How a value of abstract type ``aval`` crosses a stage boundary.
+
+    Keys cross as their raw key data (shape ``aval.shape + impl key shape``, ``uint32``);
+    every other value as itself.
+    """
+    if not is_key(aval):
+        return aval
+    return jax.make_jaxpr(jax.random.key_data)(_sds(aval)).out_avals[0]
+
+
+def to_boundary(x):
+    """A concrete or traced value in its boundary form (key data for keys)."""
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def from_boundary(x, aval):
+    """Inverse of :func:`to_boundary` for a value whose traced type is ``aval``."""
+    if not is_key(aval):
+        return x
+    return jax.random.wrap_key_data(x, impl=aval.dtype._impl)
+
+
+def _keys_as_data(st: StageFn) -> StageFn:
+    """``st`` with every key-typed boundary value passed as key data (see module doc)."""
+    jaxprs = (st.fwd, st.bwd, st.bwd_i, st.bwd_w)
+    if not any(is_key(a) for cj in jaxprs for a in (*cj.in_avals, *cj.out_avals)):
+        return st
+
+    def convert(cj: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+        def fn(*args):
+            inner = [from_boundary(x, a) for x, a in zip(args, cj.in_avals, strict=True)]
+            return [to_boundary(y) for y in jaxpr_as_fun(cj)(*inner)]
+
+        return jax.make_jaxpr(fn)(*[_sds(boundary_aval(a)) for a in cj.in_avals])
+
+    def avals(xs: list) -> list:
+        return [boundary_aval(a) for a in xs]
+
+    return dataclasses.replace(
+        st, fwd=convert(st.fwd), bwd=convert(st.bwd), bwd_i=convert(st.bwd_i),
+        bwd_w=convert(st.bwd_w), in_avals=avals(st.in_avals), out_avals=avals(st.out_avals),
+        residual_avals=avals(st.residual_avals),
+        w_residual_avals=avals(st.w_residual_avals))
 
 
 def param_owners(stages: Sequence[StageFn]) -> dict[int, tuple[int, ...]]:

@@ -13,9 +13,17 @@ every copy, so the copies receive identical updates and never diverge. How the u
 is placed on devices is the runtime's business; this module gives it the per-stage
 pieces (:class:`StageOptimizer`).
 
-Optimizers whose update needs the *global* gradient (e.g. ``clip_by_global_norm``) see
-only their stage's gradients; use ``Pipeline.init(..., clip_global_norm=...)`` instead,
-which clips by the true global norm before the optimizer runs.
+Integer and boolean parameter leaves (and any other non-float leaf) are constants of
+the loss: like ``jax.grad`` they get no gradient, and the optimizer never sees them
+(they are ``None`` in its trees too), so they keep their values exactly.
+
+Optimizers whose update of one leaf reads leaves that live on another stage (e.g.
+``optax.clip_by_global_norm``, ``optax.apply_if_finite``, anything built on
+``optax.global_norm``) would see only their stage's part. :func:`check_separable` finds
+them from the optimizer's own update function (which inputs each output depends on),
+and ``Pipeline.init`` refuses them, pointing to ``clip_global_norm=`` and
+``skip_nonfinite=``, which use the true global gradient norm. Transformations that
+only keep per-leaf or scalar state (``optax.MultiSteps``, schedules, masks) are exact.
 """
 
 from __future__ import annotations
@@ -29,12 +37,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpipe.avals import is_differentiable
 from jaxpipe.errors import PipelineError
+from jaxpipe.inputs import CompileWatch
 
 if TYPE_CHECKING:
     from jaxpipe.runtime.base import Executor, RuntimeSpec
 
-__all__ = ["StageOptimizer", "TrainOptions", "TrainState", "Trainer"]
+__all__ = ["StageOptimizer", "TrainOptions", "TrainState", "Trainer", "check_separable"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,8 @@ class StageOptimizer:
         self.optimizer = optimizer
         self.spec = spec
         self.treedef = spec.params_treedef
+        #: per parameter leaf: does the optimizer update it (float leaves only)?
+        self.trainable = tuple(is_differentiable(a) for a in spec.param_avals)
         # Each stage's optimizer-state leaves (abstract) and treedef, from eval_shape.
         self.state_avals: list[list[jax.ShapeDtypeStruct]] = []
         self.state_treedefs: list[Any] = []
@@ -103,10 +115,12 @@ class StageOptimizer:
             self.state_treedefs.append(tdef)
 
     def stage_tree(self, stage: int, leaves: Sequence[Any]) -> Any:
-        """The user's parameter pytree restricted to ``stage`` (other leaves ``None``)."""
+        """The user's parameter pytree as the optimizer sees it on ``stage``: that stage's
+        trainable leaves, ``None`` for other stages' leaves and for non-float leaves."""
         full: list = [None] * len(self.spec.param_avals)
         for pid, x in zip(self.spec.stages[stage].param_ids, leaves, strict=True):
-            full[pid] = x
+            if self.trainable[pid]:
+                full[pid] = x
         return jax.tree.unflatten(self.treedef, full)
 
     def init(self, stage: int, param_leaves: Sequence[Any]) -> list:
@@ -115,13 +129,104 @@ class StageOptimizer:
 
     def update(self, stage: int, params: Sequence[Any], grads: Sequence[Any],
                state: Sequence[Any]) -> tuple[list, list]:
-        """One optax step of ``stage``: ``(new param leaves, new state leaves)``."""
+        """One optax step of ``stage``: ``(new param leaves, new state leaves)``.
+
+        Non-float leaves come back unchanged. State leaves keep the dtype ``init`` gave
+        them (optax may promote, e.g. an integer step count), so the state's layout is
+        the same at every step.
+        """
         p_tree = self.stage_tree(stage, params)
         g_tree = self.stage_tree(stage, grads)
         o_tree = jax.tree.unflatten(self.state_treedefs[stage], list(state))
         updates, o_tree = self.optimizer.update(g_tree, o_tree, p_tree)
         # stage param_ids are ascending, i.e. the tree's leaf order
-        return jax.tree.leaves(optax.apply_updates(p_tree, updates)), jax.tree.leaves(o_tree)
+        new = iter(jax.tree.leaves(optax.apply_updates(p_tree, updates)))
+        ids = self.spec.stages[stage].param_ids
+        out = [next(new) if self.trainable[pid] else x for pid, x in zip(ids, params,
+                                                                         strict=True)]
+        new_state = [jnp.asarray(x).astype(a.dtype) for x, a in zip(
+            jax.tree.leaves(o_tree), self.state_avals[stage], strict=True)]
+        return out, new_state
+
+
+def _output_inputs(closed: Any) -> list[list[int]]:
+    """For every output of ``closed``, the inputs it reads (dead-code elimination per output)."""
+    from jax._src.interpreters import partial_eval as pe  # no public per-output DCE
+
+    jaxpr = closed.jaxpr
+    n = len(jaxpr.outvars)
+    out = []
+    for j in range(n):
+        _, used = pe.dce_jaxpr(jaxpr, [i == j for i in range(n)], instantiate=False)
+        out.append([i for i, u in enumerate(used) if u])
+    return out
+
+
+def check_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) -> None:
+    """Raise :class:`PipelineError` if ``optimizer`` couples leaves held by different stages.
+
+    The optimizer runs per stage (:class:`StageOptimizer`); that equals running it on the
+    whole tree exactly when the update of every leaf reads only leaves its stage holds.
+    This traces one ``optimizer.update`` on the whole trainable tree and asks, per output,
+    which gradient / parameter / state inputs it reads; state carries those dependencies
+    to the next step (iterated to a fixed point). A leaf whose update, now or through the
+    state in a later step, reads a leaf of another stage is refused with its path and the
+    stages involved.
+    """
+    avals, treedef = spec.param_avals, spec.params_treedef
+    trainable = [pid for pid, a in enumerate(avals) if is_differentiable(a)]
+    full: list = [None] * len(avals)
+    for pid in trainable:
+        full[pid] = jax.ShapeDtypeStruct(avals[pid].shape, avals[pid].dtype)
+    tree = jax.tree.unflatten(treedef, full)
+    try:
+        state = jax.eval_shape(optimizer.init, tree)
+        closed = jax.make_jaxpr(lambda g, o, p: optimizer.update(g, o, p))(tree, state, tree)
+    except Exception:  # the per-stage trace below reports the optimizer's own error
+        return
+    n_t, n_s = len(trainable), len(jax.tree.leaves(state))
+    if len(closed.jaxpr.invars) != 2 * n_t + n_s or len(closed.jaxpr.outvars) != n_t + n_s:
+        return  # an update with other outputs than (updates, state): nothing to compare
+    reads = _output_inputs(closed)
+
+    def leaves_read(j: int, state_deps: list[frozenset]) -> frozenset:
+        deps: set[int] = set()
+        for i in reads[j]:
+            if i < n_t:
+                deps.add(trainable[i])  # a gradient
+            elif i < n_t + n_s:
+                deps |= state_deps[i - n_t]  # state: what it was computed from
+            else:
+                deps.add(trainable[i - n_t - n_s])  # a parameter
+        return frozenset(deps)
+
+    state_deps = [frozenset()] * n_s
+    while True:  # state read at step t+1 carries what it read at step t
+        new = [leaves_read(n_t + k, state_deps) for k in range(n_s)]
+        if new == state_deps:
+            break
+        state_deps = new
+    stage_of = spec.param_owners
+    for j, pid in enumerate(trainable):
+        deps = leaves_read(j, state_deps) | {pid}
+        home = set(spec.stages[stage_of[pid][0]].param_ids)
+        if deps <= home:
+            continue
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(
+            jax.tree.unflatten(treedef, list(range(len(avals)))))[0]]
+        others = sorted(deps - home)
+        stages = sorted({s for o in others for s in stage_of[o]})
+        raise PipelineError(
+            f"the optimizer couples parameters across pipeline stages: the update of params"
+            f"{paths[pid]} (stage {stage_of[pid][0]}) reads params{paths[others[0]]} "
+            f"(stage(s) {stages}). The optimizer runs per stage and would see only its "
+            "stage's part, so the step would differ from the same optimizer without a "
+            "pipeline. Global-norm clipping (optax.clip_by_global_norm, anything using "
+            "optax.global_norm) and non-finite skipping (optax.apply_if_finite) are "
+            "built in: drop them from the chain and use pipe.init(params, tx, "
+            "clip_global_norm=<max norm>, skip_nonfinite=True), which use the true "
+            "global gradient norm over all stages."
+        )
 
 
 def global_norm_scale(sq_norm: jax.Array, options: TrainOptions) -> tuple[jax.Array, jax.Array]:
@@ -145,25 +250,37 @@ def sq_norm(leaves: Sequence[jax.Array]) -> jax.Array:
 class Trainer:
     """An optimizer compiled for one pipeline: what a :class:`TrainState` trains with.
 
-    Made by ``Pipeline.init``; holds the jitted, donated step. Equality is identity, so
-    jax treats states of different trainers as different static structures.
+    Made by ``Pipeline.init``; holds the jitted, donated step
+    ``step_fn(state, batch, key=None)`` (:meth:`step` calls it and warns once if it
+    compiles again). ``microbatches(batch, key)`` turns a batch (and the step's PRNG key,
+    for pipelines built with ``rng=True``) into the runtime's microbatch leaves. Equality
+    is identity, so jax treats states of different trainers as different static
+    structures.
     """
 
     def __init__(self, executor: Executor, optimizer: optax.GradientTransformation,
-                 options: TrainOptions, microbatches: Callable[[Any], list]) -> None:
+                 options: TrainOptions, microbatches: Callable[[Any, Any], list]) -> None:
         self.executor = executor
         self.optimizer = optimizer
         self.options = options
+        check_separable(optimizer, executor.spec)
         step, self._init_opt = executor.make_train_step(optimizer, options)
 
-        def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-            params, opt, metrics = step(state.params, state.opt_state, microbatches(batch))
+        def step_fn(state: TrainState, batch: Any, key: Any = None
+                    ) -> tuple[TrainState, dict]:
+            params, opt, metrics = step(state.params, state.opt_state,
+                                        microbatches(batch, key))
             return TrainState(params, opt, state.step + 1, state.trainer), metrics
 
         self.step_fn = jax.jit(step_fn, donate_argnums=0)
-        shardings = jax.tree.map(lambda a: getattr(a, "sharding", None),
-                                 self.abstract_opt_state())
+        self._watch = CompileWatch(self.step_fn, "pipe.train_step")
+        self._abstract_opt = executor.opt_state_abstract(self._init_opt)
+        shardings = jax.tree.map(lambda a: getattr(a, "sharding", None), self._abstract_opt)
         self._init_jit = jax.jit(self._init_opt, out_shardings=shardings)
+
+    def step(self, state: TrainState, batch: Any, key: Any = None) -> tuple[TrainState, dict]:
+        """One step of :attr:`step_fn` (inputs already checked and placed)."""
+        return self._watch(state, batch, key)
 
     def init_opt_state(self, param_leaves: list) -> Any:
         """Optimizer state in the executor's layout for these parameter leaves."""
@@ -171,7 +288,7 @@ class Trainer:
 
     def abstract_opt_state(self) -> Any:
         """Shape/dtype/sharding of the optimizer state (values not needed)."""
-        return self.executor.opt_state_abstract(self._init_opt)
+        return self._abstract_opt
 
     def __repr__(self) -> str:
         return f"Trainer({self.optimizer!r}, {self.options})"

@@ -2,7 +2,8 @@
 
 Every process builds the same tiny 4-layer MLP pipeline (p=4, 1F1B) over the mesh of
 all global devices (2 processes x 2 virtual CPU devices), runs ``value_and_grad`` and a
-few ``train_step`` s, checkpoints with orbax and resumes, and process 0 writes the
+few ``train_step`` s (one with a host numpy batch, which must not recompile the step),
+checkpoints with orbax and resumes, and process 0 writes the
 results to ``<out>.npz`` for the test to compare against the unpipelined model computed
 in one process.
 
@@ -63,13 +64,17 @@ def main(mode: str, out: str) -> None:
     jpd.check_consistent(pipe)  # raises on the mismatch, in every process
 
     loss, grads = pipe.value_and_grad(params, batch)
+    pipe.value_and_grad(host_params, host_batch)  # host (numpy) inputs: the same program
+    assert pipe.value_and_grad_fn._cache_size() == 1, "value_and_grad recompiled"
     loss, grads = jpd.fetch((loss, grads))
 
     state = pipe.init(params, optax.sgd(LR))
     losses = []
-    for _ in range(TRAIN_STEPS):
-        state, metrics = pipe.train_step(state, batch)
+    for i in range(TRAIN_STEPS):
+        # a globally placed batch first, then the same rows as a host numpy batch
+        state, metrics = pipe.train_step(state, batch if i == 0 else host_batch)
         losses.append(jpd.fetch(metrics["loss"]))
+    assert state.trainer.step_fn._cache_size() == 1, "train_step recompiled"
     trained = jpd.fetch(pipe.params(state))
 
     # Checkpoint across processes (each writes its own shards to the shared directory),

@@ -265,7 +265,8 @@ def test_schedule_arguments():
 # ------------------------------------------------------------------- training
 def test_optimizer_and_train_step_order():
     fresh = build()
-    with pytest.raises(jp.PipelineError, match=r"call pipe.init\(params, optimizer\) before"):
+    with pytest.raises(jp.PipelineError, match=r"got NoneType; call pipe.init\(params, "
+                                               r"optimizer\) before"):
         fresh.train_step(None, _batch())
     with pytest.raises(jp.PipelineError, match=r"optax.GradientTransformation, got str"):
         fresh.init(_params(), "adam")
@@ -314,3 +315,177 @@ def test_nonfinite_loss_without_skip_is_surfaced(pipe, nonfinite_batches):
     state = pipe.init(_params(), optax.sgd(0.1))
     state, metrics = pipe.train_step(state, nonfinite_batches["nan"])
     assert np.isnan(metrics["loss"]) and int(metrics["skipped"]) == 0
+
+
+def test_empty_batch():
+    with pytest.raises(jp.PipelineError, match=r"batch is empty \(batch size 0\)"):
+        build(batch={"x": jnp.zeros((0, WIDTH)), "y": jnp.zeros((0, WIDTH))})
+
+
+def test_state_staged_or_model_where_params_expected(pipe):
+    state = pipe.init(_params(), optax.sgd(0.1))
+    for call in (lambda p: pipe.value_and_grad(p, _batch()), pipe.shard,
+                 lambda p: pipe.init(p, optax.sgd(0.1))):
+        with pytest.raises(jp.PipelineError, match=r"got a TrainState; use pipe.params\(state\)"):
+            call(state)
+        with pytest.raises(TypeError, match=r"stage layout.*pipe.unshard\(staged\)"):
+            call(state.params)
+    with pytest.raises(jp.PipelineError, match=r"pipe.params needs the TrainState.*got dict"):
+        pipe.params(_params())
+    with pytest.raises(jp.PipelineError, match=r"unshard expects staged.*got a TrainState.*"
+                                               r"pipe.params\(state\)"):
+        pipe.unshard(state)
+    with pytest.raises(jp.PipelineError, match=r"staged_value_and_grad expects.*stage layout"):
+        pipe.staged_value_and_grad(_params(), _batch())
+    from flax import nnx
+
+    with pytest.raises(jp.PipelineError, match=r"got a flax Linear.*jp.flax.pipeline"):
+        pipe.value_and_grad(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), _batch())
+
+
+def test_prng_key_in_params():
+    with pytest.raises(jp.PipelineError, match=r"params leaf \['key'\] is a PRNG key.*rng=True"):
+        build(params={**_params(), "key": jax.random.key(0)})
+
+
+def test_schedule_author_mistakes_outside_the_action_list():
+    class NoReturn(jp.Schedule):
+        def device_actions(self, device):
+            [jp.Action("F", device, 0)]  # noqa: B018 - the forgotten return under test
+
+    class NotAList(jp.GPipe):
+        def device_actions(self, device):
+            return 3
+
+    class OneShot(jp.GPipe):
+        def __init__(self, p, m):
+            super().__init__(p, m)
+            self._it = {d: iter(jp.GPipe.device_actions(self, d)) for d in range(p)}
+
+        def device_actions(self, device):
+            return self._it[device]
+
+    class NoSuper(jp.GPipe):
+        def __init__(self, p, m):
+            self.p, self.m = p, m
+
+    cases = [(NoReturn(P_, M), r"NoReturn.device_actions\(0\) returned None.*missing "
+                                r"`return`"),
+             (NotAList(P_, M), r"device_actions\(0\) returned a int \(3\), not a list"),
+             (OneShot(P_, M), r"returned a different list on its second call.*iterator")]
+    for sched, words in cases:
+        with pytest.raises(jp.ScheduleError, match=words):
+            sched.validate()
+        with pytest.raises(jp.ScheduleError, match=words):
+            build(schedule=sched)
+    with pytest.raises(jp.ScheduleError, match=r"NoSuper has no num_devices: its __init__ did "
+                                               r"not call super\(\).__init__"):
+        build(schedule=NoSuper(P_, M))
+    assert not hasattr(NoSuper(P_, M), "num_microbatches")
+
+    class Generator(jp.GPipe):  # a generator method makes a new iterator per call: fine
+        def device_actions(self, device):
+            yield from super().device_actions(device)
+
+    Generator(P_, M).validate()
+
+
+def test_cut_option_types():
+    with pytest.raises(jp.PipelineError, match=r"got \[0, 1\] \(for explicit cuts: "
+                                               r"jp.Cut\(indices=\[0, 1\]\)\)"):
+        build(cut=[0, 1])
+    for kwargs, words in [({"memory_budget": float("nan")}, r"memory_budget must be positive "
+                                                             r"bytes.*got nan"),
+                          ({"memory_budget": "1GB"}, r"memory_budget.*got '1GB'"),
+                          ({"indices": [1.5]}, r"indices must be ints.*got 1.5"),
+                          ({"indices": 3}, r"indices must be a sequence.*got 3"),
+                          ({"objective": None}, r"objective must be 'time' or 'memory'"),
+                          ({"time_slack": float("nan")}, r"time_slack must be"),
+                          ({"profile": 1}, r"profile must be True or False")]:
+        with pytest.raises(jp.CutError, match=words):
+            jp.Cut(**kwargs)
+
+
+def test_other_pipeline_argument_types():
+    with pytest.raises(TypeError, match=r"loss_fn must be a function"):
+        build(loss_fn="loss")
+    with pytest.raises(jp.PipelineError, match=r"axis must be the name \(str\)"):
+        build(axis=0)
+    with pytest.raises(jp.PipelineError, match=r"rng must be True or False"):
+        build(rng="yes")
+
+
+def test_key_missing_unexpected_or_wrong(pipe):
+    with pytest.raises(jp.PipelineError, match=r"got a key, but the pipeline was built "
+                                               r"without rng=True"):
+        pipe.value_and_grad(_params(), _batch(), jax.random.key(0))
+
+    def keyed(params, mb, key):
+        return loss_fn(params, mb) + 0 * jax.random.uniform(key)
+
+    rng_pipe = build(loss_fn=keyed, rng=True)
+    with pytest.raises(jp.PipelineError, match=r"needs a PRNG key: the pipeline was built "
+                                               r"with rng=True"):
+        rng_pipe.value_and_grad(_params(), _batch())
+    with pytest.raises(jp.PipelineError, match=r"needs one PRNG key \(shape \(\)\)"):
+        rng_pipe.value_and_grad(_params(), _batch(), jax.random.split(jax.random.key(0), 4))
+    with pytest.raises(TypeError, match=r"needs a PRNG key made by jax.random.key"):
+        rng_pipe.value_and_grad(_params(), _batch(), 3)
+    state = rng_pipe.init(_params(), optax.sgd(0.1))
+    with pytest.raises(jp.PipelineError, match=r"pipe.train_step needs a PRNG key"):
+        rng_pipe.train_step(state, _batch())
+
+
+def test_layer_on_an_instance_or_with_bad_arguments():
+    from flax import nnx
+
+    with pytest.raises(TypeError, match=r"instance of the flax module Linear, not the class.*"
+                                        r"hide the module's parameters.*jp.boundary"):
+        jp.layer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=r"got the string 'blk'.*@jp.layer\(name='blk'\)"):
+        jp.layer("blk")
+    with pytest.raises(TypeError, match=r"name must be a str"):
+        jp.layer(name=3)
+    with pytest.raises(TypeError, match=r"decorates a function or a Module class, got int"):
+        jp.layer(3)
+    with pytest.raises(TypeError, match=r"jp.boundary marks arrays, but leaf \['b'\] is a str"):
+        jp.boundary({"a": jnp.ones(2), "b": "x"})
+
+
+def test_optimizer_coupling_stages_is_refused(pipe):
+    refused = [optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+               optax.apply_if_finite(optax.adam(1e-2), 3),
+               optax.MultiSteps(optax.adam(1e-2), 2, should_skip_update_fn=optax.skip_not_finite)]
+    for tx in refused:
+        with pytest.raises(jp.PipelineError, match=r"couples parameters across pipeline stages"
+                                                   r".*reads params\['w'\]\[\d\].*"
+                                                   r"clip_global_norm=<max norm>"):
+            pipe.init(_params(), tx)
+    for tx in (optax.adamw(1e-2), optax.lamb(1e-2), optax.adafactor(1e-2),
+               optax.MultiSteps(optax.adam(1e-2), 2), optax.chain(optax.clip(1.0), optax.sgd(.1))):
+        pipe.init(_params(), tx)  # per-leaf state: accepted
+
+
+def test_clip_and_skip_options():
+    fresh = build()
+    for value in (0, -1.0, float("nan"), "1", True):
+        with pytest.raises(jp.PipelineError, match=r"clip_global_norm must be a positive finite"):
+            fresh.init(_params(), optax.sgd(0.1), clip_global_norm=value)
+    with pytest.raises(jp.PipelineError, match=r"skip_nonfinite must be True or False"):
+        fresh.init(_params(), optax.sgd(0.1), skip_nonfinite=1)
+    with pytest.raises(jp.PipelineError, match=r"GradientTransformation, got the function adam "
+                                               r"\(call it to make one\)"):
+        fresh.init(_params(), optax.adam)
+
+
+def test_schedule_file_that_does_not_import_or_is_a_directory(tmp_path):
+    bad = tmp_path / "mine.py"
+    bad.write_text("import jaxpipe as jp\nclass A(jp.GPipe)\n    pass\n")
+    with pytest.raises(jp.ScheduleError, match=r"cannot import schedule file .*SyntaxError at "
+                                               r"line 2"):
+        jp.load_schedule(f"{bad}:A")
+    bad.write_text("import nosuchmod\n")
+    with pytest.raises(jp.ScheduleError, match=r"ModuleNotFoundError at line 1"):
+        jp.load_schedule(f"{bad}:A")
+    with pytest.raises(jp.ScheduleError, match=r"is a directory; name the Python file"):
+        jp.load_schedule(f"{tmp_path}:A")

@@ -123,5 +123,13 @@ def test_run_quick_completes_with_every_field(tmp_path: Path) -> None:
     for run in two["runs"].values():  # the 2-process pipeline computes the right loss
         assert run["loss"] == pytest.approx(two["reference_loss"], rel=1e-5)
     assert set(cc["per_schedule"]) == set(two["runs"])
+    rm = res["remat"]  # recomputation under a budget: every configuration measured
+    assert rm["error"] is None
+    assert {row["name"] for row in rm["rows"]} >= {"auto", "full", "uniform", "none"}
+    for row in rm["rows"]:
+        assert set(R.R.ROW_FIELDS) <= set(row), set(R.R.ROW_FIELDS) - set(row)
+        assert row["compiled_bytes"] > 0 and row["flops_per_step"] > 0
+    auto = next(row for row in rm["rows"] if row["name"] == "auto")
+    assert auto["predicted_fits"] and auto["step_vs_auto_cpu"] == 1.0
     assert res["headline"]["memory_1f1b_vs_baseline_m4p"] is not None
     assert set(res["meta"]["plots"]) >= {"overhead.png", "baseline.png", "scaling.png"}

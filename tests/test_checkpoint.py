@@ -165,3 +165,66 @@ def test_wrong_kind_missing_and_existing_paths(run, tmp_path):
     bad = {"layers": run["params4"]["layers"][:2]}
     with pytest.raises(jp.PipelineError, match="do not match the target"):
         jpc.restore_params(run["dir"] / "params4", like=bad)
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_damaged_checkpoint_is_reported_as_damaged(run, tmp_path):
+    import shutil
+
+    pipe, like = run["pipe"], None
+    broken_meta = _copy(run["dir"] / "state4", tmp_path / "meta")
+    (broken_meta / "meta" / "metadata").write_text("{garbage")
+    no_state = _copy(run["dir"] / "state4", tmp_path / "nostate")
+    shutil.rmtree(no_state / "state")
+    truncated = _copy(run["dir"] / "params4", tmp_path / "trunc")
+    for f in (truncated / "state").rglob("*"):
+        if f.is_file() and f.name.endswith(".ocdbt"):
+            f.write_bytes(b"\0" * 4)
+    like = pipe.init(_model()[0], _tx())
+    for path, call in ((broken_meta, lambda p: jpc.restore(p, pipe, like=like)),
+                       (no_state, lambda p: jpc.restore(p, pipe, like=like)),
+                       (truncated, lambda p: jpc.restore_params(p, pipe=pipe))):
+        with pytest.raises(jp.PipelineError, match=r"is damaged: .*Restore from another copy") \
+                as err:
+            call(path)
+        message = str(err.value)
+        assert "\n" not in message and len(message) < 600, message  # one readable sentence
+        assert "tensorstore_spec" not in message and "not a jaxpipe" not in message
+
+
+def test_overwrite_never_deletes_what_is_not_a_checkpoint(run, tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "keep.txt").write_text("important")
+    with pytest.raises(jp.PipelineError, match=r"not a checkpoint; overwrite=True only "
+                                               r"replaces checkpoints"):
+        jpc.save_params(notes, run["pipe"], run["params4"], overwrite=True)
+    assert (notes / "keep.txt").read_text() == "important"
+    with pytest.raises(jp.PipelineError, match=r"not a jaxpipe checkpoint \(no checkpoint "
+                                               r"files"):
+        jpc.restore_params(notes)
+    # a checkpoint is replaced
+    target = _copy(run["dir"] / "params4", tmp_path / "again")
+    jpc.save_params(target, run["pipe"], run["params4"], overwrite=True)
+
+
+def test_argument_types_are_named(run, tmp_path):
+    pipe = run["pipe"]
+    state = pipe.init(_model()[0], _tx())
+    with pytest.raises(jp.PipelineError, match=r"restore\(path, pipe, ...\) needs the "
+                                               r"pipeline.*got NoneType"):
+        jpc.restore(run["dir"] / "state4", None, like=state)
+    with pytest.raises(jp.PipelineError, match=r"path must be a str or os.PathLike"):
+        jpc.save(3, state)
+    with pytest.raises(jp.PipelineError, match=r"like= or optimizer=, not both"):
+        jpc.restore(run["dir"] / "state4", pipe, like=state, optimizer=_tx())
+    with pytest.raises(TypeError, match=r"like must be a TrainState"):
+        jpc.restore(run["dir"] / "state4", pipe, like=_model()[0])
+    restored = jpc.restore(run["dir"] / "state4", pipe, like=state)  # all fine together
+    assert int(restored.step) == 4

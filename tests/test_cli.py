@@ -85,3 +85,26 @@ def test_help_exits_zero(capsys):
 
 def test_parse_costs():
     assert parse_costs("F=1, b=2.5,W=1/3") == {"F": 1, "B": 2.5, "W": pytest.approx(1 / 3)}
+
+
+@pytest.mark.parametrize("source, words", [
+    ("class A(GPipe)\n    pass\n", "SyntaxError at line 2"),
+    ("import nosuchmod\n", "No module named 'nosuchmod'"),
+    ("class A(GPipe):\n    def device_actions(self, d):\n        return 1 / 0\n",
+     "ZeroDivisionError: division by zero (at "),
+    ("class A(GPipe):\n    def device_actions(self, d):\n        return None\n",
+     "device_actions(0) returned None"),
+])
+def test_schedule_file_failures_are_one_line_exit_2(tmp_path, capsys, source, words):
+    f = tmp_path / "mine.py"
+    f.write_text("from jaxpipe.schedule import GPipe\n" + source)
+    assert main(["simulate", f"{f}:A", "-p", "2", "-m", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_directory_as_schedule_file_and_bad_sizes(tmp_path, capsys):
+    assert main(["simulate", f"{tmp_path}:A", "-p", "2", "-m", "2"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["simulate", "1f1b", "-p", "2", "-m", "2", "--width", "0"]) == 2
+    assert "must be a positive int" in capsys.readouterr().err

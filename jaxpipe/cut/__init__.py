@@ -1,13 +1,16 @@
-"""Memory-aware cutter: choose where the pipeline's stages begin.
+"""Memory-aware cutter: choose where the pipeline's stages begin, and what each recomputes.
 
 The traced model is a chain of *segments* (code between consecutive
 ``jp.boundary`` markers, costed by :mod:`jaxpipe.cost`). A cut assigns a
-contiguous run of segments to each of ``schedule.num_stages`` stages.
+contiguous run of segments to each of ``schedule.num_stages`` stages, and a
+recomputation policy (:class:`Remat`) to each stage.
 
 **Time.** A stage's forward time is the sum of its segments' forward FLOPs (or
-measured seconds with ``profile=True``), its backward 2x that. The cutter
-balances the per-stage time ``F + B``; the predicted step time comes from
-``schedule.simulate`` with these per-stage costs.
+measured seconds with ``profile=True``), its backward 2x that, plus what its
+policy recomputes (counted from the backward's jaxpr). The cutter balances the
+per-stage time ``F + B + recompute``; the predicted step time comes from
+``schedule.simulate`` with these per-stage costs (the recomputation runs in the
+backward, or in its input-gradient half when the schedule splits it).
 
 **Memory.** For each stage ``s`` on a device (a device may hold several:
 interleaved / V placements, via ``schedule.placement``)::
@@ -15,19 +18,22 @@ interleaved / V placements, via ``schedule.placement``)::
     params     = bytes of the parameter leaves stage s reads (shared leaves once)
     grads      = grad_bytes_per_param_byte      * params   (default 1.0)
     optimizer  = optimizer_bytes_per_param_byte * params   (default 2.0: Adam m, v)
-    residuals  = in_flight(s) * residual bytes per microbatch of stage s
+    residuals  = in_flight(s) * residual bytes per microbatch of stage s, under
+                 its policy                          (MemoryModel.residual_bytes)
     transfers  = 2 * (bytes received + bytes sent)  (activation + cotangent buffers)
-    workspace  = workspace_residual_sets * residual bytes per microbatch of stage s
+    workspace  = workspace_residual_sets * residual bytes of stage s without
+                 recomputation + workspace_param_sets * params
+                                                     (MemoryModel.workspace_bytes)
 
 ``in_flight(s)`` is the stage's peak number of live residual sets under the
 schedule (from the simulator; 1F1B: ``min(m, p - s)``). The workspace is what a
-device holds while it runs one action beyond the stored residuals: the write
-window and read slice of the residual pool, branch outputs and the backward's own
-temporaries, each about one residual set of the stage in size (measured on CPU
-with jaxpipe's SPMD runtime: about 2 sets for GPT blocks, 3-5 for plain MLPs whose
-matmul backward temporaries are large next to their small residuals). A device
-*needs* the sum over its stages, with the workspace of its largest stage only
-(``CutResult.device_memory``).
+device holds while it runs one action beyond what is stored: the slices of the
+residual storage a backward reads, or the activations it recomputes -- about the
+same whatever the policy -- and the parameter gradients it produces and their
+accumulated sums (measured on CPU with jaxpipe's SPMD runtime: 0.2-0.8 of the full
+residual set for GPT stages plus about twice the stage's parameter bytes; see
+:data:`SPMD_MEMORY`). A device *needs* the sum over its stages, with the workspace
+of its largest stage only (``CutResult.device_memory``).
 
 **Memory models.** What a device *allocates* depends on the runtime, which says so
 with a :class:`MemoryModel` passed to :func:`choose_cuts` (``Cut.memory_model``
@@ -38,17 +44,31 @@ overrides it for experiments); the cutter never assumes a runtime's layout:
   gradients and optimizer state) are padded per storage class
   (``MemoryModel.param_class``; SPMD: whole-array slots per (shape, dtype)) to
   the busiest device, so an embedding costs one slot everywhere and repeated
-  blocks pad to the device with the most. Residual/message pools are as large as
-  the *busiest device's*, and the workspace is that of the stage with the largest
-  residual set. Peak = ``(1 + grad + opt) * sum_class max_device(params of the
-  class) + max_device(residuals + transfers) + workspace_residual_sets *
-  max_stage(residual bytes)`` (``CutResult.padded_memory``).
+  blocks pad to the device with the most. Residual/message storage is as large as
+  the *busiest device's*, and the workspace is the largest stage's. Peak =
+  ``(1 + grad + opt) * sum_class max_device(params of the class) +
+  max_device(residuals + transfers) + max_stage(workspace)``
+  (``CutResult.padded_memory``).
 * not padded (:data:`DEVICE_MEMORY`): each device holds exactly its own stages'
   bytes (``max_device(sum of its stages)``), as an MPMD runtime would.
 
 Because early 1F1B stages hold more microbatches, a compute-balanced cut
 over-fills the first devices; the ``"memory"`` objective moves layers towards
-later stages within a time slack.
+later stages within a time slack, and recomputes where that is cheaper.
+
+**Recomputation** (``Cut.remat``, default ``"auto"``). Each stage may store
+everything (``NONE``), matmul outputs (``DOTS``), weight-matmul outputs
+(``DOTS_NO_BATCH``), its layers' inputs (``BOUNDARY``) or its own input (``FULL``);
+see :mod:`jaxpipe.remat`. Under a memory budget the cutter minimises the slowest
+stage's time, recomputation included, over cuts and policies together; under the
+``"memory"`` objective it minimises memory within the time slack the same way;
+the ``"time"`` objective never recomputes. For a time cap, the least-storing
+policy that keeps each range within the cap is the best choice for every memory
+objective (the workspace does not depend on the policy), so the exact searches
+stay exact over policies too; afterwards, stages whose memory the result does not
+need switch back to faster policies (:func:`jaxpipe.cut.search.relax`).
+``cut="auto"`` in ``jp.pipeline`` budgets the device's own memory limit where JAX
+reports one (:func:`auto_cut`).
 
 **Search.** Stages are contiguous, so every objective is built from min-max
 (bottleneck) problems over the ``(n+1)^2`` segment ranges, solved by dynamic
@@ -62,26 +82,31 @@ several stages are enumerated exactly when small, else searched heuristically
 
 The package: ``options.py`` (:class:`Cut`, :class:`CutError`), ``model.py``
 (:class:`MemoryModel`, parameter padding groups), ``problem.py`` (range matrices
-and DPs), ``search.py`` and ``shared.py`` (the searches), ``result.py``
-(:class:`CutResult`, :class:`MemoryBreakdown`).
+per policy, views and DPs), ``search.py`` and ``shared.py`` (the searches),
+``result.py`` (:class:`CutResult`, :class:`MemoryBreakdown`), ``budget.py`` (the
+device budget of ``cut="auto"``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from jaxpipe.avals import format_bytes
 from jaxpipe.cost import SegmentCost
+from jaxpipe.cut.budget import AUTO_RESERVE, auto_cut, device_memory_limit
 from jaxpipe.cut.model import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
 from jaxpipe.cut.options import Cut, CutError
 from jaxpipe.cut.problem import Problem
 from jaxpipe.cut.result import CutResult, MemoryBreakdown, describe
-from jaxpipe.cut.search import search_single
+from jaxpipe.cut.search import relax, search_single
 from jaxpipe.cut.shared import search_shared
+from jaxpipe.remat import Remat
 
 __all__ = [
+    "Remat",
     "Cut",
     "CutError",
     "CutResult",
@@ -91,6 +116,9 @@ __all__ = [
     "DEVICE_MEMORY",
     "choose_cuts",
     "partition",
+    "auto_cut",
+    "device_memory_limit",
+    "AUTO_RESERVE",
 ]
 
 
@@ -122,6 +150,63 @@ def _explicit_bounds(indices: Sequence[int], n: int, S: int) -> list[int]:
     return [0] + [i + 1 for i in indices] + [n]
 
 
+def _policies(cut: Cut, costs: Sequence[SegmentCost], S: int) -> tuple[Remat, ...]:
+    """The recomputation policies the search may use (the first is the base)."""
+    if isinstance(cut.remat, tuple):  # one per stage
+        if cut.indices is None:
+            raise CutError(
+                f"Cut.remat gives one policy per stage ({[str(p.value) for p in cut.remat]}); "
+                "that needs explicit Cut.indices. To let the cutter place stages, pass "
+                "remat='auto' or one policy for every stage.")
+        if len(cut.remat) != S:
+            raise CutError(f"Cut.remat has {len(cut.remat)} policies for {S} stages")
+        wanted = set(cut.remat)
+    elif isinstance(cut.remat, Remat):
+        wanted = {cut.remat}
+    else:
+        # "auto": recompute only where it can buy something the objective wants.
+        if cut.memory_budget is None and (cut.objective == "time" or cut.indices is not None):
+            return (Remat.NONE,)
+        common = frozenset(Remat).intersection(*(c.remat_policies for c in costs))
+        return tuple(p for p in Remat if p in common)
+    for p in wanted:
+        missing = [c.name or f"segment{k}" for k, c in enumerate(costs)
+                   if p not in c.remat_policies]
+        if missing:
+            raise CutError(
+                f"Cut.remat asks for {p.value!r} but the segment costs have no data for it "
+                f"(segments {missing[:3]}{'...' if len(missing) > 3 else ''}); build them "
+                f"with jaxpipe.cost.segment_costs(traced, remat=...) including it")
+    return tuple(p for p in Remat if p in wanted)
+
+
+def _explicit(pb: Problem, bounds: list[int]) -> tuple[Remat, ...]:
+    """Policies for an explicit cut: the user's, else the fastest that fit the budget."""
+    cut = pb.cut
+    if isinstance(cut.remat, tuple):
+        policies = cut.remat
+    elif cut.memory_budget is None or not pb.remat_choice:
+        policies = pb.stage_policies(bounds)
+    else:
+        budget = float(cut.memory_budget)
+        caps = [c for c in pb.cap_candidates() if pb.view(c).memory(bounds) <= budget]
+        if not caps:
+            policies = pb.view(math.inf).stage_policies(bounds)
+        else:
+            policies = relax(pb, bounds, pb.view(caps[0]).stage_policies(bounds), budget)
+    need = pb.memory(bounds, policies)
+    if cut.memory_budget is not None and need > cut.memory_budget:
+        choice = (f" with recomputation {[str(p.value) for p in policies]}"
+                  if any(p is not Remat.NONE for p in policies) else "")
+        raise CutError(
+            f"the explicit cut {list(cut.indices or [])}{choice} needs {format_bytes(need)} "
+            f"({math.ceil(need)} bytes) per device ({pb.model.name} memory model), over the "
+            f"memory budget of {format_bytes(cut.memory_budget)}"
+            + ("" if pb.remat_choice or cut.remat != Remat.NONE else
+               "; allow recomputation with jp.Cut(remat='auto')"))
+    return tuple(policies)
+
+
 def partition(
     costs: Sequence[SegmentCost],
     placement: Sequence[int],
@@ -135,11 +220,13 @@ def partition(
     This is the schedule-independent core of :func:`choose_cuts`: ``placement[s]``
     is the device of stage ``s`` and ``in_flight[s]`` its peak number of live
     residual sets. ``len(placement)`` is the number of stages. ``memory_model`` is
-    the runtime's (``cut.memory_model`` overrides it).
+    the runtime's (``cut.memory_model`` overrides it). Each stage's recomputation
+    policy is chosen together with the cut (``cut.remat``; see :class:`Cut`).
 
     Raises:
       CutError: more stages than segments, a bad explicit cut, or an infeasible
-        memory budget (the message names the smallest feasible budget).
+        memory budget (the message names the smallest feasible budget, and the cut
+        and recomputation that reach it).
     """
     cut = cut or Cut()
     if not isinstance(memory_model, MemoryModel):
@@ -150,24 +237,19 @@ def partition(
     placement = [int(d) for d in placement]
     n, S = len(costs), len(placement)
     _check_inputs(n, S, placement, in_flight)
-    pb = Problem(costs, placement, in_flight, cut, model)
+    pb = Problem(costs, placement, in_flight, cut, model, _policies(cut, costs, S))
     t_opt, _ = pb.minmax(lambda k: pb.time)
 
     if cut.indices is not None:
         bounds = _explicit_bounds(cut.indices, n, S)
         objective, exact = "explicit", True
-        if cut.memory_budget is not None and pb.memory(bounds) > cut.memory_budget:
-            raise CutError(
-                f"the explicit cut {list(cut.indices)} needs {format_bytes(pb.memory(bounds))} "
-                f"per device ({model.name} memory model), over the memory budget of "
-                f"{format_bytes(cut.memory_budget)}"
-            )
+        policies = _explicit(pb, bounds)
     elif pb.single:
-        bounds, objective = search_single(pb, t_opt)
+        bounds, policies, objective = search_single(pb, t_opt)
         exact = objective == "time" or not pb.padded or pb.params_exact
     else:
-        bounds, objective, exact = search_shared(pb, t_opt)
-    return describe(pb, costs, bounds, objective, exact, t_opt)
+        bounds, policies, objective, exact = search_shared(pb, t_opt)
+    return describe(pb, costs, bounds, policies, objective, exact, t_opt)
 
 
 def choose_cuts(

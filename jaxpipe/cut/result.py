@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxpipe.cost import SegmentCost
 from jaxpipe.cut.problem import Problem
+from jaxpipe.remat import Remat
 
 __all__ = ["CutResult", "MemoryBreakdown", "describe"]
 
@@ -53,7 +54,11 @@ class CutResult:
       stage_devices: device of every stage (``schedule.placement``).
       in_flight: peak live residual sets of every stage under the schedule.
       stage_fwd, stage_bwd: forward / backward cost of every stage (FLOPs, or
-        seconds when profiled); ``stage_time = stage_fwd + stage_bwd``.
+        seconds when profiled), recomputation excluded.
+      stage_recompute: what every stage's backward spends recomputing under its
+        policy (same unit); ``stage_time = stage_fwd + stage_bwd + stage_recompute``.
+      remat: every stage's recomputation policy (:class:`~jaxpipe.remat.Remat`);
+        ``jaxpipe.stages.split(..., remat=result.remat)`` applies it.
       stage_memory: predicted bytes of every stage, by kind.
       device_memory: what every device needs for its own stages (sum of its
         stages' breakdowns).
@@ -61,7 +66,7 @@ class CutResult:
         shape (one SPMD program): parameters padded per storage class
         (``MemoryModel.param_class``) to the busiest device (and grads/optimizer
         alike), residuals and transfers of the device with the most activation
-        bytes, the workspace of the stage with the largest residual set.
+        bytes, the largest workspace of any stage.
       memory_model: name of the memory model the search used.
       objective: what was optimised ("time", "memory", "budget" or "explicit").
       exact: the primary objective is provably optimal (False only for the
@@ -72,6 +77,8 @@ class CutResult:
       time_unit: ``"flops"``, or ``"s"`` when profiled.
       padded: the memory model pads (``MemoryModel.padded``): ``peak_memory`` is
         ``padded_memory.total``, else ``max_device_memory``.
+      memory_budget: the budget the cut was chosen under (bytes per device), or
+        ``None``; budget_source: where it came from (``Cut.budget_source``).
     """
 
     cuts: tuple[int, ...]
@@ -92,10 +99,23 @@ class CutResult:
     time_unit: str = "flops"
     padded: bool = True
     segment_names: tuple[str, ...] = field(default=(), repr=False)
+    remat: tuple[Remat, ...] = ()
+    stage_recompute: tuple[float, ...] = ()
+    memory_budget: float | None = None
+    budget_source: str | None = None
+
+    def __post_init__(self) -> None:
+        S = len(self.stage_fwd)
+        if not self.remat:
+            object.__setattr__(self, "remat", (Remat.NONE,) * S)
+        if not self.stage_recompute:
+            object.__setattr__(self, "stage_recompute", (0.0,) * S)
 
     @property
     def stage_time(self) -> tuple[float, ...]:
-        return tuple(f + b for f, b in zip(self.stage_fwd, self.stage_bwd, strict=True))
+        """Forward + backward + recomputation of every stage."""
+        return tuple(f + b + r for f, b, r in zip(self.stage_fwd, self.stage_bwd,
+                                                  self.stage_recompute, strict=True))
 
     @property
     def max_stage_time(self) -> float:
@@ -112,14 +132,20 @@ class CutResult:
         return self.padded_memory.total if self.padded else self.max_device_memory
 
     def action_cost(self, action: Any) -> float:
-        """Cost of one schedule action under this cut (for ``schedule.simulate``)."""
+        """Cost of one schedule action under this cut (for ``schedule.simulate``).
+
+        A split backward's halves cost half the backward each; the recomputation runs
+        in the input-gradient half (I), which needs the activations first.
+        """
         s = action.stage
         kind = action.kind
         if kind == "F":
             return self.stage_fwd[s]
         if kind == "B":
-            return self.stage_bwd[s]
-        if kind in ("I", "W"):  # split backward: input and weight grads, half each
+            return self.stage_bwd[s] + self.stage_recompute[s]
+        if kind == "I":
+            return 0.5 * self.stage_bwd[s] + self.stage_recompute[s]
+        if kind == "W":
             return 0.5 * self.stage_bwd[s]
         raise ValueError(f"unknown action kind {kind!r}")
 
@@ -128,12 +154,16 @@ def describe(
     pb: Problem,
     costs: Sequence[SegmentCost],
     bounds: Sequence[int],
+    policies: Sequence[Remat],
     objective: str,
     exact: bool,
     t_opt: float,
 ) -> CutResult:
-    """The :class:`CutResult` of partition ``bounds``: per-stage costs and memory."""
+    """The :class:`CutResult` of partition ``bounds`` with ``policies``: per-stage costs
+    and memory."""
     cut = pb.cut
+    policies = tuple(policies)
+    rows = [pb.policies.index(p) for p in policies]
     stage_mem = []
     for k in range(pb.S):
         a, b = bounds[k], bounds[k + 1]
@@ -143,9 +173,10 @@ def describe(
                 params=p,
                 grads=cut.grad_bytes_per_param_byte * p,
                 optimizer=cut.optimizer_bytes_per_param_byte * p,
-                residuals=float(pb.in_flight[k] * pb.residual[a, b]),
+                residuals=float(pb.model.residual_bytes(pb.in_flight[k],
+                                                        pb.policy_residual[rows[k], a, b])),
                 transfers=float(pb.transfers[a, b]),
-                workspace=float(pb.workspace_sets * pb.residual[a, b]),
+                workspace=float(pb.work[a, b]),
             )
         )
     device_mem = [MemoryBreakdown() for _ in range(pb.D)]
@@ -180,4 +211,9 @@ def describe(
         time_unit=pb.time_unit,
         padded=pb.padded,
         segment_names=tuple(c.name for c in costs),
+        remat=policies,
+        stage_recompute=tuple(float(pb.policy_recompute[rows[k], bounds[k], bounds[k + 1]])
+                              for k in range(pb.S)),
+        memory_budget=None if cut.memory_budget is None else float(cut.memory_budget),
+        budget_source=cut.budget_source,
     )

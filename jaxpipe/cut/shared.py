@@ -5,7 +5,9 @@ stage-by-stage DP cannot express. Small problems are enumerated exactly
 (:func:`enumerate_cuts`, up to ``_ENUM_LIMIT`` candidate cuts); large ones use a
 weighted DP (:func:`min_memory_shared`) followed by a local search over cut
 positions (:func:`local_search`). Stage time is still per stage, so the "time"
-objective stays exact.
+objective stays exact. With a choice of recomputation policies, every search runs on
+the problem's view for its time cap (the least-storing policy of each range), which
+keeps enumeration exact for cut and policies together.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxpipe.cut.problem import Problem, inf_unless
-from jaxpipe.cut.search import infeasible, min_time_within_budget
+from jaxpipe.cut.search import infeasible, min_time_within_budget, relax
+from jaxpipe.remat import Remat
 
 __all__ = ["search_shared", "min_memory_shared", "local_search", "enumerate_cuts"]
 
@@ -26,24 +29,36 @@ __all__ = ["search_shared", "min_memory_shared", "local_search", "enumerate_cuts
 _ENUM_LIMIT = 60_000
 
 
-def search_shared(pb: Problem, t_opt: float) -> tuple[list[int], str, bool]:
-    """Devices hold several stages: enumerate small problems, else DP + local search."""
+def search_shared(pb: Problem, t_opt: float
+                  ) -> tuple[list[int], tuple[Remat, ...], str, bool]:
+    """Devices hold several stages: enumerate small problems, else DP + local search.
+
+    Returns ``(bounds, policies, objective, exact)``.
+    """
     cut = pb.cut
     objective = "budget" if cut.memory_budget is not None else cut.objective
     if math.comb(pb.n - 1, pb.S - 1) <= _ENUM_LIMIT:
-        return enumerate_cuts(pb, t_opt), objective, True
-    if objective == "budget":
+        view, bounds = enumerate_cuts(pb, t_opt)
+        exact = True
+    elif objective == "budget":
         t_b = min_time_within_budget(pb, t_opt, float(cut.memory_budget), min_memory_shared,
                                      exact=False)
-        return min_memory_shared(pb, t_b), objective, False
-    # Time is per stage, so the "time" objective stays exact; memory is heuristic.
-    bounds = min_memory_shared(pb, t_opt)
-    if objective == "memory":
-        # A looser cap must never come out worse: also polish the time-optimal answer.
-        cap = (1.0 + cut.time_slack) * t_opt
-        cands = [min_memory_shared(pb, cap), local_search(pb, bounds, cap)]
-        bounds = min(cands, key=pb.rank)
-    return bounds, objective, objective == "time"
+        view = pb.view(t_b)
+        bounds, exact = min_memory_shared(view, t_b), False
+    else:
+        # Time is per stage, so the "time" objective stays exact; memory is heuristic.
+        view = pb
+        bounds = min_memory_shared(pb, t_opt)
+        if objective == "memory":
+            # A looser cap must never come out worse: also polish the time-optimal answer.
+            cap = (1.0 + cut.time_slack) * t_opt
+            view = pb.view(cap)
+            cands = [min_memory_shared(view, cap), local_search(view, bounds, cap)]
+            bounds = min(cands, key=view.rank)
+        exact = objective == "time"
+    limit = float(cut.memory_budget) if objective == "budget" else view.memory(bounds)
+    policies = relax(pb, bounds, view.stage_policies(bounds), limit)
+    return bounds, policies, objective, exact
 
 
 def min_memory_shared(pb: Problem, cap: float, good_enough: float | None = None) -> list[int]:
@@ -57,8 +72,9 @@ def min_memory_shared(pb: Problem, cap: float, good_enough: float | None = None)
     polished by local search. An unpadded model's ``q`` is everything a stage
     needs; the padded peak is a sum of separate maxima, so several ``q`` are tried
     (activations; plus parameters; plus the workspace) and, for activations, a few
-    parameter thresholds down the Pareto front.
+    parameter thresholds down the Pareto front. Policies: those of ``pb.view(cap)``.
     """
+    pb = pb.view(cap)
     good_enough = -math.inf if good_enough is None else good_enough
     ok = pb.time <= cap
     per_device = np.bincount(pb.placement, minlength=pb.D)[pb.placement]
@@ -66,14 +82,14 @@ def min_memory_shared(pb: Problem, cap: float, good_enough: float | None = None)
     assert best is not None
     best_key = pb.rank(best)
 
-    def q_act(P: np.ndarray, X: np.ndarray, R: np.ndarray) -> np.ndarray:
+    def q_act(P: np.ndarray, X: np.ndarray, W: np.ndarray) -> np.ndarray:
         return X
 
-    def q_act_params(P: np.ndarray, X: np.ndarray, R: np.ndarray) -> np.ndarray:
+    def q_act_params(P: np.ndarray, X: np.ndarray, W: np.ndarray) -> np.ndarray:
         return X + pb.bytes_per_param * P
 
-    def q_all(P: np.ndarray, X: np.ndarray, R: np.ndarray) -> np.ndarray:
-        return X + pb.bytes_per_param * P + pb.workspace_sets * R
+    def q_all(P: np.ndarray, X: np.ndarray, W: np.ndarray) -> np.ndarray:
+        return X + pb.bytes_per_param * P + W
 
     # (per-stage quantity over ranges, same for a partition's stages, thresholds)
     runs: list[tuple[Callable[[int], np.ndarray], Callable[..., np.ndarray], int]]
@@ -82,7 +98,7 @@ def min_memory_shared(pb: Problem, cap: float, good_enough: float | None = None)
             return pb.act(k) + pb.bytes_per_param * pb.pvar
 
         def act_params_work(k: int) -> np.ndarray:
-            return act_params(k) + pb.workspace_sets * pb.residual
+            return act_params(k) + pb.work
 
         runs = [(pb.act, q_act, 4), (act_params, q_act_params, 1), (act_params_work, q_all, 1)]
     else:
@@ -106,8 +122,8 @@ def min_memory_shared(pb: Problem, cap: float, good_enough: float | None = None)
                     return b
                 if key < round_key:
                     round_best, round_key = b, key
-                P, X, R, PG = pb.stage_parts(np.asarray(b))
-                q = q_of(PG.sum(axis=-1) if pb.padded else P, X, R)
+                P, X, W, PG = pb.stage_parts(np.asarray(b))
+                q = q_of(PG.sum(axis=-1) if pb.padded else P, X, W)
                 share = q / np.maximum((q @ pb.onehot)[pb.placement], 1e-30)
                 share = np.maximum(share, 1e-3)
                 share /= np.bincount(pb.placement, weights=share, minlength=pb.D)[pb.placement]
@@ -187,25 +203,52 @@ def local_search(pb: Problem, bounds: Sequence[int], cap: float) -> list[int]:
     return [int(x) for x in b]
 
 
-def enumerate_cuts(pb: Problem, t_opt: float) -> list[int]:
-    """Exact search over every cut (small problems with several stages per device)."""
+def enumerate_cuts(pb: Problem, t_opt: float) -> tuple[Problem, list[int]]:
+    """Exact search over every cut (small problems with several stages per device).
+
+    Returns the view whose policies the cut uses, and the cut. With a memory budget and
+    a choice of policies, the least time cap whose least-memory cut fits is found by
+    bisection over the caps first.
+    """
     cut, n, S = pb.cut, pb.n, pb.S
     inner = np.array(list(itertools.combinations(range(1, n), S - 1)), dtype=np.int64)
     inner = inner.reshape(-1, S - 1)
     K = inner.shape[0]
     bounds = np.concatenate([np.zeros((K, 1), np.int64), inner, np.full((K, 1), n)], axis=1)
-    times = pb.time[bounds[:, :-1], bounds[:, 1:]]
-    max_t = times.max(axis=1)
-    peak, sq = pb.keys(*pb.stage_parts(bounds))
+
+    def evaluate(view: Problem) -> tuple[np.ndarray, ...]:
+        times = view.time[bounds[:, :-1], bounds[:, 1:]]
+        peak, sq = view.keys(*view.stage_parts(bounds))
+        return times, times.max(axis=1), peak, sq
+
     if cut.memory_budget is not None:
-        ok = peak <= cut.memory_budget
-        if not ok.any():
-            raise infeasible(pb, float(peak.min()), exact=True)
+        view = pb.view(math.inf)
+        times, max_t, peak, sq = evaluate(view)
+        if not (peak <= cut.memory_budget).any():
+            raise infeasible(pb, [int(x) for x in bounds[int(np.argmin(peak))]], exact=True)
+        if pb.remat_choice:
+            ts = pb.cap_candidates()
+            ts = ts[ts >= t_opt]
+            lo, hi = 0, len(ts) - 1  # ts[hi] (no cap binds at the largest time) fits
+            while lo < hi:
+                mid = (lo + hi) // 2
+                _, mid_t, mid_peak, _ = evaluate(pb.view(float(ts[mid])))
+                if ((mid_peak <= cut.memory_budget) & np.isfinite(mid_t)).any():
+                    hi = mid
+                else:
+                    lo = mid + 1
+            view = pb.view(float(ts[hi]))
+            times, max_t, peak, sq = evaluate(view)
+        ok = (peak <= cut.memory_budget) & np.isfinite(max_t)
         order = np.lexsort(((times**2).sum(1), peak, max_t, ~ok))
     elif cut.objective == "time":
+        view = pb
+        times, max_t, peak, sq = evaluate(view)
         ok = max_t <= t_opt
         order = np.lexsort(((times**2).sum(1), peak, ~ok))
     else:
+        view = pb.view((1.0 + cut.time_slack) * t_opt)
+        times, max_t, peak, sq = evaluate(view)
         ok = max_t <= (1.0 + cut.time_slack) * t_opt
         order = np.lexsort((sq, max_t, peak, ~ok))
-    return [int(x) for x in bounds[order[0]]]
+    return view, [int(x) for x in bounds[order[0]]]

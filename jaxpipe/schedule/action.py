@@ -48,15 +48,15 @@ class ScheduleError(ValueError):
 def _index(name: str, value: object) -> int:
     """Coerce an index-like value (int, numpy integer) to ``int``; reject the rest."""
     if isinstance(value, bool):
-        raise ValueError(f"Action {name} must be an int, got a bool ({value!r})")
+        raise ScheduleError(f"Action {name} must be an int, got a bool ({value!r})")
     try:
         index = operator.index(value)
     except TypeError:
-        raise ValueError(
+        raise ScheduleError(
             f"Action {name} must be an int, got {type(value).__name__} {value!r}"
         ) from None
     if index < 0:
-        raise ValueError(f"Action {name} must be >= 0, got {index}")
+        raise ScheduleError(f"Action {name} must be >= 0, got {index}")
     return index
 
 
@@ -79,7 +79,7 @@ class Action:
 
     def __post_init__(self) -> None:
         if self.kind not in ACTION_KINDS:
-            raise ValueError(
+            raise ScheduleError(
                 f"Action kind must be one of {', '.join(ACTION_KINDS)} "
                 f"(forward, backward, input-grad, weight-grad), got {self.kind!r}"
             )
@@ -95,20 +95,21 @@ class Action:
         """Parse the ``"<stage><kind><microbatch>"`` form, e.g. ``"2F0"`` or ``"12W3"``.
 
         Whitespace around the parts is ignored and the kind may be lower case.
-        Raises ``ValueError`` naming the text and the expected form.
+        Raises :class:`ScheduleError` (a ``ValueError``) naming the text and the expected
+        form.
         """
         if not isinstance(text, str):
-            raise ValueError(f"Action.parse expects a str like '2F0', got {type(text).__name__}")
+            raise ScheduleError(f"Action.parse expects a str like '2F0', got {type(text).__name__}")
         match = _ACTION_RE.match(text)
         if match is None:
-            raise ValueError(
+            raise ScheduleError(
                 f"cannot parse action {text!r}: expected '<stage><kind><microbatch>' "
                 f"like '2F0', with kind one of {', '.join(ACTION_KINDS)}"
             )
         stage, kind, microbatch = match.groups()
         kind = kind.upper()
         if kind not in ACTION_KINDS:
-            raise ValueError(
+            raise ScheduleError(
                 f"cannot parse action {text!r}: kind {kind!r} is not one of "
                 f"{', '.join(ACTION_KINDS)}"
             )

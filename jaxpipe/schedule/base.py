@@ -18,13 +18,15 @@ A minimal custom schedule::
                 Action("B", stage, mb) for mb in mbs
             ]
 
-``device_actions`` must be deterministic: jaxpipe calls it more than once.
+``device_actions`` must return the same list every time it is called: jaxpipe reads it
+twice and keeps the first (see :meth:`Schedule.actions`).
 """
 
 from __future__ import annotations
 
 import abc
 import numbers
+from collections.abc import Iterable
 from typing import ClassVar
 
 from .action import Action, ScheduleError
@@ -36,6 +38,39 @@ def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ScheduleError(f"{name} must be a positive int, got {value!r}")
     return int(value)
+
+
+_SIZES = ("num_devices", "num_microbatches", "stages_per_device")
+
+
+class _NotInitialized(ScheduleError, AttributeError):
+    """A Schedule subclass skipped ``Schedule.__init__`` (also an AttributeError, so
+    ``hasattr`` keeps working)."""
+
+
+def _action_list(schedule: Schedule, device: int) -> tuple[Action, ...]:
+    """``schedule.device_actions(device)`` as a tuple, checked to be a repeatable list."""
+    name = f"{type(schedule).__name__}.device_actions({device})"
+
+    def once() -> tuple:
+        got = schedule.device_actions(device)
+        if got is None:
+            raise ScheduleError(
+                f"{name} returned None, not a list of Actions (a missing `return`?)")
+        if isinstance(got, str | bytes | dict) or not isinstance(got, Iterable):
+            raise ScheduleError(
+                f"{name} returned a {type(got).__name__} ({got!r:.80}), not a list of "
+                "Actions; return e.g. [Action('F', stage, mb), ...]")
+        return tuple(got)
+
+    first, second = once(), once()
+    if first != second:
+        raise ScheduleError(
+            f"{name} returned a different list on its second call ({len(first)} actions, "
+            f"then {len(second)}); it must return the same list every time (build a new "
+            "list in the method: an iterator or generator stored on the schedule is empty "
+            "the second time)")
+    return first
 
 
 class Schedule(abc.ABC):
@@ -81,8 +116,19 @@ class Schedule(abc.ABC):
         """The actions ``device`` runs, in the order it runs them."""
 
     def actions(self) -> dict[int, list[Action]]:
-        """``{device: device_actions(device)}`` for every device."""
-        return {d: list(self.device_actions(d)) for d in range(self.num_devices)}
+        """``{device: device_actions(device)}`` for every device, checked and cached.
+
+        Each list is read twice on first use and must come out the same: a schedule is a
+        fixed plan, and validation, simulation and lowering must all see one plan. Raises
+        :class:`ScheduleError` naming the method and what it returned if ``device_actions``
+        returns something that is not a list of actions (``None``: a forgotten
+        ``return``) or a different list on its second call (a one-shot iterator).
+        """
+        cached = self.__dict__.get("_jaxpipe_actions")
+        if cached is None:
+            cached = {d: _action_list(self, d) for d in range(self.num_devices)}
+            self.__dict__["_jaxpipe_actions"] = cached
+        return {d: list(acts) for d, acts in cached.items()}
 
     def split_units(self) -> frozenset[tuple[int, int]]:
         """The (stage, microbatch) pairs whose backward runs as ``I`` + ``W`` instead of ``B``.
@@ -115,6 +161,17 @@ class Schedule(abc.ABC):
         take the defaults), or a callable ``action -> cost`` (e.g. per-stage costs).
         """
         return simulate_schedule(self, costs)
+
+    def __getattr__(self, name: str) -> object:
+        # Only reached when normal lookup fails: a subclass __init__ that never called
+        # Schedule.__init__ has none of the sizes every method needs.
+        if name in _SIZES:
+            raise _NotInitialized(
+                f"{type(self).__name__} has no {name}: its __init__ did not call "
+                "super().__init__(num_devices, num_microbatches, stages_per_device); add "
+                "that call (before anything that uses the sizes)."
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         v = self.stages_per_device

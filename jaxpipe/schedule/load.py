@@ -54,10 +54,28 @@ def _import_file(path: Path):
     sys.modules[module_name] = module  # dataclasses/pickle look the module up here
     try:
         spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[module_name]
+        raise ScheduleError(
+            f"cannot import schedule file {str(path)!r}: {_where(err, path)}"
+        ) from err
     except BaseException:
         del sys.modules[module_name]
         raise
     return module
+
+
+def _where(err: BaseException, path: Path) -> str:
+    """``'SyntaxError at line 3: expected ':''`` — the error and where in ``path`` it is."""
+    line = getattr(err, "lineno", None) if isinstance(err, SyntaxError) else None
+    if line is None:
+        tb = err.__traceback__
+        while tb is not None:
+            if Path(tb.tb_frame.f_code.co_filename).resolve() == path.resolve():
+                line = tb.tb_lineno
+            tb = tb.tb_next
+    msg = getattr(err, "msg", None) if isinstance(err, SyntaxError) else str(err)
+    return f"{type(err).__name__}{f' at line {line}' if line else ''}: {msg}"
 
 
 def load_schedule(name_or_path: str | type[Schedule]) -> type[Schedule]:
@@ -92,6 +110,11 @@ def load_schedule(name_or_path: str | type[Schedule]) -> type[Schedule]:
     if not class_name.isidentifier():
         raise ScheduleError(f"{class_name!r} in {text!r} is not a class name")
     path = Path(source)
+    if path.is_dir():
+        raise ScheduleError(
+            f"schedule file {source!r} is a directory; name the Python file that defines "
+            f"the class, e.g. '{source.rstrip('/')}/my_schedule.py:{class_name}'"
+        )
     if source.endswith(".py") or path.exists():
         if not path.is_file():
             raise ScheduleError(
@@ -100,11 +123,20 @@ def load_schedule(name_or_path: str | type[Schedule]) -> type[Schedule]:
             )
         module = _import_file(path)
     else:
+        if not all(part.isidentifier() for part in source.split(".")):
+            raise ScheduleError(
+                f"{source!r} is neither a Python file (path/to/file.py) nor a module name "
+                f"(package.module); valid: {_valid_names()}"
+            )
         try:
             module = importlib.import_module(source)
         except ImportError as err:
             raise ScheduleError(
                 f"cannot import schedule module {source!r}: {err}; valid: {_valid_names()}"
+            ) from err
+        except Exception as err:  # the module itself fails while importing
+            raise ScheduleError(
+                f"cannot import schedule module {source!r}: {type(err).__name__}: {err}"
             ) from err
 
     cls = getattr(module, class_name, None)

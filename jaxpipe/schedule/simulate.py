@@ -24,7 +24,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Union
 
-from .action import ACTION_KINDS, KIND_NAMES, Action
+from .action import ACTION_KINDS, KIND_NAMES, Action, ScheduleError
 from .liveness import peak_overlap, unit_lifetimes
 from .validate import check_structure, execute
 
@@ -44,13 +44,13 @@ KIND_COLORS: dict[str, str] = {"F": "#4C72B0", "B": "#DD8452", "I": "#55A868", "
 def _number(value: object, what: str) -> numbers.Real:
     """Check a cost is a finite number >= 0; keep ints/Fractions exact."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"cost of {what} must be a number, got {value!r}")
+        raise ScheduleError(f"cost of {what} must be a number, got {value!r}")
     if isinstance(value, numbers.Integral):
         value = int(value)
     elif not isinstance(value, Fraction):
         value = float(value)
     if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"cost of {what} must be finite and >= 0, got {value!r}")
+        raise ScheduleError(f"cost of {what} must be finite and >= 0, got {value!r}")
     return value
 
 
@@ -65,7 +65,7 @@ def resolve_costs(costs: Costs) -> Callable[[Action], numbers.Real]:
     if isinstance(costs, Mapping):
         unknown = sorted(set(costs) - set(ACTION_KINDS))
         if unknown:
-            raise ValueError(
+            raise ScheduleError(
                 f"unknown action kind(s) in costs: {', '.join(map(repr, unknown))}; "
                 f"valid kinds are {', '.join(ACTION_KINDS)}"
             )
@@ -73,7 +73,7 @@ def resolve_costs(costs: Costs) -> Callable[[Action], numbers.Real]:
         return lambda a: table[a.kind]
     if callable(costs):
         return lambda a: _number(costs(a), f"action {a}")
-    raise ValueError(
+    raise ScheduleError(
         f"costs must be None, a dict kind->cost, or a callable(action)->cost; got {costs!r}"
     )
 

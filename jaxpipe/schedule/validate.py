@@ -102,11 +102,12 @@ def check_structure(schedule: Schedule) -> tuple[dict[int, list[Action]], frozen
     """
     p, m, n = schedule.num_devices, schedule.num_microbatches, schedule.num_stages
     placement = check_placement(schedule)
+    actions = schedule.actions()
 
     lists: dict[int, list[Action]] = {}
     where: dict[Action, tuple[int, int]] = {}  # action -> (device, position)
     for device in range(p):
-        acts = list(schedule.device_actions(device))
+        acts = actions[device]
         for pos, a in enumerate(acts):
             if not isinstance(a, Action):
                 raise _fail(
