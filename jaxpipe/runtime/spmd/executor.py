@@ -172,7 +172,7 @@ class SpmdExecutor(Executor):
         def local(buf):
             out = lax.switch(lax.axis_index(spec.axis),
                              [branch(d) for d in range(sched.num_devices)], [x[0] for x in buf])
-            return [lax.psum(x, spec.axis) for x in out]
+            return [lax.psum(x, spec.axis).astype(x.dtype) for x in out]
 
         fn = jax.shard_map(local, mesh=spec.mesh, in_specs=([P(spec.axis)] * len(slots),),
                            out_specs=[P()] * len(avals), check_vma=False)

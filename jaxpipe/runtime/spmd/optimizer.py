@@ -88,7 +88,8 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
 
     def epilogue(pbuf: list, gout: list, loss: jax.Array, obuf: list) -> tuple:
         obuf = [v[0] for v in obuf]
-        tied_total = [lax.psum(x, axis) for x in per_device(
+        # psum promotes bool/small ints: every tied leaf keeps its own dtype
+        tied_total = [lax.psum(x, axis).astype(x.dtype) for x in per_device(
             lambda d, g: local_tied(d, g, False), gout)]
         total_sq = sq_norm(tied_total) + lax.psum(per_device(local_sq, gout), axis)
         gnorm, scale = global_norm_scale(total_sq, options)
@@ -97,7 +98,7 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
         if tied:
             # Copies got the same update, but branches may round differently: take the
             # first owner's result everywhere so tied copies stay bit-identical.
-            owned = [lax.psum(x, axis) for x in per_device(
+            owned = [lax.psum(x, axis).astype(x.dtype) for x in per_device(
                 lambda d, p: local_tied(d, p, True), new_p)]
             new_p = per_device(lambda d, p: set_tied(d, p, owned), new_p)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
