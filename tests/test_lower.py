@@ -44,7 +44,8 @@ def _decode(branch: int, num_stages: int) -> tuple[str, int]:
 
 def _check_lowering(schedule, split=False):
     run, _ = expand(schedule, split)
-    when = assign_ticks(run)
+    ticks = assign_ticks(run)
+    when = ticks.timing()
     D = schedule.num_devices
     # every action once, on its device, one action per (device, step), device order kept
     assert set(when) == {a for acts in run.actions().values() for a in acts}
@@ -52,10 +53,7 @@ def _check_lowering(schedule, split=False):
         steps = [when[a].step for a in acts]
         assert all(when[a].device == d for a in acts)
         assert steps == sorted(steps) and len(set(steps)) == len(steps)
-    last = {}
-    for tm in when.values():
-        last[tm.tick] = max(last.get(tm.tick, tm.step), tm.step)
-    messages = list_messages(run, when, last.__getitem__)
+    messages = list_messages(ticks).as_list(ticks.graph.actions)
     S, m = schedule.num_stages, schedule.num_microbatches
     assert len(messages) == 2 * (S - 1) * m  # a carry and a cotangent per stage boundary
     for msg in messages:
@@ -66,20 +64,30 @@ def _check_lowering(schedule, split=False):
         assert msg.read > msg.sent
         assert (msg.src, msg.dst) == (schedule.placement(msg.producer.stage),
                                       schedule.placement(msg.consumer.stage))
+        assert msg.producer in jp.schedule.dependencies(msg.consumer, run)
 
     counts = _counts(schedule)
-    alloc = allocate(run, when, messages, counts)
+    alloc = allocate(ticks, list_messages(ticks), counts)
     # no two values that are live at once share slots (times are (start, end])
+    actions = ticks.graph.actions
     for d in range(D):
         live = []
-        for (pool, unit, c), base in alloc.pool_base.items():
-            n = counts[pool][unit[0]].get(c, 0)
-            if schedule.placement(unit[0]) != d or n == 0:
-                continue
-            kinds = {a.kind: when[a].step for a in when if (a.stage, a.microbatch) == unit}
-            start = kinds[pool.writer]
-            end = max([kinds[r] for r in pool.readers if r in kinds] or [start])
-            live.append((c, start, end, base, base + n))
+        for (pool, c), bases in alloc.base.items():
+            for k in np.flatnonzero(bases >= 0):
+                a = actions[k]
+                n = counts[pool][a.stage].get(c, 0)
+                if a.kind != pool.writer or when[a].device != d or n == 0:
+                    continue
+                kinds = {x.kind: when[x].step for x in when
+                         if (x.stage, x.microbatch) == (a.stage, a.microbatch)}
+                start = kinds[pool.writer]
+                end = max([kinds[r] for r in pool.readers if r in kinds] or [start])
+                live.append((c, start, end, int(bases[k]), int(bases[k]) + n))
+                # every reader of the pool reads where the writer wrote
+                for r in pool.readers:
+                    x = jp.Action(r, a.stage, a.microbatch)
+                    if x in when:
+                        assert bases[list(actions).index(x)] == bases[k]
         for i, (c1, s1, e1, lo1, hi1) in enumerate(live):
             assert hi1 <= alloc.slots[c1]
             for c2, s2, e2, lo2, hi2 in live[i + 1:]:
@@ -101,9 +109,7 @@ def _check_lowering(schedule, split=False):
             seen.add(jp.Action(kind, stage, int(t.microbatch[step, d])))
     assert seen == set(low.actions)
     # every message arrives where its reader looks for it
-    for msg in list_messages(run, low.actions, {
-            tm.tick: max(x.step for x in low.actions.values() if x.tick == tm.tick)
-            for tm in low.actions.values()}.__getitem__):
+    for msg in low.messages:
         p = low.actions[msg.producer]
         slot = t.in_slot[msg.read, msg.dst]
         if msg.src == msg.dst:

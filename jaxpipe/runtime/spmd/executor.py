@@ -247,6 +247,14 @@ class SpmdExecutor(Executor):
             "stage_residual_bytes": [p.nbytes() for p in lay.residuals],
         }
 
+    def timing_report(self, cost: Any) -> str:
+        """The lowered program against the schedule under the sync model (see
+        :mod:`.sync`), e.g. ``lowered efficiency 0.982 (...)``."""
+        from jaxpipe.runtime.spmd.sync import sync_report
+
+        return "lowered program: " + sync_report(self.spec.schedule, self.lowering,
+                                                 cost).summary()
+
     def fingerprint(self) -> dict[str, str]:
         digest = hashlib.sha256(self.lowering.table.digest_bytes()).hexdigest()[:16]
         return {"table_sha256": digest, "num_steps": str(self.lowering.num_steps),

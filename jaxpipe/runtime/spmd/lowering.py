@@ -23,20 +23,24 @@ The result, :class:`Lowering`, is read by name by the program (:mod:`.program`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import functools
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from jaxpipe.schedule import ACTION_KINDS, Action, Schedule
+from jaxpipe.schedule.validate import ScheduleGraph
 
 __all__ = [
     "IDLE",
     "Lowering",
     "Message",
     "Pool",
+    "Messages",
     "TickTable",
+    "Ticks",
     "Timing",
     "allocate",
     "assign_ticks",
@@ -153,8 +157,10 @@ class Lowering:
 
     Attributes:
       table: the per-step fields (:class:`TickTable`).
-      actions: every action the program runs and when (after :func:`expand`).
-      messages: every value moved between actions (:class:`Message`).
+      ticks: when every action the program runs (after :func:`expand`) runs, as arrays;
+        :attr:`actions` has them as ``{action: Timing}``.
+      message_arrays: every value moved between actions, as arrays; :attr:`messages`
+        lists them as :class:`Message` objects.
       num_ticks, num_steps: of the lowered program (a tick spans one or more steps).
       tick_of_step: ``[steps]`` the tick of every step.
       num_devices, num_stages, num_microbatches: of the schedule.
@@ -172,8 +178,8 @@ class Lowering:
     """
 
     table: TickTable
-    actions: Mapping[Action, Timing]
-    messages: tuple[Message, ...]
+    ticks: Ticks
+    message_arrays: Messages
     num_ticks: int
     num_steps: int
     tick_of_step: np.ndarray
@@ -188,6 +194,16 @@ class Lowering:
     residual_peak: tuple[int, ...]
     slots_per_device: tuple[dict[Hashable, int], ...]
     split_backward: frozenset[tuple[int, int]]
+
+    @functools.cached_property
+    def actions(self) -> dict[Action, Timing]:
+        """Every action the program runs and when."""
+        return self.ticks.timing()
+
+    @functools.cached_property
+    def messages(self) -> tuple[Message, ...]:
+        """Every value moved between actions."""
+        return tuple(self.message_arrays.as_list(self.ticks.graph.actions))
 
     @property
     def used_branches(self) -> frozenset[int]:
@@ -208,7 +224,7 @@ class _Expanded(Schedule):
 
     def device_actions(self, device: int) -> list[Action]:
         out = []
-        for a in self._base.actions()[device]:
+        for a in self._base.graph().lists[device]:
             if a.kind == "B" and (a.stage, a.microbatch) in self._split:
                 out += [Action("I", a.stage, a.microbatch), Action("W", a.stage, a.microbatch)]
             else:
@@ -220,56 +236,95 @@ def expand(schedule: Schedule, split_backward: bool) -> tuple[Schedule, frozense
     """The schedule the program runs, and the units whose B it runs as I then W."""
     if not split_backward:
         return schedule, frozenset()
-    units = frozenset((a.stage, a.microbatch) for acts in schedule.actions().values()
-                      for a in acts if a.kind == "B")
+    units = frozenset((a.stage, a.microbatch) for a in schedule.graph().actions
+                      if a.kind == "B")
     return _Expanded(schedule, units), units
 
 
 # ----------------------------------------------------------------------------- step 2
-#: Cost per action kind used to assign ticks: one tick per action.
-UNIT_COSTS = {"F": 1, "B": 1, "I": 1, "W": 1}
+@dataclass(frozen=True)
+class Ticks:
+    """When every action of a schedule's graph runs (arrays indexed like ``graph.actions``).
+
+    Attributes:
+      graph: the schedule's :class:`~jaxpipe.schedule.validate.ScheduleGraph`.
+      device, tick, step: per action.
+      tick_end: per tick, its last step (messages move at its end).
+    """
+
+    graph: ScheduleGraph
+    device: np.ndarray
+    tick: np.ndarray
+    step: np.ndarray
+    tick_end: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.step.max()) + 1 if len(self.step) else 0
+
+    @property
+    def num_ticks(self) -> int:
+        return len(self.tick_end)
+
+    def timing(self) -> dict[Action, Timing]:
+        return {a: Timing(int(d), int(t), int(s)) for a, d, t, s in
+                zip(self.graph.actions, self.device, self.tick, self.step, strict=True)}
 
 
-def assign_ticks(schedule: Schedule) -> dict[Action, Timing]:
-    """``action -> Timing``: one action per device per tick, ticks from the unit-cost
-    simulation's start times (each device runs its actions in order, each as soon as its
-    inputs exist)."""
-    timeline = schedule.simulate(costs=UNIT_COSTS)
-    when = {}
-    for ev in timeline.events:
-        if int(ev.start) != ev.start:
-            raise AssertionError(f"non-integral tick for {ev.action}")
-        t = int(ev.start)
-        when[ev.action] = Timing(ev.device, t, t)
-    return when
+def assign_ticks(schedule: Schedule) -> Ticks:
+    """One action per device per tick, ticks from the unit-cost simulation's start times
+    (each device runs its actions in order, each as soon as its inputs exist)."""
+    graph = schedule.graph()
+    start = np.array([s for s, _ in graph.run(lambda a: 1)], np.int64)
+    n_ticks = int(start.max()) + 1 if len(start) else 0
+    return Ticks(graph, np.asarray(graph.device, np.int64), start, start,
+                 np.arange(n_ticks, dtype=np.int64))
 
 
 # ----------------------------------------------------------------------------- step 3
-def list_messages(schedule: Schedule, when: Mapping[Action, Timing],
-                  tick_end: Callable[[int], int]) -> list[Message]:
-    """Every stage carry and cotangent, in a deterministic order.
+@dataclass(frozen=True)
+class Messages:
+    """Every value moved between actions, as arrays (one entry per message).
 
-    ``tick_end(tick)`` is the last step of a tick: a message to another device arrives
-    at its end; one to the same device is written by its producer's step.
+    ``producer``/``consumer`` index ``graph.actions``; ``sent`` is the step at whose end
+    the value is available to the consumer's device (the producer's own step for a
+    message to the same device); ``read`` the consumer's step.
     """
-    S = schedule.num_stages
-    split = schedule.split_units()
 
-    def cotangent_reader(stage: int, mb: int) -> Action:
-        return Action("I" if (stage, mb) in split else "B", stage, mb)
+    producer: np.ndarray
+    consumer: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    sent: np.ndarray
+    read: np.ndarray
 
-    out = []
-    for a in sorted(when, key=lambda a: (when[a].step, when[a].device, str(a))):
-        if a.kind == "F" and a.stage < S - 1:
-            consumer = Action("F", a.stage + 1, a.microbatch)
-        elif a.kind in ("B", "I") and a.stage > 0:
-            consumer = cotangent_reader(a.stage - 1, a.microbatch)
-        else:
-            continue
-        p, c = when[a], when[consumer]
-        sent = p.step if p.device == c.device else tick_end(p.tick)
-        out.append(Message(a, consumer, p.device, c.device, sent, c.step))
-    return out
+    def __len__(self) -> int:
+        return len(self.producer)
+
+    def as_list(self, actions: Sequence[Action]) -> list[Message]:
+        return [Message(actions[p], actions[c], int(a), int(b), int(s), int(r))
+                for p, c, a, b, s, r in zip(self.producer, self.consumer, self.src, self.dst,
+                                            self.sent, self.read, strict=True)]
+
+
+def list_messages(ticks: Ticks) -> Messages:
+    """Every stage carry (F -> next stage's F) and cotangent (B/I -> previous stage's B/I),
+    ordered by the producer's step and device."""
+    graph = ticks.graph
+    prod, cons = [], []
+    for k, (a, data) in enumerate(zip(graph.actions, graph.data, strict=True)):
+        if a.kind == "F" and data:
+            prod.append(data[0])
+            cons.append(k)
+        elif a.kind in ("B", "I") and len(data) == 2:
+            prod.append(data[1])
+            cons.append(k)
+    p, c = np.asarray(prod, np.int64), np.asarray(cons, np.int64)
+    order = np.lexsort((c, ticks.device[p], ticks.step[p]))
+    p, c = p[order], c[order]
+    src, dst = ticks.device[p], ticks.device[c]
+    sent = np.where(src == dst, ticks.step[p], ticks.tick_end[ticks.tick[p]])
+    return Messages(p, c, src, dst, sent, ticks.step[c])
 
 
 # ----------------------------------------------------------------------------- step 4
@@ -280,14 +335,16 @@ def _first_fit(intervals: Sequence[tuple[int, int, int, object]]) -> tuple[dict,
     ``end``, so two values may share slots when one is last read in the step whose action
     writes the other: the program finishes an action's reads before its writes.
     """
-    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
+    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size), still live
     offsets = {}
     top = 0
     for start, end, size, key in sorted(intervals, key=lambda iv: (iv[0], -iv[2])):
         if size == 0:
             offsets[key] = 0
             continue
-        busy = sorted((o, o + s) for (a, b, o, s) in placed if a < end and start < b)
+        # starts only grow: a value last read at or before this start never overlaps again
+        placed = [iv for iv in placed if iv[1] > start]
+        busy = sorted((o, o + s) for (a, b, o, s) in placed if a < end)
         off = 0
         for lo, hi in busy:
             if off + size <= lo:
@@ -301,17 +358,27 @@ def _first_fit(intervals: Sequence[tuple[int, int, int, object]]) -> tuple[dict,
 
 @dataclass(frozen=True)
 class Allocation:
-    """Where stored values and messages live (output of :func:`allocate`)."""
+    """Where stored values and messages live (output of :func:`allocate`).
 
-    pool_base: dict[tuple[Pool, tuple[int, int], Hashable], int]  # (pool, (stage, mb), class)
+    Attributes:
+      base: per (pool, class), per action (``graph.actions`` order), the first slot the
+        action writes or reads that pool's part at (-1: the action does not touch it).
+      slots: per class, slots per device (the maximum over devices).
+      slots_per_device: per device, slots per class it needs.
+      message_slot: per message, its inbox slot.
+      num_inbox: inbox slots per device (the maximum over devices).
+      residual_peak: per device, the most residual sets live at once.
+    """
+
+    base: dict[tuple[Pool, Hashable], np.ndarray]
     slots: dict[Hashable, int]
     slots_per_device: tuple[dict[Hashable, int], ...]
-    message_slot: dict[tuple[Action, Action], int]
+    message_slot: np.ndarray
     num_inbox: int
     residual_peak: tuple[int, ...]
 
 
-def allocate(schedule: Schedule, when: Mapping[Action, Timing], messages: Sequence[Message],
+def allocate(ticks: Ticks, messages: Messages,
              pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]]) -> Allocation:
     """Liveness-sized slots for stored values (per class) and messages (per device).
 
@@ -319,101 +386,117 @@ def allocate(schedule: Schedule, when: Mapping[Action, Timing], messages: Sequen
     keeps in ``pool``. All pools of a class share one buffer: parts freed early (I-only
     residuals) make room for others, so its size is the peak of what is live at once.
     """
-    from jaxpipe.schedule.liveness import peak_overlap, unit_lifetimes
+    from jaxpipe.schedule.liveness import peak_overlap
 
-    D = schedule.num_devices
-    steps: dict[tuple[int, int], dict[str, int]] = {}  # (stage, mb) -> kind -> step
-    for a, tm in when.items():
-        steps.setdefault((a.stage, a.microbatch), {})[a.kind] = tm.step
+    graph = ticks.graph
+    D = 1 + int(ticks.device.max()) if len(ticks.device) else 0
+    D = max(D, len(graph.lists))
+    # per unit (stage, mb): the action index of each kind
+    of_unit: dict[tuple[int, int], dict[str, int]] = {}
+    for k, a in enumerate(graph.actions):
+        of_unit.setdefault((a.stage, a.microbatch), {})[a.kind] = k
     classes = sorted({c for counts in pool_counts.values() for row in counts for c in row},
                      key=repr)
-    pool_base: dict = {}
+    n = len(graph.actions)
+    base = {(pool, c): np.full(n, -1, np.int64) for pool in Pool for c in classes}
     slots = dict.fromkeys(classes, 0)
+    units_of = [[] for _ in range(D)]
+    for unit, kinds in of_unit.items():
+        units_of[int(ticks.device[kinds["F"]])].append((unit, kinds))
     per_device, peaks = [], []
+    access = [(pool, pool.writer, pool.readers) for pool in Pool]
+    step_of = ticks.step.tolist()
     for d in range(D):
-        mine = sorted(((a, tm.step) for a, tm in when.items() if tm.device == d),
-                      key=lambda x: x[1])
-        units = [(a.stage, a.microbatch) for a, _ in mine if a.kind == "F"]
-        live = []  # (first step, last step, pool, unit)
-        for pool in Pool:
-            for unit in units:
-                kinds = steps[unit]
-                if pool.writer in kinds:
-                    last = max((kinds[r] for r in pool.readers if r in kinds),
-                               default=kinds[pool.writer])
-                    live.append((kinds[pool.writer], last, pool, unit))
+        live = []  # (first step, last step, pool, unit, action indices)
+        lifetimes = []
+        for unit, kinds in units_of[d]:
+            steps = {kind: step_of[k] for kind, k in kinds.items()}
+            lifetimes.append((steps["F"], max(t for kind, t in steps.items() if kind != "F")))
+            for pool, writer, readers in access:
+                if writer in steps:
+                    mine = [r for r in readers if r in steps]
+                    last = max((steps[r] for r in mine), default=steps[writer])
+                    live.append((steps[writer], last, pool, unit,
+                                 [kinds[writer]] + [kinds[r] for r in mine]))
         need = {}
         for c in classes:
-            off, top = _first_fit([(a, b, pool_counts[pool][unit[0]].get(c, 0), (pool, unit))
-                                   for a, b, pool, unit in live])
-            pool_base.update({(pool, unit, c): o for (pool, unit), o in off.items()})
+            off, top = _first_fit([(a, b, pool_counts[pool][unit[0]].get(c, 0), i)
+                                   for i, (a, b, pool, unit, _) in enumerate(live)])
+            for i, (_, _, pool, _, acts) in enumerate(live):
+                if pool_counts[pool][live[i][3][0]].get(c, 0):
+                    base[(pool, c)][acts] = off[i]
             slots[c] = max(slots[c], top)
             need[c] = top
         per_device.append(need)
         # residual *sets* live from F to the last backward action (the simulator's count)
-        peaks.append(peak_overlap(unit_lifetimes(mine).values()))
-    message_slot: dict = {}
+        peaks.append(peak_overlap(lifetimes))
+    message_slot = np.zeros(len(messages), np.int64)
     num_inbox = 0
+    local = (messages.src == messages.dst).astype(np.int64)
     for d in range(D):
+        idx = np.flatnonzero(messages.dst == d)
         # A message to another device arrives at the end of step `sent`; one from the same
         # device is written *during* step `sent`, so it must not share with a message read
         # in that step (start one step earlier).
-        off, top = _first_fit([(m.sent - (m.src == m.dst), m.read, 1, (m.producer, m.consumer))
-                               for m in messages if m.dst == d])
-        message_slot.update(off)
+        off, top = _first_fit([(int(messages.sent[i] - local[i]), int(messages.read[i]), 1,
+                                int(i)) for i in idx])
+        for i in idx:
+            message_slot[i] = off[int(i)]
         num_inbox = max(num_inbox, top)
-    return Allocation(pool_base, slots, tuple(per_device), message_slot, num_inbox,
-                      tuple(peaks))
+    return Allocation(base, slots, tuple(per_device), message_slot, num_inbox, tuple(peaks))
 
 
 # ----------------------------------------------------------------------------- step 5
-def fill_table(schedule: Schedule, when: Mapping[Action, Timing], messages: Sequence[Message],
-               alloc: Allocation, perm_offsets: Sequence[int], units: Sequence[int],
-               num_steps: int, tick_end: Callable[[int], int],
+def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
+               perm_offsets: Sequence[int], units: Sequence[int],
                body_of_stage: Sequence[int], num_bodies: int,
                pool_classes: Mapping[Pool, Sequence[Hashable]]) -> TickTable:
     """One row per (step, device); idle rows point at the dummy inbox slot."""
-    D = schedule.num_devices
-    T = num_steps
+    graph = ticks.graph
+    D = len(graph.lists)
+    T = ticks.num_steps
     dummy = alloc.num_inbox
     shape = (T, D)
+    kind = np.array([ACTION_KINDS.index(a.kind) for a in graph.actions], np.int64)
+    stage_of = np.array([a.stage for a in graph.actions], np.int64)
+    mb_of = np.array([a.microbatch for a in graph.actions], np.int64)
+    t, d = ticks.step, ticks.device
     branch = np.full(shape, IDLE, np.int32)
+    branch[t, d] = 1 + kind * num_bodies + np.asarray(body_of_stage, np.int64)[stage_of]
     stage = np.zeros(shape, np.int32)
+    stage[t, d] = stage_of
     microbatch = np.zeros(shape, np.int32)
+    microbatch[t, d] = mb_of
+    pool_base = {}
+    for pool in Pool:
+        for c in pool_classes[pool]:
+            col = np.zeros(shape, np.int32)
+            b = alloc.base[(pool, c)]
+            used = b >= 0
+            col[t[used], d[used]] = b[used]
+            pool_base[(pool, c)] = col
     in_slot = np.full(shape, dummy, np.int32)
     local_slot = np.full(shape, dummy, np.int32)
     out_unit = np.zeros((T, D, len(perm_offsets)), np.int32)
     out_unit[:] = np.asarray(units, np.int32)  # the dummy unit of each direction
     recv_slot = np.full((T, D, len(perm_offsets), max(units, default=0)), dummy, np.int32)
     exchange = np.zeros((T, D, len(perm_offsets)), bool)
-    keys = [(pool, c) for pool in Pool for c in pool_classes[pool]]
-    pool_base = {key: np.zeros(shape, np.int32) for key in keys}
-
-    for a, tm in when.items():
-        unit = (a.stage, a.microbatch)
-        t, d = tm.step, tm.device
-        branch[t, d] = branch_id(a.kind, body_of_stage[a.stage], num_bodies)
-        stage[t, d] = a.stage
-        microbatch[t, d] = a.microbatch
-        for pool, c in keys:
-            base = alloc.pool_base.get((pool, unit, c))
-            if base is not None and (a.kind == pool.writer or a.kind in pool.readers):
-                pool_base[(pool, c)][t, d] = base
-    # Units of each (tick, sender, offset), in message order.
+    slot = alloc.message_slot
+    in_slot[messages.read, messages.dst] = slot
+    p_step, p_tick = ticks.step[messages.producer], ticks.tick[messages.producer]
+    local = messages.src == messages.dst
+    local_slot[p_step[local], messages.src[local]] = slot[local]
+    j_of = {off: j for j, off in enumerate(perm_offsets)}
     used: dict[tuple[int, int, int], int] = {}
-    for msg in messages:
-        slot = alloc.message_slot[(msg.producer, msg.consumer)]
-        in_slot[msg.read, msg.dst] = slot
-        p = when[msg.producer]
-        if msg.src == msg.dst:
-            local_slot[p.step, p.device] = slot
-            continue
-        j = list(perm_offsets).index((msg.dst - msg.src) % D)
-        r = used.get((p.tick, msg.src, j), 0)
-        used[(p.tick, msg.src, j)] = r + 1
-        out_unit[p.step, p.device, j] = r
-        end = tick_end(p.tick)
-        recv_slot[end, msg.dst, j, r] = slot
+    for i in np.flatnonzero(~local):
+        src, dst = int(messages.src[i]), int(messages.dst[i])
+        j = j_of[(dst - src) % D]
+        key = (int(p_tick[i]), src, j)
+        r = used.get(key, 0)
+        used[key] = r + 1
+        out_unit[p_step[i], src, j] = r
+        end = int(ticks.tick_end[p_tick[i]])
+        recv_slot[end, dst, j, r] = slot[i]
         exchange[end, :, j] = True
     return TickTable(branch, stage, microbatch, in_slot, local_slot, out_unit, recv_slot,
                      pool_base, exchange)
@@ -438,35 +521,29 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
         body_of_stage = list(range(S))
     counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
     run, split = expand(schedule, split_backward)
-    when = assign_ticks(run)
-    num_steps = 1 + max((tm.step for tm in when.values()), default=-1)
-    tick_of_step = np.zeros(num_steps, np.int32)
-    last_step: dict[int, int] = {}
-    for tm in when.values():
-        tick_of_step[tm.step] = tm.tick
-        last_step[tm.tick] = max(last_step.get(tm.tick, tm.step), tm.step)
-    messages = list_messages(run, when, last_step.__getitem__)
-    offsets = tuple(sorted({(m.dst - m.src) % D for m in messages} - {0}))
+    ticks = assign_ticks(run)
+    messages = list_messages(ticks)
+    remote = messages.src != messages.dst
+    offsets = tuple(sorted({int(x) for x in (messages.dst - messages.src)[remote] % D}))
     sends: dict[tuple[int, int, int], int] = {}
-    for m in messages:
-        if m.src != m.dst:
-            key = (when[m.producer].tick, m.src, offsets.index((m.dst - m.src) % D))
-            sends[key] = sends.get(key, 0) + 1
+    for p, a, b in zip(messages.producer[remote], messages.src[remote], messages.dst[remote],
+                       strict=True):
+        key = (int(ticks.tick[p]), int(a), offsets.index(int((b - a) % D)))
+        sends[key] = sends.get(key, 0) + 1
     units = tuple(max((n for (_, _, j), n in sends.items() if j == jj), default=0)
                   for jj in range(len(offsets)))
-    alloc = allocate(run, when, messages, counts)
+    alloc = allocate(ticks, messages, counts)
     pool_classes = {pool: sorted({c for row in counts[pool] for c in row}, key=repr)
                     for pool in Pool}
-    table = fill_table(run, when, messages, alloc, offsets, units, num_steps,
-                       last_step.__getitem__, body_of_stage, max(body_of_stage) + 1,
-                       pool_classes)
+    table = fill_table(ticks, messages, alloc, offsets, units, body_of_stage,
+                       max(body_of_stage) + 1, pool_classes)
     return Lowering(
         table=table,
-        actions=dict(when),
-        messages=tuple(messages),
-        num_ticks=len(last_step),
-        num_steps=num_steps,
-        tick_of_step=tick_of_step,
+        ticks=ticks,
+        message_arrays=messages,
+        num_ticks=ticks.num_ticks,
+        num_steps=ticks.num_steps,
+        tick_of_step=_tick_of_step(ticks),
         num_devices=D,
         num_stages=S,
         num_microbatches=schedule.num_microbatches,
@@ -479,3 +556,9 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
         slots_per_device=alloc.slots_per_device,
         split_backward=split,
     )
+
+
+def _tick_of_step(ticks: Ticks) -> np.ndarray:
+    out = np.zeros(ticks.num_steps, np.int64)
+    out[ticks.step] = ticks.tick
+    return out
