@@ -314,29 +314,29 @@ def _run_concurrency_once(config: dict[str, Any], microbatches: int, mb_size: in
 
 
 def lockstep_bound(p: int, m: int, f_cost: float = 1.0, b_cost: float = 2.0,
-                   schedule: Any = None) -> dict[str, Any]:
-    """Best speed-up a lock-step tick executor can reach (default 1F1B) with F:B = 1:2.
+                   schedule: Any = None, split_backward: bool = True) -> dict[str, Any]:
+    """Best speed-up the lowered SPMD program can reach (default 1F1B) with F:B = 1:2.
 
-    jaxpipe lowers the schedule to ticks of one action per device (unit costs), and a
-    tick ends when its slowest action does, so a tick where one device runs F and the
-    other B lasts a B. ``lockstep_ideal`` = total work / sum over ticks of the slowest
-    action; ``free_ideal`` is the same schedule run as soon as inputs are ready
-    (``Schedule.simulate`` with the real costs).
+    ``lockstep_ideal`` = total work / the lowered program's makespan under the sync
+    model of :mod:`jaxpipe.runtime.spmd.sync` (devices run their steps back to back and
+    wait only where a ``ppermute`` is active, for its source and target), with the
+    backward split into I + W as the runtime does when processes run concurrently.
+    ``free_ideal`` is the schedule run as soon as inputs are ready (``Schedule.simulate``
+    with the same costs). Neither counts the transfers themselves.
     """
     import jaxpipe as jp
+    from jaxpipe.runtime.spmd.lowering import lower
+    from jaxpipe.runtime.spmd.sync import sync_report
 
     sched = schedule if schedule is not None else jp.OneFOneB(p, m)
     cost = {"F": f_cost, "B": b_cost, "I": b_cost / 2, "W": b_cost / 2}
-    unit = sched.simulate(costs={"F": 1, "B": 1, "I": 1, "W": 1})
-    ticks: dict[int, float] = {}
-    total = 0.0
-    for ev in unit.events:
-        c = cost[ev.action.kind]
-        total += c
-        ticks[int(ev.start)] = max(ticks.get(int(ev.start), 0.0), c)
-    free = float(sched.simulate(costs=cost).makespan)
-    return {"lockstep_ideal": total / sum(ticks.values()), "free_ideal": total / free,
-            "cost_model": cost}
+    total = sum(cost[a.kind] for d in range(sched.num_devices)
+                for a in sched.device_actions(d))
+    rep = sync_report(sched, lower(sched, {}, split_backward=split_backward), cost)
+    return {"lockstep_ideal": total / rep.lowered_makespan,
+            "free_ideal": total / rep.async_makespan, "cost_model": cost,
+            "sync_model": "waits only at active ppermutes (source and target)",
+            "split_backward": split_backward}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,13 @@ concurrency  2 processes x 1 device (jax.distributed + gloo) running the p=2 pip
 remat        GPT, 1F1B, budget = 60% of the no-recompute peak device: recomputation
              chosen with the cut (jp.Cut(memory_budget=B)) vs every layer recomputed
              vs one uniform selective policy (benchmarks/remat.py).
+lowering     lowered efficiency (asynchronous makespan / lowered SPMD makespan under the
+             sync model) of every built-in and gallery schedule, and the seconds to
+             validate + simulate + lower each at p=64, m=512 (benchmarks/lowering.py).
+step         p=1 executor overhead on an MLP, and 1F1B with B run as I then W vs B
+             (benchmarks/step_overhead.py).
+compile      compile time vs depth, unrolled and scanned layer stacks, jaxpipe vs plain
+             JAX (benchmarks/compile_time.py; its own CLI runs the full grid).
 
 Writes ``<out>/benchmarks.json`` (everything), one ``<out>/<section>.json`` per section and
 PNG plots. Timings are medians of repeated runs after warm-up; on a shared machine they
@@ -99,7 +106,8 @@ from benchmarks import remat as R  # noqa: E402
 from benchmarks.baselines import spmd_gpipe as B  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("overhead", "baseline", "sweep", "scaling", "concurrency", "remat")
+SECTIONS = ("overhead", "baseline", "sweep", "scaling", "concurrency", "remat", "lowering",
+            "step", "compile")
 
 #: Fields every section of the JSON has (the test suite checks them).
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -113,6 +121,9 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "concurrency": ("microbatches", "ideal", "speedup", "fraction_of_ideal", "two_process",
                     "single", "per_schedule", "error"),
     "remat": R.FIELDS,
+    "lowering": ("ps", "rows", "min_efficiency", "scale"),
+    "step": ("p1_overhead", "split_backward"),
+    "compile": ("rows", "targets"),
     "headline": ("overhead_p1", "overhead_p4", "memory_1f1b_vs_baseline_m4p",
                  "step_1f1b_vs_baseline_m4p", "concurrency_fraction_of_ideal"),
 }
@@ -538,6 +549,34 @@ def section_remat(r: Runner) -> dict[str, Any]:
                        compile_fn, time_fn, _log)
 
 
+def section_lowering(r: Runner) -> dict[str, Any]:
+    """Lowered efficiency and schedule work at scale (see :mod:`benchmarks.lowering`)."""
+    from benchmarks import lowering as LW
+
+    res = LW.section_lowering(ps=(2,) if r.s.quick else (2, 4, 8), gpt=not r.s.quick)
+    _log(f"lowering: minimum efficiency {res['min_efficiency']}")
+    res["scale"] = LW.section_scale(*((8, 32) if r.s.quick else (64, 512)))
+    for row in res["scale"]["rows"]:
+        _log(f"lowering at scale {row['schedule']}: {row.get('total_s', row.get('skipped'))}")
+    return res
+
+
+def section_step(r: Runner) -> dict[str, Any]:
+    """p=1 overhead and the I/W split (see :mod:`benchmarks.step_overhead`)."""
+    from benchmarks.step_overhead import measure
+
+    return measure(r.s.quick)
+
+
+def section_compile(r: Runner) -> dict[str, Any]:
+    """Compile time vs depth (see :mod:`benchmarks.compile_time`; a lean grid here)."""
+    from benchmarks.compile_time import measure
+
+    if r.s.quick:
+        return measure([2], [2], [1], ["unrolled", "scanned"])
+    return measure([8, 32], [2, 4], [1, 2], ["unrolled", "scanned"])
+
+
 # ----------------------------------------------------------------------------- plots
 
 
@@ -778,6 +817,24 @@ def markdown_summary(res: dict[str, Any]) -> str:
                 f"{_f(row['step_vs_auto_wall'], '{:.3f}')} | "
                 f"{_f(row.get('step_vs_auto_min'), '{:.3f}')} | "
                 f"{_f(row['flops_vs_auto'], '{:.3f}')} |")
+    lw = res.get("lowering")
+    if lw:
+        from benchmarks import lowering as LW
+
+        lines += ["", "**Lowered efficiency** (asynchronous makespan / lowered SPMD makespan, "
+                  f"sync model; minimum {lw['min_efficiency']})", "", LW.markdown(lw)]
+    st = res.get("step")
+    if st:
+        o = st["p1_overhead"]
+        lines += ["", f"**Step overhead**: p=1 {o['model']}: {o['ratio_cpu']:.3f} of plain JAX "
+                  "(CPU time); I+W / B (1F1B): " + ", ".join(
+                      f"{k} {v['ratio_cpu']:.3f}" for k, v in st["split_backward"]["rows"].items())]
+    ct = res.get("compile")
+    if ct:
+        from benchmarks import compile_time as CT
+
+        lines += ["", "**Compile time** (construction + first call - steady call)", "",
+                  CT.markdown(ct)]
     return "\n".join(lines) + "\n"
 
 

@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
         for sched in (jp.GPipe(4, m), jp.OneFOneB(4, m)):
             pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut="markers")
             ma = pipe.lower_step(params, batch).compile().memory_analysis()
-            pool = sum(n * 4 for n in pipe.executor.lowering.storage.values())
+            pool = sum(c.nbytes * n for c, n in pipe.executor.lowering.slots.items())
             rows.append({"m": m, "schedule": type(sched).__name__,
                          "temp_bytes": int(ma.temp_size_in_bytes), "residual_pool_bytes": pool})
             print(f"m={m:3d} {type(sched).__name__:9s} temp {ma.temp_size_in_bytes / 2**20:7.2f}"

@@ -84,11 +84,29 @@ def _run_simulate(args: argparse.Namespace) -> int:
     for d in range(schedule.num_devices):
         stages = ",".join(map(str, schedule.device_stages(d)))
         print(f"{d:<7} {stages:<15} {timeline.peak_in_flight[d]:<15} {_num(timeline.busy_time[d])}")
+    if args.lowered:
+        timeline = _print_lowered(schedule, args)
     if args.trace:
         print(f"wrote chrome trace {timeline.to_chrome_trace(args.trace)}")
     if args.plot:
         print(f"wrote plot {timeline.plot(args.plot)}")
     return 0
+
+
+def _print_lowered(schedule, args: argparse.Namespace):
+    """The SPMD lowering of ``schedule``: which actions share a tick, and its efficiency."""
+    from jaxpipe.runtime.spmd.lowering import lower
+    from jaxpipe.runtime.spmd.sync import lowered_timeline, sync_report, tick_table
+    from jaxpipe.schedule.simulate import resolve_costs
+
+    low = lower(schedule, {}, split_backward=args.split_backward)
+    report = sync_report(schedule, low, args.costs)
+    print()
+    print("lowered SPMD program (devices wait only at active permutations, for their "
+          "partners):")
+    print(tick_table(low, max_ticks=args.width // 5 if args.width else None))
+    print(report.summary())
+    return lowered_timeline(low, resolve_costs(args.costs))
 
 
 def _num(x: object) -> str:
@@ -122,6 +140,14 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--plot", metavar="OUT.png", help="save a Gantt chart (PNG/SVG)")
     parser.add_argument("--trace", metavar="OUT.json",
                         help="save a Chrome/Perfetto trace (open in ui.perfetto.dev)")
+    parser.add_argument("--lowered", action="store_true",
+                        help="also lower the schedule to the SPMD program's ticks: which "
+                        "actions share a tick and the lowered efficiency (asynchronous "
+                        "makespan / lowered makespan); --plot/--trace then draw the "
+                        "lowered program")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="with --lowered: run every B as I then W (as the SPMD runtime "
+                        "does on accelerators)")
     parser.set_defaults(func=_run_simulate)
 
 

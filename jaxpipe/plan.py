@@ -42,6 +42,7 @@ class Plan:
     batch_bytes: int  # the (data-shard of the) batch every pipeline device holds
     memory_budget: float | None = None  # the budget the cut was chosen under (bytes/device)
     budget_source: str | None = None  # where that budget came from
+    lowered: str | None = None  # the runtime's timing report under the cost model (if any)
 
     @classmethod
     def build(cls, pipe) -> Plan:
@@ -79,7 +80,8 @@ class Plan:
         return cls(stage_rows, device_rows, float(res.makespan or 0.0),
                    float(res.bubble_fraction or 0.0), type(sched).__name__, res.objective,
                    int(report["buffer_bytes"]), float(res.padded_memory.total) + batch_bytes,
-                   batch_bytes, res.memory_budget, res.budget_source)
+                   batch_bytes, res.memory_budget, res.budget_source,
+                   pipe.executor.timing_report(res.action_cost))
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
@@ -107,6 +109,8 @@ class Plan:
         else:
             lines.append(f"memory budget: {_fmt(self.memory_budget)} per device for the cutter's "
                          f"prediction, from {self.budget_source}")
+        if self.lowered:
+            lines.append(self.lowered)
         lines.append("remat: recomputation policy per stage; recomp: recomputed FLOPs / stage "
                      "forward; memory: the stage's predicted bytes")
         return "\n".join(lines)

@@ -389,15 +389,8 @@ def test_linen_dropout_matches_unpipelined():
     _close(grads, ref_grads)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "SPMD runtime: a bool parameter leaf read by several stages (tied) breaks train_step. "
-    "runtime/spmd/optimizer.py make_epilogue sums tied leaves with lax.psum, which turns a "
-    "bool leaf into int32; set_tied writes that int32 into the bool slot on the devices "
-    "holding the leaf, so per_device's lax.switch has branches returning int32 and bool "
-    "('switch branches must have equal output types'). With p=2 (every device holds it) the "
-    "slot silently becomes int32 and SpmdExecutor._gather fails the same way. Fix: cast the "
-    "psum results back to the leaf's dtype. Integer tied leaves work."))
 def test_tied_bool_parameter_leaf_trains():
+    """A tied bool leaf keeps its dtype through the tied-gradient sums (psum promotes)."""
     def loss_fn(params, mb):
         h = mb["x"] * jnp.where(params["flag"], 1.0, 2.0)
         for w in params["w"]:

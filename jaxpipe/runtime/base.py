@@ -134,6 +134,11 @@ class Executor(abc.ABC):
         """What this executor allocates per device: ``buffer_bytes`` (total) and
         ``device_rows`` (per device: ``residual_peak``, ``residual_bytes``)."""
 
+    def timing_report(self, cost: Callable[[Any], float]) -> str | None:
+        """One line on how the executed program's time compares with the schedule's own
+        under per-action ``cost`` (``None``: nothing to say, e.g. a sequential runtime)."""
+        return None
+
     @abc.abstractmethod
     def fingerprint(self) -> dict[str, str]:
         """Short digests of everything the compiled program depends on beyond the spec

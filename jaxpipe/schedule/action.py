@@ -83,9 +83,22 @@ class Action:
                 f"Action kind must be one of {', '.join(ACTION_KINDS)} "
                 f"(forward, backward, input-grad, weight-grad), got {self.kind!r}"
             )
-        # Normalise numpy integers to int so equality/hashing never depend on dtype.
-        object.__setattr__(self, "stage", _index("stage", self.stage))
-        object.__setattr__(self, "microbatch", _index("microbatch", self.microbatch))
+        # Normalise numpy integers to int so equality/hashing never depend on dtype (the
+        # common case, plain non-negative ints, skips the checks: schedules at scale
+        # build hundreds of thousands of actions).
+        if not (type(self.stage) is int and self.stage >= 0):
+            object.__setattr__(self, "stage", _index("stage", self.stage))
+        if not (type(self.microbatch) is int and self.microbatch >= 0):
+            object.__setattr__(self, "microbatch", _index("microbatch", self.microbatch))
+        object.__setattr__(self, "_hash", hash((self.kind, self.stage, self.microbatch)))
+
+    def __hash__(self) -> int:
+        # computed once: actions are dictionary keys everywhere in validation and lowering
+        return self._hash  # type: ignore[attr-defined]
+
+    def __reduce__(self) -> tuple:
+        # rebuild (and rehash) on unpickling: string hashes differ between processes
+        return (Action, (self.kind, self.stage, self.microbatch))
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from .action import Action, ScheduleError
 from .simulate import Costs, Timeline, simulate_schedule
-from .validate import check_structure, validate_schedule
+from .validate import ScheduleGraph, build_graph
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -52,7 +52,7 @@ def _action_list(schedule: Schedule, device: int) -> tuple[Action, ...]:
     """``schedule.device_actions(device)`` as a tuple, checked to be a repeatable list."""
     name = f"{type(schedule).__name__}.device_actions({device})"
 
-    def once() -> tuple:
+    def once() -> tuple[tuple, bool]:
         got = schedule.device_actions(device)
         if got is None:
             raise ScheduleError(
@@ -61,9 +61,14 @@ def _action_list(schedule: Schedule, device: int) -> tuple[Action, ...]:
             raise ScheduleError(
                 f"{name} returned a {type(got).__name__} ({got!r:.80}), not a list of "
                 "Actions; return e.g. [Action('F', stage, mb), ...]")
-        return tuple(got)
+        return tuple(got), iter(got) is got
 
-    first, second = once(), once()
+    first, is_iterator = once()
+    if not is_iterator:  # a list or tuple: nothing a second call could reveal
+        return first
+    # An iterator may be one-shot (stored on the schedule and empty the second time):
+    # read the method twice and compare.
+    second, _ = once()
     if first != second:
         raise ScheduleError(
             f"{name} returned a different list on its second call ({len(first)} actions, "
@@ -133,15 +138,9 @@ class Schedule(abc.ABC):
     def split_units(self) -> frozenset[tuple[int, int]]:
         """The (stage, microbatch) pairs whose backward runs as ``I`` + ``W`` instead of ``B``.
 
-        Derived by the structural check (:func:`~jaxpipe.schedule.validate.check_structure`,
-        so a structurally invalid schedule raises :class:`ScheduleError`) and cached on
-        the instance: ``device_actions`` must be deterministic.
+        From :meth:`graph` (so an invalid schedule raises :class:`ScheduleError`).
         """
-        split = self.__dict__.get("_jaxpipe_split_units")
-        if split is None:
-            _, split = check_structure(self)
-            self.__dict__["_jaxpipe_split_units"] = split
-        return split
+        return self.graph().split
 
     def uses_split_backward(self, stage: int, microbatch: int) -> bool:
         """True if (stage, microbatch) runs its backward as ``I`` + ``W`` instead of ``B``
@@ -152,7 +151,19 @@ class Schedule(abc.ABC):
         """Raise :class:`ScheduleError` naming device, action and rule if the schedule is
         invalid: wrong placement, index out of range, missing/duplicate actions, B mixed
         with I/W, backward before forward, W before I, or a cross-device deadlock."""
-        validate_schedule(self)
+        self.graph()
+
+    def graph(self) -> ScheduleGraph:
+        """The schedule checked and compiled to integers (cached on the instance).
+
+        Validation runs once per schedule object; simulations and the lowering reuse the
+        result. Raises :class:`ScheduleError` like :meth:`validate`.
+        """
+        graph = self.__dict__.get("_jaxpipe_graph")
+        if graph is None:
+            graph = build_graph(self)
+            self.__dict__["_jaxpipe_graph"] = graph
+        return graph
 
     def simulate(self, costs: Costs = None) -> Timeline:
         """Validate, then simulate with ``costs`` and return the :class:`Timeline`.

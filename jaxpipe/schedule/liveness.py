@@ -52,6 +52,16 @@ def peak_overlap(intervals: Iterable[tuple[Any, Any]]) -> int:
 
     Intervals that touch (one ends at the time the next starts) count as overlapping.
     """
+    intervals = list(intervals)
+    if intervals and all(type(a) is int and type(b) is int for a, b in intervals):
+        # integer positions (steps, list indices): vectorised, for schedules at scale
+        import numpy as np
+
+        iv = np.asarray(intervals, np.int64)
+        times = np.concatenate([iv[:, 0], iv[:, 1]])
+        closes = np.concatenate([np.zeros(len(iv), np.int64), np.ones(len(iv), np.int64)])
+        order = np.lexsort((closes, times))  # at equal times, opens before closes
+        return int(np.cumsum(1 - 2 * closes[order]).max())
     points = []
     for start, end in intervals:
         points.append((start, 0))  # at equal times, opens sort before closes

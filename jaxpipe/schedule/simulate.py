@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, NamedTuple, Union
 
 from .action import ACTION_KINDS, KIND_NAMES, Action, ScheduleError
 from .liveness import peak_overlap, unit_lifetimes
-from .validate import check_structure, execute
 
 if TYPE_CHECKING:
     from .base import Schedule
@@ -301,7 +300,8 @@ class Timeline:
 def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Timeline:
     """Validate ``schedule`` and run it with ``costs`` (see :func:`resolve_costs`)."""
     cost = resolve_costs(costs)
-    lists, split = check_structure(schedule)
-    runs = execute(lists, schedule.num_stages, split, cost)
-    events = [TimelineEvent(d, a, s, e) for d, run in enumerate(runs) for a, s, e in run]
+    graph = schedule.graph()
+    events = [TimelineEvent(d, a, s, e) for d, a, (s, e) in
+              zip(graph.device, graph.actions, graph.run(cost), strict=True)]
+    split = graph.split
     return Timeline(events, schedule.num_devices, title=repr(schedule), split_units=split)

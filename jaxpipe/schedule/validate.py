@@ -7,19 +7,20 @@ the device, the action (``"2F0"`` form) and the rule:
    every action on the device its stage is placed on, exactly one ``F`` and one
    backward (``B``, or ``I`` + ``W``) per (stage, microbatch), no duplicates, no
    backward before its forward and no ``W`` before its ``I`` in device order.
-2. *Execution* (:func:`execute`): every device runs its list strictly in order and
+2. *Execution* (:func:`build_graph`): every device runs its list strictly in order and
    an action waits for its :func:`dependencies`. If at some point no device can
-   make progress, the schedule deadlocks across devices.
-
-:func:`execute` is also the simulator's engine (``jaxpipe.schedule.simulate``), so
-"validates" and "simulates without deadlock" are the same statement.
+   make progress, the schedule deadlocks across devices. Otherwise the schedule is
+   compiled to a :class:`ScheduleGraph` (integers, an execution order), which is the
+   simulator's engine (``jaxpipe.schedule.simulate``), so "validates" and "simulates
+   without deadlock" are the same statement.
 """
 
 from __future__ import annotations
 
 import numbers
 from collections import defaultdict, deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .action import Action, ScheduleError
@@ -95,6 +96,49 @@ def check_placement(schedule: Schedule) -> list[int]:
     return placement
 
 
+@dataclass(frozen=True)
+class ScheduleGraph:
+    """A valid schedule compiled to integers: what validation, simulation and lowering read.
+
+    Built once per schedule (:meth:`Schedule.graph`, cached), so a 64-device, 512-microbatch
+    schedule is checked once and every simulation afterwards is one pass over integers.
+
+    Attributes:
+      lists: every device's action list.
+      split: the (stage, microbatch) pairs whose backward is split into I + W.
+      actions: every action, in an execution order (each after its dependencies and after
+        its device's previous action): the order every simulation evaluates them in.
+      device: the device of each action (same order).
+      deps: indices (into ``actions``) of what each action waits for: its data
+        dependencies (:func:`dependencies`, in that order) and its device's previous
+        action.
+      data: the data dependencies alone (same order as :func:`dependencies`).
+    """
+
+    lists: dict[int, tuple[Action, ...]]
+    split: frozenset[Unit]
+    actions: tuple[Action, ...]
+    device: tuple[int, ...]
+    deps: tuple[tuple[int, ...], ...]
+    data: tuple[tuple[int, ...], ...]
+
+    def run(self, cost: Callable[[Action], numbers.Real]) -> list[tuple[numbers.Real,
+                                                                      numbers.Real]]:
+        """``(start, end)`` of every action (in :attr:`actions` order) when each starts as
+        soon as its dependencies and its device's previous action have finished."""
+        end: list = [0] * len(self.actions)
+        out = []
+        append = out.append
+        for k, (a, deps) in enumerate(zip(self.actions, self.deps, strict=True)):
+            start = 0
+            for j in deps:  # at most three: a hot loop at scale, so no generator
+                if end[j] > start:
+                    start = end[j]
+            end[k] = finish = start + cost(a)
+            append((start, finish))
+        return out
+
+
 def check_structure(schedule: Schedule) -> tuple[dict[int, list[Action]], frozenset[Unit]]:
     """Check every rule that does not need execution.
 
@@ -105,7 +149,8 @@ def check_structure(schedule: Schedule) -> tuple[dict[int, list[Action]], frozen
     actions = schedule.actions()
 
     lists: dict[int, list[Action]] = {}
-    where: dict[Action, tuple[int, int]] = {}  # action -> (device, position)
+    # (kind, stage, mb) -> (device, position): tuple keys hash far faster than Actions
+    where: dict[tuple[str, int, int], tuple[int, int]] = {}
     for device in range(p):
         acts = actions[device]
         for pos, a in enumerate(acts):
@@ -131,116 +176,147 @@ def check_structure(schedule: Schedule) -> tuple[dict[int, list[Action]], frozen
                     f"stage {a.stage} is placed on device {placement[a.stage]}, "
                     f"not on device {device}",
                 )
-            if a in where:
+            key = (a.kind, a.stage, a.microbatch)
+            if key in where:
                 raise _fail(
                     device, a, "duplicate action",
-                    f"appears twice (positions {where[a][1]} and {pos})",
+                    f"appears twice (positions {where[key][1]} and {pos})",
                 )
-            where[a] = (device, pos)
+            where[key] = (device, pos)
         lists[device] = acts
 
     split: set[Unit] = set()
     for stage in range(n):
         device = placement[stage]
         for mb in range(m):
-            f, b, i, w = (Action(k, stage, mb) for k in "FBIW")
-            if f not in where:
-                raise _fail(device, f, "missing F", "this forward never runs")
-            if b in where and (i in where or w in where):
-                other = i if i in where else w
+            f, b, i, w = (where.get((k, stage, mb)) for k in "FBIW")
+
+            def act(kind: str, stage: int = stage, mb: int = mb) -> Action:
+                return Action(kind, stage, mb)
+
+            if f is None:
+                raise _fail(device, act("F"), "missing F", "this forward never runs")
+            if b is not None and (i is not None or w is not None):
+                other = act("I") if i is not None else act("W")
                 raise _fail(
                     device, other, "B mixed with I/W",
-                    f"stage {stage} microbatch {mb} already has a full backward {b}; "
+                    f"stage {stage} microbatch {mb} already has a full backward {act('B')}; "
                     f"use either B or the I+W pair",
                 )
-            if i in where and w not in where:
-                raise _fail(device, i, "I without W", f"{i} has no matching {w}")
-            if w in where and i not in where:
-                raise _fail(device, w, "W without I", f"{w} has no matching {i}")
-            if b not in where and i not in where:
+            if i is not None and w is None:
+                raise _fail(device, act("I"), "I without W",
+                            f"{act('I')} has no matching {act('W')}")
+            if w is not None and i is None:
+                raise _fail(device, act("W"), "W without I",
+                            f"{act('W')} has no matching {act('I')}")
+            if b is None and i is None:
                 raise _fail(
-                    device, b, "missing backward",
+                    device, act("B"), "missing backward",
                     f"stage {stage} microbatch {mb} has no backward: "
-                    f"expected {b}, or {i} and {w}",
+                    f"expected {act('B')}, or {act('I')} and {act('W')}",
                 )
-            first_back = b if b in where else i
-            if where[first_back][1] < where[f][1]:
+            first_back, first_kind = (b, "B") if b is not None else (i, "I")
+            if first_back[1] < f[1]:
                 raise _fail(
-                    device, first_back, "backward before forward",
-                    f"runs at position {where[first_back][1]}, before its forward {f} "
-                    f"at position {where[f][1]}",
+                    device, act(first_kind), "backward before forward",
+                    f"runs at position {first_back[1]}, before its forward {act('F')} "
+                    f"at position {f[1]}",
                 )
-            if i in where:
-                if where[w][1] < where[i][1]:
+            if i is not None:
+                if w[1] < i[1]:
                     raise _fail(
-                        device, w, "W before its I",
-                        f"runs at position {where[w][1]}, before {i} at position {where[i][1]}",
+                        device, act("W"), "W before its I",
+                        f"runs at position {w[1]}, before {act('I')} at position {i[1]}",
                     )
                 split.add((stage, mb))
     return lists, frozenset(split)
 
 
-def execute(
-    lists: Mapping[int, Sequence[Action]],
-    num_stages: int,
-    split: Collection[Unit],
-    cost: Callable[[Action], numbers.Real],
-) -> list[list[Slot]]:
-    """Run every device's list in order; return ``[(action, start, end), ...]`` per device.
+def build_graph(schedule: Schedule) -> ScheduleGraph:
+    """Check ``schedule`` (structure, then deadlock) and compile it to a :class:`ScheduleGraph`.
 
-    An action starts at ``max(end of the device's previous action, end of each
-    dependency)`` and lasts ``cost(action)``. The result is unique: it does not
-    depend on the order devices are visited, only on the lists and costs. Times are
-    exact when costs are ints or ``Fraction``\\ s.
-
-    Raises :class:`ScheduleError` (rule: cross-device deadlock) when no device can
-    make progress, naming each stuck device, the action it is stuck at and the
-    dependency it waits for.
+    Raises :class:`ScheduleError` (rule: cross-device deadlock) when no device can make
+    progress, naming each stuck device, the action it is stuck at and the dependency it
+    waits for.
     """
+    lists, split = check_structure(schedule)
+    S, m = schedule.num_stages, schedule.num_microbatches
     devices = sorted(lists)
+    # Actions as integer codes (kind, stage, mb) -> (k * S + s) * m + mb: the loop below
+    # runs once per action, and int keys hash far faster than tuples or Actions.
+    K = {kind: i for i, kind in enumerate("FBIW")}
+    codes = {d: [(K[a.kind] * S + a.stage) * m + a.microbatch for a in lists[d]]
+             for d in devices}
+    split_codes = {s_ * m + mb for s_, mb in split}
+    F, B, I_, W = (K[k] * S * m for k in "FBIW")
+
+    def data_deps(code: int) -> tuple[int, ...]:
+        kind_base, rest = divmod(code, S * m)
+        s_, mb = divmod(rest, m)
+        if kind_base == 0:  # F
+            return (F + rest - m,) if s_ > 0 else ()
+        if kind_base == 3:  # W
+            return (I_ + rest,)
+        if s_ < S - 1:  # B or I: its forward, and the next stage's input cotangent
+            return (F + rest, (I_ if rest + m in split_codes else B) + rest + m)
+        return (F + rest,)
+
+    # Kahn's algorithm along each device's order (the order devices are visited in does
+    # not change any simulated time, only the order actions are listed in).
     pos = dict.fromkeys(devices, 0)
-    free: dict[int, numbers.Real] = dict.fromkeys(devices, 0)  # type: ignore[arg-type]
-    end: dict[Action, numbers.Real] = {}
-    out: dict[int, list[Slot]] = {d: [] for d in devices}
-    waiting: dict[Action, list[int]] = defaultdict(list)  # dependency -> stuck devices
-    stuck_on: dict[int, Action] = {}
+    index: dict[int, int] = {}
+    order: list[Action] = []
+    dev: list[int] = []
+    deps_out: list[tuple[int, ...]] = []
+    data_out: list[tuple[int, ...]] = []
+    last = dict.fromkeys(devices, -1)
+    waiting: dict[int, list[int]] = defaultdict(list)
+    stuck_on: dict[int, int] = {}
     queue = deque(devices)
     while queue:
         d = queue.popleft()
-        acts = lists[d]
-        while pos[d] < len(acts):
-            a = acts[pos[d]]
-            deps = _dependencies(a, num_stages, split)
-            missing = next((x for x in deps if x not in end), None)
+        acts, mine, p_ = lists[d], codes[d], pos[d]
+        while p_ < len(acts):
+            code = mine[p_]
+            need = data_deps(code)
+            missing = next((x for x in need if x not in index), None)
             if missing is not None:
                 waiting[missing].append(d)
                 stuck_on[d] = missing
                 break
-            start = max([free[d], *(end[x] for x in deps)])
-            finish = start + cost(a)
-            end[a] = free[d] = finish
-            out[d].append((a, start, finish))
-            pos[d] += 1
+            k = len(order)
+            index[code] = k
+            order.append(acts[p_])
+            dev.append(d)
+            data = tuple(index[x] for x in need)
+            data_out.append(data)
+            deps_out.append(data + (last[d],) if last[d] >= 0 else data)
+            last[d] = k
+            p_ += 1
             stuck_on.pop(d, None)
-            queue.extend(waiting.pop(a, ()))
+            if code in waiting:
+                queue.extend(waiting.pop(code))
+        pos[d] = p_
 
     stuck = [d for d in devices if pos[d] < len(lists[d])]
     if stuck:
-        owner = {a: d for d in devices for a in lists[d]}
         parts = []
+        owner = {c: d for d in devices for c in codes[d]}
         for d in stuck:
-            dep = stuck_on[d]
-            src = f"device {owner[dep]}" if dep in owner else "no device (never scheduled)"
+            kind_i, rest = divmod(stuck_on[d], S * m)
+            dep = Action("FBIW"[kind_i], *divmod(rest, m))
+            src = (f"device {owner[stuck_on[d]]}" if stuck_on[d] in owner
+                   else "no device (never scheduled)")
             parts.append(f"device {d} is stuck at action {lists[d][pos[d]]} waiting for {dep} "
                          f"(on {src})")
         raise ScheduleError(
             "cross-device deadlock: no device can make progress: " + "; ".join(parts)
             + " (rule: no dependency cycle between devices' action orders)"
         )
-    return [out[d] for d in devices]
+    return ScheduleGraph({d: tuple(lists[d]) for d in devices}, split, tuple(order),
+                         tuple(dev), tuple(deps_out), tuple(data_out))
 
 
 def validate_schedule(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` if ``schedule`` breaks any rule (see module doc)."""
-    lists, split = check_structure(schedule)
-    execute(lists, schedule.num_stages, split, lambda a: 1)
+    schedule.graph()

@@ -1,120 +1,183 @@
-"""Where the SPMD program keeps each stage's values: parameter slots and flat layouts.
+"""Where the SPMD program keeps values: buffers per value class, with a leading slot axis.
 
-SPMD needs every device to hold buffers of one shape, while stages differ (embedding
-first, head last). Parameters are whole-array *slots* (:class:`ParamSlots`); residuals,
-hand-offs and messages are packed into flat per-dtype vectors (:class:`Layout`), whose
-width per dtype is the maximum over what they must hold, so only that slack is padded.
-:class:`StageLayouts` gathers every stage's layouts.
+Every device runs the same program, so buffers have one shape on all devices, while
+stages differ (embedding first, head last). Values are grouped by *class* (shape and
+dtype, :class:`ValueClass`); a buffer of a class is ``[slots, *shape]``. Nothing is
+raveled: a value keeps its shape (and so any sharding over other mesh axes), and reads
+and writes index the leading slot axis only.
+
+- Parameters (:class:`SlotLayout`): device ``d`` needs, per class, as many slots as its
+  stages have leaves of that class; every device gets the most any device needs.
+  Homogeneous stages need no padding; an embedding costs one slot of its class on every
+  device.
+- A stage's stored values (residuals, the I -> W hand-off) and its messages are
+  :class:`Packing`\\ s: leaf ``i`` lives in row ``rows[i]`` of its class within a group of
+  ``counts[class]`` consecutive slots; the lowering chooses where each group starts.
+- Messages travel in fixed-size *units* (:class:`StageLayouts.unit`): per class the most
+  rows any message needs, so one inbox slot or outbox unit fits any message.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.avals import aval_bytes
 from jaxpipe.runtime.spmd.lowering import Pool
 from jaxpipe.stages import StageFn
 
-__all__ = ["Layout", "ParamSlots", "StageLayouts", "merge_widths"]
+__all__ = ["Packing", "SlotLayout", "StageLayouts", "ValueClass", "param_slots", "value_class"]
 
 
-def _key(dtype) -> str:
-    return np.dtype(dtype).name
+@dataclass(frozen=True, order=True)
+class ValueClass:
+    """What values a buffer holds: shape and dtype name (the buffer is [slots, *shape])."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def zeros(self, slots: int) -> jax.Array:
+        return jnp.zeros((slots, *self.shape), self.dtype)
 
 
-class Layout:
-    """Where each array of a fixed list of avals lives inside per-dtype flat vectors."""
-
-    def __init__(self, avals: Sequence):
-        self.avals = list(avals)
-        self.slots: list[tuple[str, int, int]] = []  # (dtype key, offset, size)
-        sizes: dict[str, int] = {}
-        for a in self.avals:
-            k = _key(a.dtype)
-            n = math.prod(a.shape)
-            self.slots.append((k, sizes.get(k, 0), n))
-            sizes[k] = sizes.get(k, 0) + n
-        self.sizes = sizes
-
-    def pack(self, leaves: Sequence, widths: dict[str, int]) -> dict[str, jnp.ndarray]:
-        """Flatten ``leaves`` into ``{dtype: vector of widths[dtype]}``, zero padded."""
-        parts: dict[str, list] = {k: [] for k in widths}
-        for (k, _, _), x in zip(self.slots, leaves, strict=True):
-            parts[k].append(jnp.ravel(x))
-        out = {}
-        for k, w in widths.items():
-            used = self.sizes.get(k, 0)
-            pad = [jnp.zeros((w - used,), k)] if w > used else []
-            vec = parts[k] + pad
-            out[k] = jnp.concatenate(vec) if len(vec) > 1 else (vec[0] if vec else
-                                                                 jnp.zeros((0,), k))
-        return out
-
-    def unpack(self, flat: dict[str, jnp.ndarray]) -> list:
-        """Inverse of :meth:`pack` (ignores the padding)."""
-        return [
-            flat[k][off:off + n].reshape(a.shape)
-            for (k, off, n), a in zip(self.slots, self.avals, strict=True)
-        ]
+def value_class(aval: Any) -> ValueClass:
+    return ValueClass(tuple(int(d) for d in aval.shape), np.dtype(aval.dtype).name)
 
 
-def merge_widths(layouts: Iterable[Layout]) -> dict[str, int]:
-    """Per-dtype width that can hold any of ``layouts`` (sorted keys, deterministic)."""
-    w: dict[str, int] = {}
-    for lay in layouts:
-        for k, n in lay.sizes.items():
-            w[k] = max(w.get(k, 0), n)
-    return dict(sorted(w.items()))
+class Packing:
+    """A list of values grouped by class: where each leaf lives within its class's group.
 
-
-class ParamSlots:
-    """Parameters as a list of whole arrays ("slots") that every device holds.
-
-    Each stage's parameter leaves are assigned to slots of the same shape and dtype on
-    its device; a device needs as many slots of a shape as its stages have leaves of
-    that shape, and every device gets the maximum. Homogeneous stages need no padding
-    at all; a heterogeneous stage (an embedding) costs one slot of its shape on every
-    device. Whole arrays (no flat packing) let the stage code use parameters and
-    accumulate gradients in place, without per-tick copies.
+    Attributes:
+      avals: the values.
+      classes: the class of every leaf.
+      rows: every leaf's row within its class's group (0, 1, ... per class).
+      counts: rows per class (the size of the group).
     """
 
-    def __init__(self, stages, param_avals: Sequence, device_stages: Sequence[Sequence[int]]):
-        counts: dict[tuple, int] = {}
-        assign: dict[tuple[int, int], tuple[tuple, int]] = {}
+    def __init__(self, avals: Sequence[Any]) -> None:
+        self.avals = list(avals)
+        self.classes = [value_class(a) for a in self.avals]
+        self.counts: dict[ValueClass, int] = {}
+        self.rows: list[int] = []
+        for c in self.classes:
+            self.rows.append(self.counts.get(c, 0))
+            self.counts[c] = self.counts.get(c, 0) + 1
+
+    def __len__(self) -> int:
+        return len(self.avals)
+
+    def nbytes(self) -> int:
+        return sum(aval_bytes(a) for a in self.avals)
+
+    def read(self, bufs: Mapping[ValueClass, jax.Array], base: Mapping[ValueClass, Any]
+             ) -> list[jax.Array]:
+        """Leaf ``i`` = ``bufs[class][base[class] + rows[i]]`` (base may be traced)."""
+        return [jax.lax.dynamic_index_in_dim(bufs[c], base[c] + r, 0, keepdims=False)
+                for c, r in zip(self.classes, self.rows, strict=True)]
+
+    def write(self, bufs: dict[ValueClass, jax.Array], base: Mapping[ValueClass, Any],
+              leaves: Sequence[jax.Array]) -> dict[ValueClass, jax.Array]:
+        """In-place updates of the rows of ``leaves`` (one per leaf)."""
+        bufs = dict(bufs)
+        for c, r, x in zip(self.classes, self.rows, leaves, strict=True):
+            bufs[c] = jax.lax.dynamic_update_index_in_dim(
+                bufs[c], jnp.asarray(x, c.dtype), base[c] + r, 0)
+        return bufs
+
+
+def merge_counts(packings: Sequence[Packing]) -> dict[ValueClass, int]:
+    """Rows per class that fit any of ``packings`` (sorted by class)."""
+    out: dict[ValueClass, int] = {}
+    for p in packings:
+        for c, n in p.counts.items():
+            out[c] = max(out.get(c, 0), n)
+    return dict(sorted(out.items()))
+
+
+class SlotLayout:
+    """Per-stage lists of values as *slots*: whole arrays every device holds.
+
+    Each stage's values are assigned slots of their class on the stage's device, in
+    stage order; a device needs as many slots of a class as its stages have values of
+    it, and every device gets the maximum. Used for parameters (and their gradients) and
+    for optimizer state. Slots are separate arrays (a flat list, class by class): the
+    program reads a parameter and accumulates its gradient in place, without slicing
+    a stacked buffer.
+
+    Attributes:
+      counts: slots per class.
+      slots: ``(class, i)`` of every slot, in list order.
+      where: per stage, per value of the stage, its slot's position in the list.
+    """
+
+    def __init__(self, stage_avals: Sequence[Sequence[Any]],
+                 device_stages: Sequence[Sequence[int]]) -> None:
+        counts: dict[ValueClass, int] = {}
+        local: dict[int, list[tuple[ValueClass, int]]] = {}
         for mine in device_stages:
-            used: dict[tuple, int] = {}
+            used: dict[ValueClass, int] = {}
             for s in mine:
-                for j, pid in enumerate(stages[s].param_ids):
-                    a = param_avals[pid]
-                    key = (tuple(a.shape), _key(a.dtype))
-                    assign[(s, j)] = (key, used.get(key, 0))
-                    used[key] = used.get(key, 0) + 1
-            for key, n in used.items():
-                counts[key] = max(counts.get(key, 0), n)
-        self.slots = [(key, i) for key in sorted(counts) for i in range(counts[key])]
-        index = {slot: n for n, slot in enumerate(self.slots)}
-        self.shapes = [key[0] for key, _ in self.slots]
-        self.dtypes = [key[1] for key, _ in self.slots]
-        self.stage_slots: list[list[int]] = [
-            [index[assign[(st.index, j)]] for j in range(len(st.param_ids))] for st in stages
-        ]
+                local[s] = []
+                for a in stage_avals[s]:
+                    c = value_class(a)
+                    local[s].append((c, used.get(c, 0)))
+                    used[c] = used.get(c, 0) + 1
+            for c, n in used.items():
+                counts[c] = max(counts.get(c, 0), n)
+        self.counts = dict(sorted(counts.items()))
+        self.slots = [(c, i) for c, n in self.counts.items() for i in range(n)]
+        pos = {slot: k for k, slot in enumerate(self.slots)}
+        self.where: list[list[int]] = [[pos[x] for x in local[s]]
+                                       for s in range(len(stage_avals))]
 
     def __len__(self) -> int:
         return len(self.slots)
 
+    @property
+    def classes(self) -> list[ValueClass]:
+        """The class of every slot, in list order."""
+        return [c for c, _ in self.slots]
+
     def nbytes(self) -> int:
         """Bytes of one device's slots."""
-        return sum(math.prod(s) * np.dtype(d).itemsize
-                   for s, d in zip(self.shapes, self.dtypes, strict=True))
+        return sum(c.nbytes for c, _ in self.slots)
+
+    def zeros(self) -> list[jax.Array]:
+        return [jnp.zeros(c.shape, c.dtype) for c, _ in self.slots]
+
+    def gather(self, bufs: Sequence[jax.Array], stage: int) -> list[jax.Array]:
+        """The values of ``stage`` from one device's slot list."""
+        return [bufs[k] for k in self.where[stage]]
+
+    def scatter(self, bufs: Sequence[jax.Array], stage: int,
+                values: Sequence[jax.Array]) -> list[jax.Array]:
+        """One device's slot list with ``stage``'s values replaced."""
+        bufs = list(bufs)
+        for k, x in zip(self.where[stage], values, strict=True):
+            bufs[k] = jnp.asarray(x, self.slots[k][0].dtype)
+        return bufs
+
+
+def param_slots(stages: Sequence[StageFn], param_avals: Sequence[Any],
+                device_stages: Sequence[Sequence[int]]) -> SlotLayout:
+    """The parameter slots: each stage's parameter leaves (tied leaves on every owner)."""
+    return SlotLayout([[param_avals[pid] for pid in st.param_ids] for st in stages],
+                      device_stages)
 
 
 @dataclass(frozen=True)
 class StageLayouts:
-    """Flat layouts of every stage's stored values and messages, and the parameter slots.
+    """Packings of every stage's stored values and messages, and the parameter slots.
 
     Attributes:
       slots: the parameter slots of every device.
@@ -125,41 +188,44 @@ class StageLayouts:
       act_out / act_in: the forward message (stage carry) a stage sends / receives.
       ct_out / ct_in: the cotangent message a stage receives (for its differentiable
         carry out) / sends back (for its differentiable carry in).
-      msg_width: elements per dtype of one message slot (fits every message).
+      unit: rows per class of one message unit (fits every message).
     """
 
-    slots: ParamSlots
-    residuals: list[Layout]
-    pools: dict[Pool, list[Layout]]
-    act_out: list[Layout]
-    act_in: list[Layout]
-    ct_out: list[Layout]
-    ct_in: list[Layout]
-    msg_width: dict[str, int]
+    slots: SlotLayout
+    residuals: list[Packing]
+    pools: dict[Pool, list[Packing]]
+    act_out: list[Packing]
+    act_in: list[Packing]
+    ct_out: list[Packing]
+    ct_in: list[Packing]
+    unit: dict[ValueClass, int]
 
     @classmethod
-    def build(cls, stages: Sequence[StageFn], param_avals: Sequence,
+    def build(cls, stages: Sequence[StageFn], param_avals: Sequence[Any],
               device_stages: Sequence[Sequence[int]]) -> StageLayouts:
         pools = {
-            Pool.RESIDUAL_A: [Layout([st.residual_avals[i] for i in st.i_only_residual_ids])
+            Pool.RESIDUAL_A: [Packing([st.residual_avals[i] for i in st.i_only_residual_ids])
                               for st in stages],
-            Pool.RESIDUAL_B: [Layout([st.residual_avals[i] for i in st.w_res_ids])
+            Pool.RESIDUAL_B: [Packing([st.residual_avals[i] for i in st.w_res_ids])
                               for st in stages],
-            Pool.HANDOFF: [Layout(st.w_residual_avals) for st in stages],
+            Pool.HANDOFF: [Packing(st.w_residual_avals) for st in stages],
         }
-        act_out = [Layout([] if st.is_last else st.out_avals) for st in stages]
-        ct_in = [Layout(st.ct_in_avals()) for st in stages]
+        act_out = [Packing([] if st.is_last else st.out_avals) for st in stages]
+        ct_in = [Packing(st.ct_in_avals()) for st in stages]
         return cls(
-            slots=ParamSlots(stages, param_avals, device_stages),
-            residuals=[Layout(st.residual_avals) for st in stages],
+            slots=param_slots(stages, param_avals, device_stages),
+            residuals=[Packing(st.residual_avals) for st in stages],
             pools=pools,
             act_out=act_out,
-            act_in=[Layout(st.in_avals) for st in stages],
-            ct_out=[Layout([] if st.is_last else st.ct_out_avals()) for st in stages],
+            act_in=[Packing(st.in_avals) for st in stages],
+            ct_out=[Packing([] if st.is_last else st.ct_out_avals()) for st in stages],
             ct_in=ct_in,
-            msg_width=merge_widths(act_out + ct_in),
+            unit=merge_counts(act_out + ct_in),
         )
 
-    def pool_sizes(self) -> dict[Pool, list[dict[str, int]]]:
-        """Per pool, per stage, elements per dtype one microbatch stores (for lowering)."""
-        return {pool: [lay.sizes for lay in layouts] for pool, layouts in self.pools.items()}
+    def pool_counts(self) -> dict[Pool, list[dict[ValueClass, int]]]:
+        """Per pool, per stage, slots per class one microbatch stores (for the lowering)."""
+        return {pool: [dict(p.counts) for p in packings] for pool, packings in self.pools.items()}
+
+    def unit_bytes(self) -> int:
+        return sum(c.nbytes * n for c, n in self.unit.items())

@@ -1,21 +1,21 @@
 """Lower a validated schedule to the static tables the SPMD program scans over.
 
-The lowering runs in four small steps, each a function of its own:
+The lowering runs in small steps, each a function of its own:
 
-1. :func:`assign_ticks` — when every action runs: device and tick. Today one action per
-   device per tick, ticks from simulating the schedule with unit cost per action (each
-   device runs its actions in order, each as soon as its inputs exist; a value sent at
-   the end of tick t can be used at tick t+1).
-2. :func:`list_messages` — every value that crosses from one action to another: the
-   stage carry (F -> next stage's F) and the cotangent (B/I -> previous stage's B/I),
-   with the ticks and devices at both ends.
-3. :func:`allocate` — buffers sized by liveness. A residual set lives from its F to its
-   last reader (B, or W when the backward is split), in parts (:class:`Pool`); all parts
-   share one flat storage per dtype with first-fit offsets, so a device holding few large
-   residual sets and one holding many small ones both pay only what is live at once.
-   A message lives from the end of the tick that sends it to the tick that reads it, in
-   fixed-size inbox slots.
-4. :func:`fill_table` — one row per (step, device) of the typed :class:`TickTable`.
+1. :func:`expand` — the actions the program runs: the schedule's own, with a full
+   backward ``B`` optionally run as its two halves ``I`` then ``W`` (same device, same
+   order, same memory; only the work per step changes).
+2. :func:`assign_ticks` — when every action runs: its tick, and its step within the
+   tick (a tick may hold several actions of one device; they run one per step).
+   Messages move at the end of a tick: an action reads another device's output only
+   from an earlier tick, and its own device's outputs from any earlier step.
+3. :func:`list_messages` — every value that crosses from one action to another: the
+   stage carry (F -> next stage's F) and the cotangent (B/I -> previous stage's B/I).
+4. :func:`allocate` — buffers sized by liveness, per value class (shape, dtype). A
+   stored value lives from the step that writes it to its last reader's step; a message
+   from its arrival to the step that reads it. Slots are assigned first-fit, so a
+   buffer has as many slots as are live at once on the busiest device.
+5. :func:`fill_table` — one row per (step, device) of the typed :class:`TickTable`.
 
 The result, :class:`Lowering`, is read by name by the program (:mod:`.program`).
 """
@@ -23,23 +23,29 @@ The result, :class:`Lowering`, is read by name by the program (:mod:`.program`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from jaxpipe.schedule import ACTION_KINDS, Action, Schedule
+from jaxpipe.schedule.validate import ScheduleGraph
 
 __all__ = [
     "IDLE",
     "Lowering",
     "Message",
     "Pool",
+    "Messages",
     "TickTable",
+    "Ticks",
+    "Timing",
     "allocate",
     "assign_ticks",
     "branch_id",
+    "expand",
     "fill_table",
     "list_messages",
     "lower",
@@ -49,9 +55,9 @@ __all__ = [
 IDLE = 0
 
 
-def branch_id(kind: str, stage: int, num_stages: int) -> int:
-    """The program branch that runs ``kind`` for ``stage`` (:data:`IDLE` is 0)."""
-    return 1 + ACTION_KINDS.index(kind) * num_stages + stage
+def branch_id(kind: str, body: int, num_bodies: int) -> int:
+    """The program branch that runs ``kind`` for ``body`` (:data:`IDLE` is 0)."""
+    return 1 + ACTION_KINDS.index(kind) * num_bodies + body
 
 
 class Pool(enum.IntEnum):
@@ -75,10 +81,6 @@ class Pool(enum.IntEnum):
                 Pool.HANDOFF: ("W",)}[self]
 
 
-#: (pool, dtype name): one column of storage offsets.
-PoolKey = tuple[Pool, str]
-
-
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class TickTable:
@@ -89,25 +91,29 @@ class TickTable:
 
     Attributes:
       branch: the branch to run (:func:`branch_id`, or :data:`IDLE`).
+      stage: the action's stage (selects a shared body's parameters).
       microbatch: the action's microbatch.
       in_slot: inbox slot holding the action's input message (stage carry or cotangent).
-      local_dst: inbox slot for a message the device sends to itself (the turn of a
-        V-shaped placement); the dummy slot otherwise.
-      recv_slot: ``[steps, devices, offsets]``: inbox slot where the message arriving over
-        each permutation offset at the end of the step is stored (dummy if none).
-      pool_write / pool_read: per (pool, dtype), the offset into the device's storage of
-        that dtype where the action writes / reads that pool's part of its stored values.
-      exchange: ``[steps, offsets]`` bool: the permutation over that offset runs at the
-        end of the step (someone sends over it).
+      local_slot: inbox slot for the action's output message when it stays on the
+        device (the turn of a V); the dummy slot otherwise.
+      out_unit: ``[steps, devices, offsets]``: the unit of the outbox of each direction
+        the action's output message goes to (the dummy unit ``units[j]`` otherwise).
+      recv_slot: ``[steps, devices, offsets, units]``: inbox slot for each unit arriving
+        over each permutation offset at the end of the step (the dummy slot if none).
+      pool_base: per (pool, class), the first slot of that class where the action writes
+        or reads that pool's part of its stored values.
+      exchange: ``[steps, devices, offsets]`` bool (same for every device): the
+        permutation over that offset runs at the end of the step.
     """
 
     branch: np.ndarray
+    stage: np.ndarray
     microbatch: np.ndarray
     in_slot: np.ndarray
-    local_dst: np.ndarray
+    local_slot: np.ndarray
+    out_unit: np.ndarray
     recv_slot: np.ndarray
-    pool_write: dict[PoolKey, np.ndarray]
-    pool_read: dict[PoolKey, np.ndarray]
+    pool_base: dict[tuple[Pool, Hashable], np.ndarray]
     exchange: np.ndarray
 
     @property
@@ -116,12 +122,21 @@ class TickTable:
 
     def digest_bytes(self) -> bytes:
         """Every field, in a fixed order (for cross-process consistency checks)."""
-        parts = [self.branch, self.microbatch, self.in_slot, self.local_dst, self.recv_slot,
-                 self.exchange]
-        for key in sorted(self.pool_write):
-            parts += [self.pool_write[key], self.pool_read[key]]
+        parts = [self.branch, self.stage, self.microbatch, self.in_slot, self.local_slot,
+                 self.out_unit,
+                 self.recv_slot, self.exchange]
+        parts += [self.pool_base[k] for k in sorted(self.pool_base, key=repr)]
         return b"".join(np.ascontiguousarray(p).tobytes() + str(p.shape).encode()
                         for p in parts)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When an action runs: its device, tick and global step."""
+
+    device: int
+    tick: int
+    step: int
 
 
 @dataclass(frozen=True)
@@ -132,8 +147,8 @@ class Message:
     consumer: Action
     src: int  # device of the producer
     dst: int  # device of the consumer
-    sent: int  # tick of the producer (the value moves at its end)
-    read: int  # tick of the consumer
+    sent: int  # step at whose end the value is available to the consumer's device
+    read: int  # step of the consumer
 
 
 @dataclass(frozen=True)
@@ -142,30 +157,53 @@ class Lowering:
 
     Attributes:
       table: the per-step fields (:class:`TickTable`).
-      num_ticks: ticks of the lowered program (a tick may span several steps when
-        actions are grouped; today one step per tick).
+      ticks: when every action the program runs (after :func:`expand`) runs, as arrays;
+        :attr:`actions` has them as ``{action: Timing}``.
+      message_arrays: every value moved between actions, as arrays; :attr:`messages`
+        lists them as :class:`Message` objects.
+      num_ticks, num_steps: of the lowered program (a tick spans one or more steps).
+      tick_of_step: ``[steps]`` the tick of every step.
       num_devices, num_stages, num_microbatches: of the schedule.
-      stages_per_device: the most stages any device holds (the SPMD buffer shape).
+      stages_per_device: the most stages any device holds.
       perm_offsets: each permutation sends device d to (d + offset) % devices.
-      storage: elements per dtype of each device's residual storage (the maximum over
-        devices, since all devices run one program).
+      units: outbox units per offset (the most messages a device sends over it in a tick).
+      slots: per class, slots of stored values per device (the maximum over devices, since
+        all devices run one program).
       num_inbox: message slots per device (maximum over devices); slot ``num_inbox`` is
         the dummy that idle writes go to.
       residual_peak: per device, the most residual sets live at once.
-      storage_per_device: per device, elements per dtype it actually needs.
+      slots_per_device: per device, slots per class it actually needs.
+      split_backward: the (stage, microbatch) pairs whose B runs as I then W although the
+        schedule says B.
     """
 
     table: TickTable
+    ticks: Ticks
+    message_arrays: Messages
     num_ticks: int
+    num_steps: int
+    tick_of_step: np.ndarray
     num_devices: int
     num_stages: int
     num_microbatches: int
     stages_per_device: int
     perm_offsets: tuple[int, ...]
-    storage: dict[str, int]
+    units: tuple[int, ...]
+    slots: dict[Hashable, int]
     num_inbox: int
     residual_peak: tuple[int, ...]
-    storage_per_device: tuple[dict[str, int], ...]
+    slots_per_device: tuple[dict[Hashable, int], ...]
+    split_backward: frozenset[tuple[int, int]]
+
+    @functools.cached_property
+    def actions(self) -> dict[Action, Timing]:
+        """Every action the program runs and when."""
+        return self.ticks.timing()
+
+    @functools.cached_property
+    def messages(self) -> tuple[Message, ...]:
+        """Every value moved between actions."""
+        return tuple(self.message_arrays.as_list(self.ticks.graph.actions))
 
     @property
     def used_branches(self) -> frozenset[int]:
@@ -174,60 +212,139 @@ class Lowering:
 
 
 # ----------------------------------------------------------------------------- step 1
-#: Cost per action kind used to assign ticks: one tick per action.
-UNIT_COSTS = {"F": 1, "B": 1, "I": 1, "W": 1}
+class _Expanded(Schedule):
+    """``base`` with the backward of ``split`` units run as I then W."""
+
+    def __init__(self, base: Schedule, split: frozenset[tuple[int, int]]) -> None:
+        super().__init__(base.num_devices, base.num_microbatches, base.stages_per_device)
+        self._base, self._split = base, split
+
+    def placement(self, stage: int) -> int:
+        return self._base.placement(stage)
+
+    def device_actions(self, device: int) -> list[Action]:
+        out = []
+        for a in self._base.graph().lists[device]:
+            if a.kind == "B" and (a.stage, a.microbatch) in self._split:
+                out += [Action("I", a.stage, a.microbatch), Action("W", a.stage, a.microbatch)]
+            else:
+                out.append(a)
+        return out
 
 
-def assign_ticks(schedule: Schedule) -> dict[Action, tuple[int, int]]:
-    """``action -> (device, tick)``: the unit-cost simulation's start times."""
-    timeline = schedule.simulate(costs=UNIT_COSTS)
-    when = {}
-    for ev in timeline.events:
-        if int(ev.start) != ev.start:
-            raise AssertionError(f"non-integral tick for {ev.action}")
-        when[ev.action] = (ev.device, int(ev.start))
-    return when
+def expand(schedule: Schedule, split_backward: bool) -> tuple[Schedule, frozenset]:
+    """The schedule the program runs, and the units whose B it runs as I then W."""
+    if not split_backward:
+        return schedule, frozenset()
+    units = frozenset((a.stage, a.microbatch) for a in schedule.graph().actions
+                      if a.kind == "B")
+    return _Expanded(schedule, units), units
 
 
 # ----------------------------------------------------------------------------- step 2
-def list_messages(schedule: Schedule, when: Mapping[Action, tuple[int, int]]) -> list[Message]:
-    """Every stage carry and cotangent the schedule moves, in a deterministic order."""
-    S = schedule.num_stages
-    split = schedule.split_units()
+@dataclass(frozen=True)
+class Ticks:
+    """When every action of a schedule's graph runs (arrays indexed like ``graph.actions``).
 
-    def cotangent_reader(stage: int, mb: int) -> Action:
-        return Action("I" if (stage, mb) in split else "B", stage, mb)
+    Attributes:
+      graph: the schedule's :class:`~jaxpipe.schedule.validate.ScheduleGraph`.
+      device, tick, step: per action.
+      tick_end: per tick, its last step (messages move at its end).
+    """
 
-    out = []
-    for a in sorted(when, key=lambda a: (when[a][1], when[a][0], str(a))):
-        if a.kind == "F" and a.stage < S - 1:
-            consumer = Action("F", a.stage + 1, a.microbatch)
-        elif a.kind in ("B", "I") and a.stage > 0:
-            consumer = cotangent_reader(a.stage - 1, a.microbatch)
-        else:
-            continue
-        (src, sent), (dst, read) = when[a], when[consumer]
-        out.append(Message(a, consumer, src, dst, sent, read))
-    return out
+    graph: ScheduleGraph
+    device: np.ndarray
+    tick: np.ndarray
+    step: np.ndarray
+    tick_end: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.step.max()) + 1 if len(self.step) else 0
+
+    @property
+    def num_ticks(self) -> int:
+        return len(self.tick_end)
+
+    def timing(self) -> dict[Action, Timing]:
+        return {a: Timing(int(d), int(t), int(s)) for a, d, t, s in
+                zip(self.graph.actions, self.device, self.tick, self.step, strict=True)}
+
+
+def assign_ticks(schedule: Schedule) -> Ticks:
+    """One action per device per tick, ticks from the unit-cost simulation's start times
+    (each device runs its actions in order, each as soon as its inputs exist)."""
+    graph = schedule.graph()
+    start = np.array([s for s, _ in graph.run(lambda a: 1)], np.int64)
+    n_ticks = int(start.max()) + 1 if len(start) else 0
+    return Ticks(graph, np.asarray(graph.device, np.int64), start, start,
+                 np.arange(n_ticks, dtype=np.int64))
 
 
 # ----------------------------------------------------------------------------- step 3
-def _first_fit(intervals: Sequence[tuple[int, int, int, object]]) -> tuple[dict, int]:
-    """Offsets for ``(start, end, size, key)`` values live over ticks ``(start, end]``.
+@dataclass(frozen=True)
+class Messages:
+    """Every value moved between actions, as arrays (one entry per message).
 
-    A value is written at the end of the action of tick ``start`` (or by it) and last read
-    at tick ``end``, so two values may share addresses when one is last read in the tick
-    whose action writes the other: the program finishes an action's reads before its
-    writes.
+    ``producer``/``consumer`` index ``graph.actions``; ``sent`` is the step at whose end
+    the value is available to the consumer's device (the producer's own step for a
+    message to the same device); ``read`` the consumer's step.
     """
-    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
+
+    producer: np.ndarray
+    consumer: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    sent: np.ndarray
+    read: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.producer)
+
+    def as_list(self, actions: Sequence[Action]) -> list[Message]:
+        return [Message(actions[p], actions[c], int(a), int(b), int(s), int(r))
+                for p, c, a, b, s, r in zip(self.producer, self.consumer, self.src, self.dst,
+                                            self.sent, self.read, strict=True)]
+
+
+def list_messages(ticks: Ticks) -> Messages:
+    """Every stage carry (F -> next stage's F) and cotangent (B/I -> previous stage's B/I),
+    ordered by the producer's step and device."""
+    graph = ticks.graph
+    prod, cons = [], []
+    for k, (a, data) in enumerate(zip(graph.actions, graph.data, strict=True)):
+        if a.kind == "F" and data:
+            prod.append(data[0])
+            cons.append(k)
+        elif a.kind in ("B", "I") and len(data) == 2:
+            prod.append(data[1])
+            cons.append(k)
+    p, c = np.asarray(prod, np.int64), np.asarray(cons, np.int64)
+    order = np.lexsort((c, ticks.device[p], ticks.step[p]))
+    p, c = p[order], c[order]
+    src, dst = ticks.device[p], ticks.device[c]
+    sent = np.where(src == dst, ticks.step[p], ticks.tick_end[ticks.tick[p]])
+    return Messages(p, c, src, dst, sent, ticks.step[c])
+
+
+# ----------------------------------------------------------------------------- step 4
+def _first_fit(intervals: Sequence[tuple[int, int, int, object]]) -> tuple[dict, int]:
+    """Offsets for ``(start, end, size, key)`` values live over steps ``(start, end]``.
+
+    A value is written by (or at the end of) step ``start`` and last read at step
+    ``end``, so two values may share slots when one is last read in the step whose action
+    writes the other: the program finishes an action's reads before its writes.
+    """
+    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size), still live
     offsets = {}
     top = 0
     for start, end, size, key in sorted(intervals, key=lambda iv: (iv[0], -iv[2])):
         if size == 0:
             offsets[key] = 0
             continue
-        busy = sorted((o, o + s) for (a, b, o, s) in placed if a < end and start < b)
+        # starts only grow: a value last read at or before this start never overlaps again
+        placed = [iv for iv in placed if iv[1] > start]
+        busy = sorted((o, o + s) for (a, b, o, s) in placed if a < end)
         off = 0
         for lo, hi in busy:
             if off + size <= lo:
@@ -241,142 +358,207 @@ def _first_fit(intervals: Sequence[tuple[int, int, int, object]]) -> tuple[dict,
 
 @dataclass(frozen=True)
 class Allocation:
-    """Where stored values and messages live (output of :func:`allocate`)."""
+    """Where stored values and messages live (output of :func:`allocate`).
 
-    pool_offset: dict[tuple[Pool, tuple[int, int], str], int]  # (pool, (stage, mb), dtype)
-    storage: dict[str, int]
-    storage_per_device: tuple[dict[str, int], ...]
-    message_slot: dict[tuple[Action, Action], int]
+    Attributes:
+      base: per (pool, class), per action (``graph.actions`` order), the first slot the
+        action writes or reads that pool's part at (-1: the action does not touch it).
+      slots: per class, slots per device (the maximum over devices).
+      slots_per_device: per device, slots per class it needs.
+      message_slot: per message, its inbox slot.
+      num_inbox: inbox slots per device (the maximum over devices).
+      residual_peak: per device, the most residual sets live at once.
+    """
+
+    base: dict[tuple[Pool, Hashable], np.ndarray]
+    slots: dict[Hashable, int]
+    slots_per_device: tuple[dict[Hashable, int], ...]
+    message_slot: np.ndarray
     num_inbox: int
     residual_peak: tuple[int, ...]
 
 
-def allocate(schedule: Schedule, when: Mapping[Action, tuple[int, int]],
-             messages: Sequence[Message],
-             pool_sizes: Mapping[Pool, Sequence[Mapping[str, int]]]) -> Allocation:
-    """Liveness-sized storage offsets and inbox slots.
+def allocate(ticks: Ticks, messages: Messages,
+             pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]]) -> Allocation:
+    """Liveness-sized slots for stored values (per class) and messages (per device).
 
-    ``pool_sizes[pool][stage]`` gives the elements per dtype one microbatch of ``stage``
-    keeps in ``pool``. Every pool shares one storage per dtype: parts freed early
-    (I-only residuals) make room for others, so the size is the peak of what is live at
-    once, not a sum of per-pool peaks.
+    ``pool_counts[pool][stage]`` gives, per class, the slots one microbatch of ``stage``
+    keeps in ``pool``. All pools of a class share one buffer: parts freed early (I-only
+    residuals) make room for others, so its size is the peak of what is live at once.
     """
-    from jaxpipe.schedule.liveness import peak_overlap, unit_lifetimes
+    from jaxpipe.schedule.liveness import peak_overlap
 
-    D = schedule.num_devices
-    ticks: dict[tuple[int, int], dict[str, int]] = {}  # (stage, mb) -> kind -> tick
-    for a, (_, t) in when.items():
-        ticks.setdefault((a.stage, a.microbatch), {})[a.kind] = t
-    dtypes = sorted({k for sizes in pool_sizes.values() for row in sizes for k in row})
-    pool_offset: dict = {}
-    storage = dict.fromkeys(dtypes, 0)
+    graph = ticks.graph
+    D = 1 + int(ticks.device.max()) if len(ticks.device) else 0
+    D = max(D, len(graph.lists))
+    # per unit (stage, mb): the action index of each kind
+    of_unit: dict[tuple[int, int], dict[str, int]] = {}
+    for k, a in enumerate(graph.actions):
+        of_unit.setdefault((a.stage, a.microbatch), {})[a.kind] = k
+    classes = sorted({c for counts in pool_counts.values() for row in counts for c in row},
+                     key=repr)
+    n = len(graph.actions)
+    base = {(pool, c): np.full(n, -1, np.int64) for pool in Pool for c in classes}
+    slots = dict.fromkeys(classes, 0)
+    units_of = [[] for _ in range(D)]
+    for unit, kinds in of_unit.items():
+        units_of[int(ticks.device[kinds["F"]])].append((unit, kinds))
     per_device, peaks = [], []
+    access = [(pool, pool.writer, pool.readers) for pool in Pool]
+    step_of = ticks.step.tolist()
     for d in range(D):
-        mine = sorted(((a, t) for a, (dd, t) in when.items() if dd == d), key=lambda x: x[1])
-        units = [(a.stage, a.microbatch) for a, _ in mine if a.kind == "F"]
-        live = []  # (first tick, last tick, pool, unit)
-        for pool in Pool:
-            for unit in units:
-                kinds = ticks[unit]
-                if pool.writer in kinds:
-                    last = max((kinds[r] for r in pool.readers if r in kinds),
-                               default=kinds[pool.writer])
-                    live.append((kinds[pool.writer], last, pool, unit))
+        live = []  # (first step, last step, pool, unit, action indices)
+        lifetimes = []
+        for unit, kinds in units_of[d]:
+            steps = {kind: step_of[k] for kind, k in kinds.items()}
+            lifetimes.append((steps["F"], max(t for kind, t in steps.items() if kind != "F")))
+            for pool, writer, readers in access:
+                if writer in steps:
+                    mine = [r for r in readers if r in steps]
+                    last = max((steps[r] for r in mine), default=steps[writer])
+                    live.append((steps[writer], last, pool, unit,
+                                 [kinds[writer]] + [kinds[r] for r in mine]))
         need = {}
-        for k in dtypes:
-            off, top = _first_fit([(a, b, pool_sizes[pool][unit[0]].get(k, 0), (pool, unit))
-                                   for a, b, pool, unit in live])
-            pool_offset.update({(pool, unit, k): o for (pool, unit), o in off.items()})
-            storage[k] = max(storage[k], top)
-            need[k] = top
+        for c in classes:
+            off, top = _first_fit([(a, b, pool_counts[pool][unit[0]].get(c, 0), i)
+                                   for i, (a, b, pool, unit, _) in enumerate(live)])
+            for i, (_, _, pool, _, acts) in enumerate(live):
+                if pool_counts[pool][live[i][3][0]].get(c, 0):
+                    base[(pool, c)][acts] = off[i]
+            slots[c] = max(slots[c], top)
+            need[c] = top
         per_device.append(need)
         # residual *sets* live from F to the last backward action (the simulator's count)
-        peaks.append(peak_overlap(unit_lifetimes(mine).values()))
-    message_slot: dict = {}
+        peaks.append(peak_overlap(lifetimes))
+    message_slot = np.zeros(len(messages), np.int64)
     num_inbox = 0
+    local = (messages.src == messages.dst).astype(np.int64)
     for d in range(D):
-        # a message arrives at the end of tick `sent` and is read at tick `read`
-        off, top = _first_fit([(m.sent, m.read, 1, (m.producer, m.consumer))
-                               for m in messages if m.dst == d])
-        message_slot.update(off)
+        idx = np.flatnonzero(messages.dst == d)
+        # A message to another device arrives at the end of step `sent`; one from the same
+        # device is written *during* step `sent`, so it must not share with a message read
+        # in that step (start one step earlier).
+        off, top = _first_fit([(int(messages.sent[i] - local[i]), int(messages.read[i]), 1,
+                                int(i)) for i in idx])
+        for i in idx:
+            message_slot[i] = off[int(i)]
         num_inbox = max(num_inbox, top)
-    return Allocation(pool_offset, storage, tuple(per_device), message_slot, num_inbox,
-                      tuple(peaks))
+    return Allocation(base, slots, tuple(per_device), message_slot, num_inbox, tuple(peaks))
 
 
-# ----------------------------------------------------------------------------- step 4
-def fill_table(schedule: Schedule, when: Mapping[Action, tuple[int, int]],
-               messages: Sequence[Message], alloc: Allocation,
-               perm_offsets: Sequence[int], dtypes_of: Mapping[Pool, Sequence[str]]
-               ) -> TickTable:
+# ----------------------------------------------------------------------------- step 5
+def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
+               perm_offsets: Sequence[int], units: Sequence[int],
+               body_of_stage: Sequence[int], num_bodies: int,
+               pool_classes: Mapping[Pool, Sequence[Hashable]]) -> TickTable:
     """One row per (step, device); idle rows point at the dummy inbox slot."""
-    S, D = schedule.num_stages, schedule.num_devices
-    T = 1 + max((t for _, t in when.values()), default=-1)
+    graph = ticks.graph
+    D = len(graph.lists)
+    T = ticks.num_steps
     dummy = alloc.num_inbox
     shape = (T, D)
+    kind = np.array([ACTION_KINDS.index(a.kind) for a in graph.actions], np.int64)
+    stage_of = np.array([a.stage for a in graph.actions], np.int64)
+    mb_of = np.array([a.microbatch for a in graph.actions], np.int64)
+    t, d = ticks.step, ticks.device
     branch = np.full(shape, IDLE, np.int32)
+    branch[t, d] = 1 + kind * num_bodies + np.asarray(body_of_stage, np.int64)[stage_of]
+    stage = np.zeros(shape, np.int32)
+    stage[t, d] = stage_of
     microbatch = np.zeros(shape, np.int32)
+    microbatch[t, d] = mb_of
+    pool_base = {}
+    for pool in Pool:
+        for c in pool_classes[pool]:
+            col = np.zeros(shape, np.int32)
+            b = alloc.base[(pool, c)]
+            used = b >= 0
+            col[t[used], d[used]] = b[used]
+            pool_base[(pool, c)] = col
     in_slot = np.full(shape, dummy, np.int32)
-    local_dst = np.full(shape, dummy, np.int32)
-    recv_slot = np.full((T, D, len(perm_offsets)), dummy, np.int32)
-    exchange = np.zeros((T, len(perm_offsets)), bool)
-    keys = [(pool, k) for pool in Pool for k in dtypes_of[pool]]
-    pool_write = {key: np.zeros(shape, np.int32) for key in keys}
-    pool_read = {key: np.zeros(shape, np.int32) for key in keys}
-
-    for a, (d, t) in when.items():
-        unit = (a.stage, a.microbatch)
-        branch[t, d] = branch_id(a.kind, a.stage, S)
-        microbatch[t, d] = a.microbatch
-        for pool, k in keys:
-            off = alloc.pool_offset.get((pool, unit, k))
-            if off is None:
-                continue
-            if a.kind == pool.writer:
-                pool_write[(pool, k)][t, d] = off
-            elif a.kind in pool.readers:
-                pool_read[(pool, k)][t, d] = off
-    for msg in messages:
-        slot = alloc.message_slot[(msg.producer, msg.consumer)]
-        in_slot[msg.read, msg.dst] = slot
-        if msg.src == msg.dst:
-            local_dst[msg.sent, msg.src] = slot
-        else:
-            j = list(perm_offsets).index((msg.dst - msg.src) % D)
-            recv_slot[msg.sent, msg.dst, j] = slot
-            exchange[msg.sent, j] = True
-    return TickTable(branch, microbatch, in_slot, local_dst, recv_slot, pool_write, pool_read,
-                     exchange)
+    local_slot = np.full(shape, dummy, np.int32)
+    out_unit = np.zeros((T, D, len(perm_offsets)), np.int32)
+    out_unit[:] = np.asarray(units, np.int32)  # the dummy unit of each direction
+    recv_slot = np.full((T, D, len(perm_offsets), max(units, default=0)), dummy, np.int32)
+    exchange = np.zeros((T, D, len(perm_offsets)), bool)
+    slot = alloc.message_slot
+    in_slot[messages.read, messages.dst] = slot
+    p_step, p_tick = ticks.step[messages.producer], ticks.tick[messages.producer]
+    local = messages.src == messages.dst
+    local_slot[p_step[local], messages.src[local]] = slot[local]
+    j_of = {off: j for j, off in enumerate(perm_offsets)}
+    used: dict[tuple[int, int, int], int] = {}
+    for i in np.flatnonzero(~local):
+        src, dst = int(messages.src[i]), int(messages.dst[i])
+        j = j_of[(dst - src) % D]
+        key = (int(p_tick[i]), src, j)
+        r = used.get(key, 0)
+        used[key] = r + 1
+        out_unit[p_step[i], src, j] = r
+        end = int(ticks.tick_end[p_tick[i]])
+        recv_slot[end, dst, j, r] = slot[i]
+        exchange[end, :, j] = True
+    return TickTable(branch, stage, microbatch, in_slot, local_slot, out_unit, recv_slot,
+                     pool_base, exchange)
 
 
-def lower(schedule: Schedule, pool_sizes: Mapping[Pool, Sequence[Mapping[str, int]]]
+def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
+          body_of_stage: Sequence[int] | None = None, *, split_backward: bool = False
           ) -> Lowering:
     """Lower ``schedule`` (validated here) given what each stage stores per microbatch.
 
     Args:
       schedule: the schedule.
-      pool_sizes: for each :class:`Pool`, per stage, elements per dtype that one
+      pool_counts: for each :class:`Pool`, per stage, slots per value class that one
         microbatch of that stage keeps there (missing pools store nothing).
+      body_of_stage: the program body that runs each stage (stages with identical
+        functions share one); default one body per stage.
+      split_backward: run every B of the schedule as I then W (see :func:`expand`).
     """
     schedule.validate()
     S, D = schedule.num_stages, schedule.num_devices
-    sizes = {pool: list(pool_sizes.get(pool) or [{} for _ in range(S)]) for pool in Pool}
-    when = assign_ticks(schedule)
-    messages = list_messages(schedule, when)
-    offsets = tuple(sorted({(m.dst - m.src) % D for m in messages} - {0}))
-    alloc = allocate(schedule, when, messages, sizes)
-    dtypes_of = {pool: sorted({k for row in sizes[pool] for k in row}) for pool in Pool}
-    table = fill_table(schedule, when, messages, alloc, offsets, dtypes_of)
+    if body_of_stage is None:
+        body_of_stage = list(range(S))
+    counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
+    run, split = expand(schedule, split_backward)
+    ticks = assign_ticks(run)
+    messages = list_messages(ticks)
+    remote = messages.src != messages.dst
+    offsets = tuple(sorted({int(x) for x in (messages.dst - messages.src)[remote] % D}))
+    sends: dict[tuple[int, int, int], int] = {}
+    for p, a, b in zip(messages.producer[remote], messages.src[remote], messages.dst[remote],
+                       strict=True):
+        key = (int(ticks.tick[p]), int(a), offsets.index(int((b - a) % D)))
+        sends[key] = sends.get(key, 0) + 1
+    units = tuple(max((n for (_, _, j), n in sends.items() if j == jj), default=0)
+                  for jj in range(len(offsets)))
+    alloc = allocate(ticks, messages, counts)
+    pool_classes = {pool: sorted({c for row in counts[pool] for c in row}, key=repr)
+                    for pool in Pool}
+    table = fill_table(ticks, messages, alloc, offsets, units, body_of_stage,
+                       max(body_of_stage) + 1, pool_classes)
     return Lowering(
         table=table,
-        num_ticks=table.num_steps,
+        ticks=ticks,
+        message_arrays=messages,
+        num_ticks=ticks.num_ticks,
+        num_steps=ticks.num_steps,
+        tick_of_step=_tick_of_step(ticks),
         num_devices=D,
         num_stages=S,
         num_microbatches=schedule.num_microbatches,
         stages_per_device=max(len(schedule.device_stages(d)) for d in range(D)),
         perm_offsets=offsets,
-        storage=alloc.storage,
+        units=units,
+        slots=alloc.slots,
         num_inbox=alloc.num_inbox,
         residual_peak=alloc.residual_peak,
-        storage_per_device=alloc.storage_per_device,
+        slots_per_device=alloc.slots_per_device,
+        split_backward=split,
     )
+
+
+def _tick_of_step(ticks: Ticks) -> np.ndarray:
+    out = np.zeros(ticks.num_steps, np.int64)
+    out[ticks.step] = ticks.tick
+    return out

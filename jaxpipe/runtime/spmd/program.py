@@ -1,24 +1,29 @@
 """The SPMD program: one ``jax.jit(jax.shard_map(...))`` runs a lowered schedule.
 
 Every device runs the same program: ``lax.scan`` over the steps of the
-:class:`~.lowering.TickTable`; each step reads its row, runs the branch for one (action
-kind, stage) pair, stores residuals and hand-offs in a flat per-dtype storage at the
-lowered offsets, accumulates parameter gradients in place, and moves the action's output
-to the device that needs it with ``lax.ppermute`` (one permutation per device offset the
-placement uses; a permutation is skipped in steps where nobody sends over it) or a local
-hand-off (V-shaped turn).
+:class:`~.lowering.TickTable`. In a step, a device runs the branch of one (action kind,
+body) pair, or nothing:
+
+- parameters come from slots, whole arrays (a shared body whose members use different
+  slots on one device picks the running stage's from a small table by ``row.stage``);
+- residuals and the I -> W hand-off are stored in per-class buffers at the slots the
+  lowering chose, and gradients accumulate in place;
+- an output message goes into the outbox unit of its direction (or into an inbox slot
+  when it stays on the device, the turn of a V). At the end of a tick's last step, every
+  permutation someone uses runs once (``lax.ppermute`` of that direction's whole outbox)
+  and the arriving units land in inbox slots.
 
 Branch selection is a chain of zero-or-one-trip ``while_loop``s rather than
 ``lax.switch``: XLA copies every buffer that an untaken ``conditional`` branch passes
-through (whole residual storage and gradients, every step), while a ``while_loop``
-updates its carry in place. Per-step work is thus proportional to one microbatch:
-buffers are updated with ``dynamic_update_slice`` at table-given offsets, never
-rewritten whole, and idle steps cost a few scalar comparisons.
+through (whole storage and gradients, every step), while a ``while_loop`` updates its
+carry in place. Per-step work is thus proportional to one microbatch, and idle steps cost
+a few scalar comparisons.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,23 +32,21 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.runtime.spmd.layout import Layout, StageLayouts
+from jaxpipe.runtime.spmd.bodies import Body
+from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import IDLE, Lowering, Pool, TickTable, branch_id
 from jaxpipe.schedule import ACTION_KINDS
-from jaxpipe.stages import StageFn
 
 __all__ = ["build_step", "place"]
 
 #: ``epilogue(params_local, grads_local, loss, *extra_local)`` -> outputs of the program.
 Epilogue = Callable[..., object]
 
-
-def _zeros(widths: dict[str, int]) -> dict:
-    return {k: jnp.zeros((w,), k) for k, w in widths.items()}
+Bufs = dict[ValueClass, jax.Array]
 
 
 def build_step(
-    stages: Sequence[StageFn],
+    bodies: Sequence[Body],
     layouts: StageLayouts,
     lowering: Lowering,
     mesh: Mesh,
@@ -56,8 +59,8 @@ def build_step(
 ) -> Callable:
     """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss)`` as a shard_map'ed function.
 
-    ``pbuf``/``gbuf``: one array ``[devices, *slot_shape]`` per parameter slot, sharded
-    over ``axis``. ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``.
+    ``pbuf``/``gbuf``: the slot list (``layouts.slots``), each ``[devices, *shape]``
+    sharded over ``axis``. ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``.
 
     With ``epilogue``, the step instead returns ``epilogue(pbuf_local, gbuf_local, loss,
     *extra_local)`` computed on each device inside the same program (the optimizer update
@@ -67,158 +70,178 @@ def build_step(
     L = layouts
     D = lowering.num_devices
     perms = [[(d, (d + off) % D) for d in range(D)] for off in lowering.perm_offsets]
+    unit = L.unit
+    units = lowering.units
+    num_bodies = len(bodies)
 
-    # Branches update the carried buffers themselves, with static sizes: residual
-    # writes/reads touch exactly one stage's values, gradient accumulation touches
-    # exactly one stage's parameters, and idle steps touch nothing.
-    def read(layout: Layout, buf, offsets: dict) -> list:
-        # one slice per leaf, straight from the storage (no intermediate flat copy)
-        return [lax.dynamic_slice(buf[k], (offsets[k] + off,), (n,)).reshape(a.shape)
-                for (k, off, n), a in zip(layout.slots, layout.avals, strict=True)]
+    def bases(row: TickTable, pool: Pool) -> dict:
+        return {c: v for (p, c), v in row.pool_base.items() if p is pool}
 
-    def write(layout: Layout, buf, offsets: dict, leaves) -> dict:
-        # one in-place update per leaf: the producer can write straight into the storage
-        buf = dict(buf)
-        for (k, off, _), x in zip(layout.slots, leaves, strict=True):
-            buf[k] = lax.dynamic_update_slice(buf[k], jnp.ravel(x).astype(k),
-                                              (offsets[k] + off,))
-        return buf
+    def unit_base(packing: Packing, slot: Any) -> dict:
+        return {c: slot * unit[c] for c in packing.counts}
 
-    def offsets(row: TickTable, pool: Pool, writing: bool) -> dict:
-        cols = row.pool_write if writing else row.pool_read
-        return {k: v for (p, k), v in cols.items() if p is pool}
+    def empty_msg() -> Bufs:
+        return {c: c.zeros(n) for c, n in unit.items()}
 
-    def store(st: StageFn, buf, row, stored) -> dict:
-        for pool, ids in ((Pool.RESIDUAL_A, st.i_only_residual_ids),
-                          (Pool.RESIDUAL_B, st.w_res_ids)):
-            buf = write(L.pools[pool][st.index], buf, offsets(row, pool, True),
-                        [stored[i] for i in ids])
-        return buf
+    def as_msg(packing: Packing, leaves: Sequence) -> Bufs:
+        """Leaves -> one message unit (rows beyond the packing's are zero)."""
+        return packing.write(empty_msg(), {c: 0 for c in packing.counts}, leaves)
 
-    def load(st: StageFn, buf, row) -> list:
-        out: list = [None] * len(st.residual_avals)
-        for pool, ids in ((Pool.RESIDUAL_A, st.i_only_residual_ids),
-                          (Pool.RESIDUAL_B, st.w_res_ids)):
-            vals = read(L.pools[pool][st.index], buf, offsets(row, pool, False))
-            for i, x in zip(ids, vals, strict=True):
-                out[i] = x
+    def body_params(body: Body, pbuf: list, row: TickTable) -> list:
+        out = []
+        for j in range(len(body.param_classes)):
+            cands = body.candidates(j)
+            if len(cands) == 1:
+                out.append(pbuf[cands[0]])
+            else:  # a shared body whose members use different slots on one device
+                pos = jnp.asarray(body.choice(j))[row.stage]
+                out.append(lax.select_n(pos, *[pbuf[k] for k in cands]))
         return out
 
-    def accumulate(st: StageFn, gbuf, ct_par) -> list:
+    def accumulate(body: Body, gbuf: list, row: TickTable, ct_par: Sequence) -> list:
         gbuf = list(gbuf)
         it = iter(ct_par)
-        for n, diff in zip(L.slots.stage_slots[st.index], st.diff_param_mask, strict=True):
-            if diff:
-                gbuf[n] = gbuf[n] + next(it)
+        for j, diff in enumerate(body.fn.diff_param_mask):
+            if not diff:
+                continue
+            ct = next(it)
+            cands = body.candidates(j)
+            if len(cands) == 1:
+                gbuf[cands[0]] = gbuf[cands[0]] + ct.astype(gbuf[cands[0]].dtype)
+            else:
+                pos = jnp.asarray(body.choice(j))[row.stage]
+                for q, k in enumerate(cands):
+                    gbuf[k] = gbuf[k] + jnp.where(pos == q, ct, 0).astype(gbuf[k].dtype)
         return gbuf
 
-    def stage_inputs(st: StageFn, pbuf, mbd) -> tuple[list, list]:
-        params = [pbuf[n] for n in L.slots.stage_slots[st.index]]
-        return params, [mbd[i] for i in st.batch_ids]
+    def make_branch(kind: str, body: Body) -> Callable:
+        st = body.fn
+        s = st.index  # the representative's packings (identical for every member)
 
-    def msg_in(layout: Layout, inbox, row: TickTable) -> list:
-        return layout.unpack({k: v[row.in_slot] for k, v in inbox.items()})
+        def inputs(row, pbuf, mbd):
+            return body_params(body, pbuf, row), [mbd[i] for i in st.batch_ids]
 
-    def ct_received(st: StageFn, inbox, row: TickTable) -> list:
-        if st.is_last:
-            return [jnp.full((), 1.0 / m, st.out_avals[0].dtype)]
-        return msg_in(L.ct_out[st.index], inbox, row)
+        def received_ct(row, inbox):
+            if st.is_last:
+                return [jnp.full((), 1.0 / m, st.out_avals[0].dtype)]
+            return L.ct_out[s].read(inbox, unit_base(L.ct_out[s], row.in_slot))
 
-    zero_loss = jnp.zeros((), jnp.float32)
+        def load(row, store):
+            out: list = [None] * len(st.residual_avals)
+            for pool, ids in ((Pool.RESIDUAL_A, st.i_only_residual_ids),
+                              (Pool.RESIDUAL_B, st.w_res_ids)):
+                for i, x in zip(ids, L.pools[pool][s].read(store, bases(row, pool)),
+                                strict=True):
+                    out[i] = x
+            return out
 
-    def make_branch(kind: str, st: StageFn) -> Callable:
-        s = st.index
-
-        def f_branch(row, pbuf, mbd, pools, inbox, gbuf):
-            params, batch = stage_inputs(st, pbuf, mbd)
-            carry = msg_in(L.act_in[s], inbox, row) if s > 0 else []
+        # Every branch: (row, pbuf, mbd, inbox, (store, gbuf, msg, loss)) -> (store, gbuf,
+        # msg, loss). The output message is returned, and written to the inbox/outbox
+        # after the branch chain: a branch that read the inbox does not also write it.
+        def f_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            carry = L.act_in[s].read(inbox, unit_base(L.act_in[s], row.in_slot))
             outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry)
             n = len(st.out_avals)
-            pools = store(st, pools, row, outs[n:])
+            stored = outs[n:]
+            for pool, ids in ((Pool.RESIDUAL_A, st.i_only_residual_ids),
+                              (Pool.RESIDUAL_B, st.w_res_ids)):
+                store = L.pools[pool][s].write(store, bases(row, pool), [stored[i] for i in ids])
             if st.is_last:
-                return pools, gbuf, _zeros(L.msg_width), outs[0].astype(jnp.float32)
-            return pools, gbuf, L.act_out[s].pack(outs[:n], L.msg_width), zero_loss
+                return store, gbuf, msg, loss + outs[0].astype(jnp.float32)
+            return store, gbuf, as_msg(L.act_out[s], outs[:n]), loss
 
-        def b_branch(row, pbuf, mbd, pools, inbox, gbuf):
-            params, batch = stage_inputs(st, pbuf, mbd)
-            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *load(st, pools, row),
-                                        *ct_received(st, inbox, row))
+        def b_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *load(row, store),
+                                        *received_ct(row, inbox))
             n = sum(st.diff_param_mask)
-            msg = L.ct_in[s].pack(outs[n:], L.msg_width) if s > 0 else _zeros(L.msg_width)
-            return pools, accumulate(st, gbuf, outs[:n]), msg, zero_loss
+            gbuf = accumulate(body, gbuf, row, outs[:n])
+            return store, gbuf, as_msg(L.ct_in[s], outs[n:]), loss
 
-        def i_branch(row, pbuf, mbd, pools, inbox, gbuf):
-            params, batch = stage_inputs(st, pbuf, mbd)
-            outs = jaxpr_as_fun(st.bwd_i)(*params, *batch, *load(st, pools, row),
-                                          *ct_received(st, inbox, row))
+        def i_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            outs = jaxpr_as_fun(st.bwd_i)(*params, *batch, *load(row, store),
+                                          *received_ct(row, inbox))
             n = len(st.ct_in_avals())
             # Finish every read of the storage before writing into it, or XLA copies the
             # whole storage to keep a late read valid.
-            outs, pools = lax.optimization_barrier((outs, pools))
-            msg = L.ct_in[s].pack(outs[:n], L.msg_width) if s > 0 else _zeros(L.msg_width)
-            pools = write(L.pools[Pool.HANDOFF][s], pools, offsets(row, Pool.HANDOFF, True),
-                          outs[n:])
-            return pools, gbuf, msg, zero_loss
+            outs, store = lax.optimization_barrier((outs, store))
+            store = L.pools[Pool.HANDOFF][s].write(store, bases(row, Pool.HANDOFF), outs[n:])
+            return store, gbuf, as_msg(L.ct_in[s], outs[:n]), loss
 
-        def w_branch(row, pbuf, mbd, pools, inbox, gbuf):
-            params, batch = stage_inputs(st, pbuf, mbd)
-            stored = read(L.pools[Pool.RESIDUAL_B][s], pools,
-                          offsets(row, Pool.RESIDUAL_B, False))
-            handoff = read(L.pools[Pool.HANDOFF][s], pools, offsets(row, Pool.HANDOFF, False))
+        def w_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            stored = L.pools[Pool.RESIDUAL_B][s].read(store, bases(row, Pool.RESIDUAL_B))
+            handoff = L.pools[Pool.HANDOFF][s].read(store, bases(row, Pool.HANDOFF))
             ct_par = jaxpr_as_fun(st.bwd_w)(*params, *batch, *stored, *handoff)
-            return pools, accumulate(st, gbuf, ct_par), _zeros(L.msg_width), zero_loss
+            return store, accumulate(body, gbuf, row, ct_par), msg, loss
 
         return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch}[kind]
 
-    # Only (kind, stage) pairs the schedule runs get a branch (e.g. no I/W for 1F1B):
-    # fewer branches to compile, and pools sized for what runs.
+    # Only (kind, body) pairs the schedule runs get a branch (e.g. no I/W for 1F1B).
     used = lowering.used_branches - {IDLE}
-    branches = {branch_id(kind, st.index, lowering.num_stages): make_branch(kind, st)
-                for kind in ACTION_KINDS for st in stages
-                if branch_id(kind, st.index, lowering.num_stages) in used}
+    branches = {branch_id(kind, b.index, num_bodies): make_branch(kind, b)
+                for kind in ACTION_KINDS for b in bodies
+                if branch_id(kind, b.index, num_bodies) in used}
+
+    def write_unit(buf: Bufs, msg: Bufs, slot: Any) -> Bufs:
+        return {c: lax.dynamic_update_slice_in_dim(buf[c], msg[c], slot * n, 0)
+                for c, n in unit.items()}
 
     def per_device(pbuf, batch, table: TickTable, *extra):
         pbuf = [v[0] for v in pbuf]
         table = jax.tree.map(lambda x: x[:, 0], table)  # this device's column
-        # every pool (residual parts, I->W hand-off) lives in one storage per dtype
-        pools = {k: jnp.zeros((n,), k) for k, n in lowering.storage.items()}
-        inbox = {k: jnp.zeros((lowering.num_inbox + 1, w), k) for k, w in L.msg_width.items()}
-        gbuf = [jnp.zeros(shape, dt) for shape, dt in zip(L.slots.shapes, L.slots.dtypes,
-                                                           strict=True)]
+        store = {c: c.zeros(n) for c, n in lowering.slots.items()}
+        inbox = {c: c.zeros((lowering.num_inbox + 1) * n) for c, n in unit.items()}
+        # one unit more than used per direction: the dummy that non-senders write to
+        outbox = [{c: c.zeros((k + 1) * n) for c, n in unit.items()} for k in units]
+        gbuf = [jnp.zeros(c.shape, c.dtype) for c, _ in L.slots.slots]
 
         def step(carry, row: TickTable):
-            pools, inbox, gbuf, loss = carry
+            store, inbox, outbox, gbuf, loss = carry
             mbd = [lax.dynamic_index_in_dim(x, row.microbatch, 0, keepdims=False)
                    for x in batch]
             # One zero-or-one-trip while loop per branch instead of lax.switch: a
             # conditional copies every buffer its untaken branches pass through, while a
             # while loop updates its carry in place.
-            state = (pools, gbuf, _zeros(L.msg_width), zero_loss)
+            state = (store, gbuf, empty_msg(), loss)
             for b in sorted(branches):
                 def body(c, b=b):
                     # The barrier ties the loop-invariant inputs to the trip counter, or
                     # XLA's loop-invariant code motion hoists the stage's compute out of
                     # the zero-trip loop and runs it on every step.
-                    i, (pl, g, _, _) = c
+                    i, st = c
                     i, (rw, pb, mb, ib) = lax.optimization_barrier((i, (row, pbuf, mbd, inbox)))
-                    return i + 1, branches[b](rw, pb, mb, pl, ib, g)
+                    return i + 1, branches[b](rw, pb, mb, ib, st)
                 state = lax.while_loop(
                     lambda c, b=b: c[0] < (row.branch == b).astype(jnp.int32),
                     body, (jnp.int32(0), state))[1]
-            pools, gbuf, msg, loss_t = state
-            inbox = {k: inbox[k].at[row.local_dst].set(msg[k]) for k in inbox}
+            store, gbuf, msg, loss = state
+            # The message goes to its inbox slot (it stays here) or its outbox unit; the
+            # others get it in their dummy slot / unit.
+            inbox = write_unit(inbox, msg, row.local_slot)
+            outbox = [write_unit(box, msg, row.out_unit[j]) for j, box in enumerate(outbox)]
+            # End of a tick: every permutation someone sends over runs once; the units
+            # that arrive go to their inbox slots (the dummy slot when unused).
             for j, perm in enumerate(perms):
                 recv = lax.cond(
                     row.exchange[j],
                     lambda x, perm=perm: lax.ppermute(x, axis, perm),
                     lambda x: jax.tree.map(jnp.zeros_like, x),
-                    msg,
+                    outbox[j],
                 )
-                inbox = {k: inbox[k].at[row.recv_slot[j]].set(recv[k]) for k in inbox}
-            return (pools, inbox, gbuf, loss + loss_t), None
+                for r in range(units[j]):
+                    inbox = write_unit(inbox, {c: lax.slice_in_dim(recv[c], r * n, (r + 1) * n)
+                                               for c, n in unit.items()}, row.recv_slot[j, r])
+            return (store, inbox, outbox, gbuf, loss), None
 
-        init = (pools, inbox, gbuf, jnp.zeros((), jnp.float32))
-        (_, _, gbuf, loss), _ = lax.scan(step, init, table)
+        init = (store, inbox, outbox, gbuf, jnp.zeros((), jnp.float32))
+        (_, _, _, gbuf, loss), _ = lax.scan(step, init, table)
         loss = lax.psum(loss, axis) / m
         if batch_axes:
             loss = lax.pmean(loss, batch_axes)
@@ -227,16 +250,8 @@ def build_step(
             return epilogue(pbuf, gbuf, loss, *extra)
         return [v[None] for v in gbuf], loss
 
-    # The table: [steps, devices, ...] sharded over devices, except the exchange flags
-    # ([steps, offsets]), which every device reads whole (replicated, then "column" 0).
-    table = lowering.table
-    table_arrays = TickTable(
-        branch=table.branch, microbatch=table.microbatch, in_slot=table.in_slot,
-        local_dst=table.local_dst, recv_slot=table.recv_slot, pool_write=table.pool_write,
-        pool_read=table.pool_read, exchange=table.exchange[:, None, :].repeat(D, axis=1))
-    table_arrays = jax.tree.map(jnp.asarray, table_arrays)
+    table_arrays = jax.tree.map(jnp.asarray, lowering.table)
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
-
     data_spec = batch_axes if batch_axes else None
     batch_specs = [P(None, data_spec) for _ in range(num_batch_leaves)]
     pspec = [P(axis)] * len(L.slots)
@@ -250,7 +265,7 @@ def build_step(
     )
 
     def run(pbuf, batch_mb, *extra):
-        args = (pbuf, list(batch_mb), table_arrays, *extra)
+        args = (list(pbuf), list(batch_mb), table_arrays, *extra)
         return fn(*jax.tree.map(lambda x, s: place(x, mesh, s), args, in_specs,
                                 is_leaf=lambda x: x is None))
 
@@ -263,3 +278,4 @@ def place(x, mesh: Mesh, spec: P):
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(x, sharding)
     return lax.with_sharding_constraint(x, sharding)
+

@@ -1,0 +1,214 @@
+"""Compile time as a user feels it, against plain JAX, unrolled and scanned layer stacks.
+
+    python benchmarks/compile_time.py                    # full grid (long: tens of minutes)
+    python benchmarks/compile_time.py --layers 8,32 --ps 2,4 --vs 1
+    python benchmarks/compile_time.py --quick            # one tiny point
+
+*Compile time* = (pipeline construction + first call) - a steady call, for
+``Pipeline.value_and_grad`` (1F1B or Interleaved1F1B, m = 2p, ``cut="markers"``, one
+``jp.boundary`` per block), and first call - steady call for plain JAX
+``jit(value_and_grad)`` scanned over the same microbatches of the same model. Tiny GPT
+blocks (d_model 64, seq 16) so compile time, not arithmetic, dominates.
+
+Two ways to write the model: *unrolled* (a Python loop over a list of blocks) and
+*scanned* (the blocks' parameters stacked, one ``lax.scan`` whose body holds the
+boundary). A scanned point records the error when the pipeline refuses a scanned stack.
+
+The breakdown comes from ``jax.monitoring`` duration events (tracing to jaxpr, lowering
+to StableHLO, XLA backend compile) plus the Python time of ``jp.pipeline`` itself
+(tracing, costing, cutting, lowering the schedule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "xla_s",
+}
+
+
+class _Events:
+    """Sums jax.monitoring compile-duration events between ``reset`` calls."""
+
+    def __init__(self) -> None:
+        import jax
+
+        self.sums: dict[str, float] = defaultdict(float)
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event: str, duration: float, **_: Any) -> None:
+        if event in _EVENTS:
+            self.sums[_EVENTS[event]] += duration
+
+    def take(self) -> dict[str, float]:
+        out = {k: self.sums.get(k, 0.0) for k in _EVENTS.values()}
+        self.sums.clear()
+        return out
+
+
+def _model(layers: int, scanned: bool) -> tuple[Any, Any, Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import jaxpipe as jp
+    from benchmarks import common as C
+
+    cfg = C.GPTConfig(d_model=64, n_heads=4, n_layers=layers, seq=16, vocab=256)
+    params = C.init_params(cfg, jax.random.key(0))
+    if not scanned:
+        return C.gpt_loss(cfg), params, cfg
+    params = {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])}
+
+    def loss_fn(p: Any, batch: Any) -> jax.Array:
+        h = p["embed"][batch["x"]] + p["pos"][None]
+
+        def body(h: jax.Array, bp: Any) -> tuple[jax.Array, None]:
+            return jp.boundary(C.block(bp, h, cfg.n_heads)), None
+
+        h, _ = lax.scan(body, h, p["blocks"])
+        h = C._layernorm(h, p["lnf_g"], p["lnf_b"])
+        logp = jax.nn.log_softmax((h @ p["head"]).astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, batch["y"][..., None], axis=-1))
+
+    return loss_fn, params, cfg
+
+
+def _wall(fn: Any, *args: Any) -> tuple[Any, float]:
+    import jax
+
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - t0
+
+
+def _plain(loss_fn: Any, params: Any, batch: Any, m: int, ev: _Events) -> dict[str, Any]:
+    import jax
+
+    from benchmarks import common as C
+
+    f = jax.jit(C.plain_value_and_grad(loss_fn, m))
+    ev.take()
+    _, first = _wall(f, params, batch)
+    parts = ev.take()
+    _, steady = _wall(f, params, batch)
+    return {"compile_s": first - steady, "steady_s": steady, **parts}
+
+
+def _jaxpipe(loss_fn: Any, params: Any, batch: Any, p: int, v: int, m: int, ev: _Events
+             ) -> dict[str, Any]:
+    import jax
+
+    import jaxpipe as jp
+
+    mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
+    sched = (jp.OneFOneB(p, m) if v == 1
+             else jp.Interleaved1F1B(p, m, stages_per_device=v))
+    ev.take()
+    t0 = time.perf_counter()
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut="markers")
+    build = time.perf_counter() - t0
+    build_parts = ev.take()
+    _, first = _wall(pipe.value_and_grad, params, batch)
+    parts = ev.take()
+    _, steady = _wall(pipe.value_and_grad, params, batch)
+    return {"compile_s": build + first - steady, "pipeline_s": build,
+            "pipeline_trace_s": build_parts["trace_s"], "steady_s": steady, **parts}
+
+
+def measure(layers: list[int], ps: list[int], vs: list[int], variants: list[str]
+            ) -> dict[str, Any]:
+    from benchmarks import common as C
+
+    ev = _Events()
+    rows = []
+    plain_cache: dict[tuple, dict] = {}
+    for variant in variants:
+        for L in layers:
+            loss_fn, params, cfg = _model(L, variant == "scanned")
+            for v in vs:
+                for p in ps:
+                    if L < p * v:
+                        continue
+                    m = 2 * p
+                    batch = C.make_gpt_batch(cfg, 4 * m)
+                    key = (variant, L, m)
+                    if key not in plain_cache:
+                        plain_cache[key] = _plain(loss_fn, params, batch, m, ev)
+                    row: dict[str, Any] = {"variant": variant, "layers": L, "p": p, "v": v,
+                                           "m": m, "plain": plain_cache[key]}
+                    try:
+                        row["jaxpipe"] = _jaxpipe(loss_fn, params, batch, p, v, m, ev)
+                        row["ratio"] = row["jaxpipe"]["compile_s"] / row["plain"]["compile_s"]
+                    except Exception as e:  # noqa: BLE001 - recorded, e.g. a refused scan
+                        row["jaxpipe"], row["ratio"] = None, None
+                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    _log(row)
+                    rows.append(row)
+    return {"rows": rows, "targets": {"unrolled_ratio": 1.5, "scanned_ratio": 2.0,
+                                      "scanned_L64_over_L8": 1.2}}
+
+
+def _log(row: dict[str, Any]) -> None:
+    jp_ = row.get("jaxpipe") or {}
+    print(f"{row['variant']:8s} L={row['layers']:3d} p={row['p']} v={row['v']}: "
+          f"jaxpipe {jp_.get('compile_s', float('nan')):6.1f}s "
+          f"(pipeline {jp_.get('pipeline_s', float('nan')):5.1f}s, "
+          f"xla {jp_.get('xla_s', float('nan')):5.1f}s) "
+          f"plain {row['plain']['compile_s']:5.1f}s "
+          f"ratio {row['ratio'] if row['ratio'] is None else round(row['ratio'], 2)}"
+          + (f"  [{row['error']}]" if "error" in row else ""), file=sys.stderr, flush=True)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = ["| model | L | p | v | jaxpipe s | of which jp.pipeline / XLA | plain s | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        j = r["jaxpipe"]
+        if j is None:
+            lines.append(f"| {r['variant']} | {r['layers']} | {r['p']} | {r['v']} | "
+                         f"refused | | {r['plain']['compile_s']:.1f} | - |")
+            continue
+        lines.append(f"| {r['variant']} | {r['layers']} | {r['p']} | {r['v']} | "
+                     f"{j['compile_s']:.1f} | {j['pipeline_s']:.1f} / {j['xla_s']:.1f} | "
+                     f"{r['plain']['compile_s']:.1f} | {r['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", default="8,16,32,64")
+    ap.add_argument("--ps", default="2,4,8")
+    ap.add_argument("--vs", default="1,2")
+    ap.add_argument("--variants", default="unrolled,scanned")
+    ap.add_argument("--quick", action="store_true", help="L=4, p=2, v=1 only")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.layers, args.ps, args.vs = "4", "2", "1"
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    res = measure(ints(args.layers), ints(args.ps), ints(args.vs),
+                  [x for x in args.variants.split(",") if x])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compile_time.json").write_text(json.dumps(res, indent=2))
+    print(markdown(res))
+    return res
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    sys.path.insert(0, str(REPO))
+    main()

@@ -1,0 +1,131 @@
+"""Per-step costs of the SPMD program on CPU: executor overhead and the I/W split.
+
+    python benchmarks/step_overhead.py            # prints ratios, writes results/step_overhead.json
+
+Two measurements, CPU time of the compiled programs (one core, single-threaded XLA, so
+virtual devices run one after another and time measures total work):
+
+* **p=1 overhead**: an MLP (8 layers x 512, 64 rows per microbatch, m=8), the public
+  ``Pipeline.value_and_grad`` at p=1 against plain JAX (``jax.value_and_grad`` over a
+  ``lax.scan`` of the same microbatches). Target <= 1.05.
+* **I/W split**: 1F1B at p=4 with every full backward run as I then W
+  (``SpmdRuntime(split_backward=True)``, what the runtime does where devices run
+  concurrently) against plain 1F1B, on the same MLP and on the GPT block stack. Target:
+  within 5%.
+
+Timings are medians of interleaved repeats (``benchmarks.common.time_interleaved``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _mlp(width: int = 512, layers: int = 8, rows: int = 64, m: int = 8) -> tuple:
+    import jax
+    import jax.numpy as jnp
+
+    import jaxpipe as jp
+
+    keys = jax.random.split(jax.random.key(0), layers + 2)
+    params = [{"w": jax.random.normal(keys[i], (width, width)) / width**0.5,
+               "b": jnp.zeros((width,))} for i in range(layers)]
+    batch = {"x": jax.random.normal(keys[-2], (rows * m, width)),
+             "y": jax.random.normal(keys[-1], (rows * m, width))}
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        h = b["x"]
+        for layer in p:
+            h = jp.boundary(jnp.tanh(h @ layer["w"] + layer["b"]))
+        return jnp.mean((h - b["y"]) ** 2)
+
+    return loss_fn, params, batch
+
+
+def measure(quick: bool = False) -> dict[str, Any]:
+    import jax
+
+    import jaxpipe as jp
+    from benchmarks import common as C
+    from jaxpipe.runtime.spmd import SpmdRuntime
+
+    repeats, warmup = (2, 1) if quick else (9, 2)
+    out: dict[str, Any] = {}
+    # --- p=1 overhead, public value_and_grad
+    m = 8
+    loss_fn, params, batch = _mlp(width=128 if quick else 512, rows=16 if quick else 64, m=m)
+    mesh1 = jax.make_mesh((1,), ("pipe",), devices=jax.devices()[:1])
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh1, schedule=jp.OneFOneB(1, m),
+                       cut="markers")
+    plain = jax.jit(C.plain_value_and_grad(loss_fn, m))
+    c_pipe, _, _ = C.compile_timed(pipe.value_and_grad_fn, params, batch)
+    c_plain, _, _ = C.compile_timed(plain, params, batch)
+    t = C.time_interleaved({"jaxpipe": (c_pipe, (params, batch)),
+                            "plain": (c_plain, (params, batch))}, warmup=warmup,
+                           repeats=repeats)
+    out["p1_overhead"] = {
+        "model": "mlp 8x512, 64 rows/microbatch, m=8" if not quick else "quick mlp",
+        "jaxpipe_cpu_s": t["jaxpipe"]["cpu_median_s"], "plain_cpu_s": t["plain"]["cpu_median_s"],
+        "ratio_cpu": t["jaxpipe"]["cpu_median_s"] / t["plain"]["cpu_median_s"],
+        "ratio_wall": t["jaxpipe"]["median_s"] / t["plain"]["median_s"]}
+    # --- I/W split vs B, 1F1B p=4
+    p, m = 4, 8
+    rows = {}
+    cfg = C.GPTConfig(n_layers=8) if not quick else C.GPTConfig(
+        vocab=64, d_model=32, n_heads=2, n_layers=4, seq=8)
+    models = {"mlp": (loss_fn, params, batch),
+              "gpt_blocks": (C.blocks_loss(cfg), C.init_params(cfg, jax.random.key(0),
+                                                               embed=False),
+                             C.make_blocks_batch(cfg, m * 2))}
+    mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
+    for name, (lf, prm, bt) in models.items():
+        progs = {}
+        for split in (False, True):
+            pp = jp.pipeline(lf, prm, bt, mesh=mesh, schedule=jp.OneFOneB(p, m), cut="markers",
+                             runtime=SpmdRuntime(split_backward=split))
+            staged = pp.shard(prm)
+            c, _, _ = C.compile_timed(pp.staged_value_and_grad_fn, staged, bt)
+            progs["I+W" if split else "B"] = (c, (staged, bt))
+        t = C.time_interleaved(progs, warmup=warmup, repeats=repeats)
+        rows[name] = {"B_cpu_s": t["B"]["cpu_median_s"], "IW_cpu_s": t["I+W"]["cpu_median_s"],
+                      "ratio_cpu": t["I+W"]["cpu_median_s"] / t["B"]["cpu_median_s"],
+                      "ratio_wall": t["I+W"]["median_s"] / t["B"]["median_s"]}
+    out["split_backward"] = {"schedule": f"1F1B p={p} m={m}", "rows": rows}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    res = measure(args.quick)
+    o = res["p1_overhead"]
+    print(f"p=1 overhead (public value_and_grad / plain JAX, CPU time): {o['ratio_cpu']:.3f}"
+          f" (wall {o['ratio_wall']:.3f})")
+    for name, r in res["split_backward"]["rows"].items():
+        print(f"I+W / B step time, {name}: {r['ratio_cpu']:.3f} (wall {r['ratio_wall']:.3f})")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_overhead.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "device_count" not in flags:
+        flags += " --xla_force_host_platform_device_count=4"
+    if "multi_thread_eigen" not in flags:
+        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    os.environ["XLA_FLAGS"] = flags.strip()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    sys.path.insert(0, str(REPO))
+    main()

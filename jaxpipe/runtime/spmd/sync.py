@@ -1,0 +1,153 @@
+"""How long the lowered program takes when devices run concurrently: the sync model.
+
+Devices are not held in a global barrier. Each runs its steps back to back; at the end
+of a tick in which a permutation is active, every device runs that ``ppermute`` and so
+meets its source and its target over that offset (a send completes when the receiver is
+there, a receive when the sender is). So after a tick, a device's clock is the latest of
+its own and those of its partners over every active offset (plus the transfer time, if
+given). The *lowered makespan* is the largest clock at the end; comparing it with the
+schedule's own asynchronous makespan (``Schedule.simulate`` with the same costs) gives
+the *lowered efficiency*: 1.0 means the one SPMD program loses nothing to lock-step
+against an ideal MPMD runtime with free communication.
+
+Costs are per action (kind and stage), e.g. from the cutter
+(``CutResult.action_cost``). A full backward that the lowering runs as I then W costs
+its halves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxpipe.runtime.spmd.lowering import Lowering
+from jaxpipe.schedule import Action, Schedule, Timeline, TimelineEvent
+
+__all__ = ["SyncReport", "lowered_makespan", "lowered_timeline", "lowered_times", "sync_report",
+           "tick_table"]
+
+Cost = Callable[[Action], float]
+
+
+def _action_cost(cost: Cost, split: frozenset) -> Cost:
+    """Cost of an action the lowering runs: the halves of a split B cost half of B."""
+
+    def f(a: Action) -> float:
+        if a.kind in ("I", "W") and (a.stage, a.microbatch) in split:
+            return 0.5 * float(cost(Action("B", a.stage, a.microbatch)))
+        return float(cost(a))
+
+    return f
+
+
+def _active(lowering: Lowering) -> np.ndarray:
+    """``[ticks, offsets]``: permutations that run at the end of each tick."""
+    active = np.zeros((lowering.num_ticks, len(lowering.perm_offsets)), bool)
+    ex = lowering.table.exchange[:, 0, :]  # same for every device
+    for step in np.flatnonzero(ex.any(axis=1)):
+        active[lowering.tick_of_step[step]] |= ex[step]
+    return active
+
+
+def lowered_times(lowering: Lowering, cost: Cost, transfer: float = 0.0
+                  ) -> dict[Action, tuple[float, float]]:
+    """``action -> (start, end)`` of the lowered program under the sync model.
+
+    ``cost(action)`` is the schedule's cost of an action; ``transfer`` is added at every
+    active permutation.
+    """
+    D = lowering.num_devices
+    c = _action_cost(cost, lowering.split_backward)
+    by_tick: list[list[list[Action]]] = [[[] for _ in range(D)]
+                                         for _ in range(lowering.num_ticks)]
+    for a, tm in sorted(lowering.actions.items(), key=lambda kv: kv[1].step):
+        by_tick[tm.tick][tm.device].append(a)
+    active = _active(lowering)
+    clock = np.zeros(D)
+    out = {}
+    for t in range(lowering.num_ticks):
+        for d in range(D):
+            for a in by_tick[t][d]:
+                out[a] = (float(clock[d]), float(clock[d]) + c(a))
+                clock[d] += c(a)
+        offs = [off for off, on in zip(lowering.perm_offsets, active[t], strict=True) if on]
+        if offs:
+            new = clock.copy()
+            for off in offs:
+                new = np.maximum(new, np.maximum(np.roll(clock, off), np.roll(clock, -off)))
+            clock = new + transfer
+    return out
+
+
+def lowered_makespan(lowering: Lowering, cost: Cost, transfer: float = 0.0) -> float:
+    """Makespan of the lowered program under the sync model (see the module docstring)."""
+    times = lowered_times(lowering, cost, transfer)
+    return max((end for _, end in times.values()), default=0.0)
+
+
+def lowered_timeline(lowering: Lowering, cost: Cost, transfer: float = 0.0) -> Timeline:
+    """The lowered program as a :class:`~jaxpipe.schedule.Timeline` (for plots, traces)."""
+    times = lowered_times(lowering, cost, transfer)
+    events = [TimelineEvent(lowering.actions[a].device, a, start, end)
+              for a, (start, end) in times.items()]
+    return Timeline(events, lowering.num_devices, title="lowered program (sync model)")
+
+
+def tick_table(lowering: Lowering, max_ticks: int | None = None) -> str:
+    """One row per device, one column per tick: the actions that share each tick."""
+    D = lowering.num_devices
+    cells = [[""] * lowering.num_ticks for _ in range(D)]
+    for a, tm in sorted(lowering.actions.items(), key=lambda kv: kv[1].step):
+        cells[tm.device][tm.tick] += str(a) if not cells[tm.device][tm.tick] else f"+{a}"
+    T = lowering.num_ticks if max_ticks is None else min(max_ticks, lowering.num_ticks)
+    width = max((len(x) for row in cells for x in row[:T]), default=1)
+    head = "tick  " + " ".join(f"{t:<{width}}" for t in range(T))
+    rows = [head] + [f"dev {d:<2}" + " ".join(f"{(x or '.'):<{width}}" for x in cells[d][:T])
+                     for d in range(D)]
+    if T < lowering.num_ticks:
+        rows.append(f"... {lowering.num_ticks - T} more ticks")
+    return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """The lowered program's time against the schedule's own.
+
+    Attributes:
+      async_makespan: ``schedule.simulate(cost).makespan`` (devices wait only for data).
+      lowered_makespan: the lowered program's under the sync model.
+      efficiency: ``async_makespan / lowered_makespan`` (1.0: nothing lost).
+      num_ticks, num_steps: of the lowered program.
+      split_backward: how many full backwards run as I then W.
+    """
+
+    async_makespan: float
+    lowered_makespan: float
+    efficiency: float
+    num_ticks: int
+    num_steps: int
+    split_backward: int
+
+    def summary(self) -> str:
+        split = (f", {self.split_backward} backwards run as I+W" if self.split_backward
+                 else "")
+        return (f"lowered efficiency {self.efficiency:.3f} (async makespan "
+                f"{self.async_makespan:.4g} / lowered {self.lowered_makespan:.4g}; "
+                f"{self.num_ticks} ticks, {self.num_steps} steps{split})")
+
+
+def sync_report(schedule: Schedule, lowering: Lowering, cost: Cost | None = None,
+                transfer: float = 0.0) -> SyncReport:
+    """Compare the lowered program with the schedule's asynchronous makespan.
+
+    ``cost``: per action; default F=1, B=2, I=W=1.
+    """
+    from jaxpipe.schedule.simulate import resolve_costs
+
+    cost = resolve_costs(cost)
+    asyn = float(schedule.simulate(cost).makespan)
+    low = lowered_makespan(lowering, cost, transfer)
+    return SyncReport(asyn, low, asyn / low if low else 1.0, lowering.num_ticks,
+                      lowering.num_steps, len(lowering.split_backward))

@@ -1,0 +1,216 @@
+"""Scanned layer stacks: cut a ``lax.scan`` over stacked layers between its iterations.
+
+Models written the way MaxText and many flax models are (one layer, its parameters
+stacked along a leading axis, run with ``lax.scan`` / ``nnx.scan`` / ``nn.scan``) trace to
+one top-level ``scan`` equation whose body holds a :func:`jaxpipe.boundary` (or a
+``@jaxpipe.layer`` call). Such a scan is a *stack*: the pipeline may cut between any
+two of its iterations.
+
+A cut stack is rewritten as consecutive *pieces*: a scan over iterations ``[a, b)``,
+one per stage that holds part of the stack, chained through the scan's carry, with a
+cut marker after each piece. A stacked parameter the scan reads directly (as one of its
+scanned inputs) is passed as one :class:`ParamView` per piece, the rows ``[a, b)`` of
+the user's array, so every stage holds only its own layers' weights, and gradients come
+back in the user's stacked layout. Each stage then runs a scan of its own length: its
+program does not grow with the number of layers, and stages with the same number of
+layers share one compiled body.
+
+Two rewrites are used: every iteration its own piece (for costing, so the cutter sees one
+segment per layer) and the pieces of the chosen cut (for the stages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax import lax
+from jax.extend import core as jcore
+
+from jaxpipe.errors import PipelineError
+from jaxpipe.interpret import read
+from jaxpipe.markers import boundary_p
+
+__all__ = ["MarkerId", "ParamView", "Stack", "cut_stacks", "find_stacks"]
+
+#: Identity of a cut marker across rewrites: ``("top", k)`` for the k-th top-level
+#: marker of the traced loss, ``("iter", eqn, i)`` for the cut after iteration ``i`` of
+#: the stack at equation ``eqn``.
+MarkerId = tuple
+
+
+@dataclass(frozen=True)
+class ParamView:
+    """A parameter input of the stages: user leaf ``leaf``, whole or rows
+    ``[start, stop)`` of its leading axis (a piece of a stacked layer parameter)."""
+
+    leaf: int
+    start: int | None = None
+    stop: int | None = None
+
+    def take(self, x: Any) -> Any:
+        return x if self.start is None else x[self.start:self.stop]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A top-level scan whose body holds cut markers."""
+
+    eqn: int  # its position in the traced jaxpr's equations
+    length: int
+    name: str | None  # the first marker's name in the body, for plans
+
+
+def _body_markers(jaxpr: Any) -> list[Any]:
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is boundary_p:
+            out.append(eqn)
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            out += _body_markers(sub)
+    return out
+
+
+def find_stacks(jaxpr: jcore.Jaxpr) -> list[Stack]:
+    """The top-level scans of ``jaxpr`` that hold markers, checked to be cuttable."""
+    out = []
+    for k, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name != "scan":
+            continue
+        marks = _body_markers(eqn.params["jaxpr"])
+        if not marks:
+            continue
+        if eqn.params["reverse"]:
+            raise PipelineError(
+                "a reversed lax.scan (reverse=True) holds jaxpipe.boundary / @jaxpipe.layer "
+                "markers; jaxpipe cuts scanned layer stacks only when they run forwards: "
+                "scan over the reversed stack instead, or move the marker out of the scan.")
+        out.append(Stack(k, int(eqn.params["length"]), marks[0].params.get("name")))
+    return out
+
+
+def _split_leaves(jaxpr: jcore.Jaxpr, num_params: int, stacks: Sequence[Stack]
+                  ) -> dict[int, int]:
+    """Parameter leaf -> stack eqn, for leaves read only as a scanned input of one stack
+    (those are passed as per-piece views)."""
+    params = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
+    uses: dict[int, list[tuple[int, bool]]] = {}
+    stack_eqns = {s.eqn for s in stacks}
+    for k, eqn in enumerate(jaxpr.eqns):
+        first_x = (eqn.params["num_consts"] + eqn.params["num_carry"]
+                   if k in stack_eqns else None)
+        for pos, v in enumerate(eqn.invars):
+            if isinstance(v, jcore.Var) and v in params:
+                scanned = first_x is not None and pos >= first_x
+                uses.setdefault(params[v], []).append((k, scanned))
+    for v in jaxpr.outvars:
+        if isinstance(v, jcore.Var) and v in params:
+            uses.setdefault(params[v], []).append((-1, False))
+    return {leaf: u[0][0] for leaf, u in uses.items() if len(u) == 1 and u[0][1]}
+
+
+def cut_stacks(closed: jcore.ClosedJaxpr, num_params: int, stacks: Sequence[Stack],
+               bounds: Mapping[int, Sequence[int]]
+               ) -> tuple[jcore.ClosedJaxpr, list[ParamView], list[MarkerId], list[Any]]:
+    """Rewrite every stack as pieces ``[bounds[i], bounds[i+1])`` (``bounds[eqn]`` runs from
+    0 to the stack's length).
+
+    Returns ``(jaxpr, views, marker_ids, marker_names)``: the new jaxpr (inputs: one per
+    view, then the batch leaves), the parameter view behind each of its parameter inputs,
+    and the identity and name of each of its top-level markers, in order.
+    """
+    jaxpr = closed.jaxpr
+    split = _split_leaves(jaxpr, num_params, stacks)
+    by_eqn = {s.eqn: s for s in stacks}
+    views: list[ParamView] = []
+    for leaf in range(num_params):
+        if leaf in split:
+            b = list(bounds[split[leaf]])
+            views += [ParamView(leaf, a, c) for a, c in zip(b[:-1], b[1:], strict=True)]
+        else:
+            views.append(ParamView(leaf))
+    view_index = {(w.leaf, w.start): i for i, w in enumerate(views)}
+    params = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
+    marker_ids: list[MarkerId] = []
+    names: list[Any] = []
+
+    def run(*args: Any) -> Any:
+        env: dict = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        vals = args[: len(views)]
+        for i, w in enumerate(views):
+            if w.start is None:
+                env[jaxpr.invars[w.leaf]] = vals[i]
+        env.update(zip(jaxpr.invars[num_params:], args[len(views):], strict=True))
+        top = 0
+        for k, eqn in enumerate(jaxpr.eqns):
+            if k in by_eqn:
+                scanned = {pos: params[v] for pos, v in enumerate(eqn.invars)
+                           if isinstance(v, jcore.Var) and params.get(v) in split}
+                outs = _run_pieces(eqn, by_eqn[k], list(bounds[k]), env, vals, view_index,
+                                   scanned, marker_ids, names)
+            else:
+                invals = [read(env, v) for v in eqn.invars]
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*invals,
+                                              **eqn.primitive.get_bind_params(eqn.params))
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+                if eqn.primitive is boundary_p:
+                    marker_ids.append(("top", top))
+                    names.append(eqn.params.get("name"))
+                    top += 1
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [read(env, v) for v in jaxpr.outvars]
+
+    avals = [jax.ShapeDtypeStruct(_view_shape(jaxpr.invars[w.leaf].aval, w),
+                                  jaxpr.invars[w.leaf].aval.dtype) for w in views]
+    avals += [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+              for v in jaxpr.invars[num_params:]]
+    new = jax.make_jaxpr(run)(*avals)
+    return new, views, marker_ids, names
+
+
+def _view_shape(aval: Any, w: ParamView) -> tuple[int, ...]:
+    if w.start is None:
+        return tuple(aval.shape)
+    return (w.stop - w.start, *aval.shape[1:])
+
+
+def _run_pieces(eqn: Any, stack: Stack, bounds: list[int], env: dict, vals: Sequence[Any],
+                view_index: Mapping[tuple[int, int | None], int], params_of: Mapping[int, int],
+                marker_ids: list[MarkerId], names: list[Any]) -> list[Any]:
+    """Bind the stack's scan once per piece, a cut marker on the carry after each.
+
+    ``params_of``: scanned input position -> the parameter leaf passed there as views.
+    """
+    p = eqn.params
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    invars = eqn.invars
+    consts = [read(env, v) for v in invars[:nc]]
+    carry = [read(env, v) for v in invars[nc:nc + ncarry]]
+    ys_parts: list[list[Any]] = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        xs = []
+        for pos in range(nc + ncarry, len(invars)):
+            if pos in params_of:
+                xs.append(vals[view_index[(params_of[pos], a)]])
+            else:
+                xs.append(lax.slice_in_dim(read(env, invars[pos]), a, b))
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*consts, *carry, *xs,
+                                      **{**eqn.primitive.get_bind_params(p), "length": b - a})
+        carry = list(boundary_p.bind(*outs[:ncarry], name=_piece_name(stack, a, b)))
+        ys_parts.append(list(outs[ncarry:]))
+        marker_ids.append(("iter", stack.eqn, b - 1))
+        names.append(_piece_name(stack, a, b))
+    ys = [lax.concatenate([part[i] for part in ys_parts], 0) if len(ys_parts) > 1
+          else ys_parts[0][i] for i in range(len(ys_parts[0]))]
+    return carry + ys
+
+
+def _piece_name(stack: Stack, a: int, b: int) -> str:
+    base = stack.name or "scan"
+    return f"{base}[{a}]" if b - a == 1 else f"{base}[{a}:{b}]"
