@@ -116,11 +116,14 @@ class StageOptimizer:
 
     def stage_tree(self, stage: int, leaves: Sequence[Any]) -> Any:
         """The user's parameter pytree as the optimizer sees it on ``stage``: that stage's
-        trainable leaves, ``None`` for other stages' leaves and for non-float leaves."""
-        full: list = [None] * len(self.spec.param_avals)
+        trainable leaves, ``None`` for other stages' leaves and for non-float leaves.
+
+        A scanned stack's stacked weight split over stages appears with this stage's rows
+        only (an elementwise optimizer on those rows equals it on the whole leaf)."""
+        full: list = [None] * self.treedef.num_leaves
         for pid, x in zip(self.spec.stages[stage].param_ids, leaves, strict=True):
             if self.trainable[pid]:
-                full[pid] = x
+                full[self.spec.tree_leaf(pid)] = x
         return jax.tree.unflatten(self.treedef, full)
 
     def init(self, stage: int, param_leaves: Sequence[Any]) -> list:
@@ -139,7 +142,7 @@ class StageOptimizer:
         g_tree = self.stage_tree(stage, grads)
         o_tree = jax.tree.unflatten(self.state_treedefs[stage], list(state))
         updates, o_tree = self.optimizer.update(g_tree, o_tree, p_tree)
-        # stage param_ids are ascending, i.e. the tree's leaf order
+        # stage param_ids are ascending, i.e. the tree's leaf order (one input per leaf)
         new = iter(jax.tree.leaves(optax.apply_updates(p_tree, updates)))
         ids = self.spec.stages[stage].param_ids
         out = [next(new) if self.trainable[pid] else x for pid, x in zip(ids, params,
@@ -174,10 +177,16 @@ def check_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) 
     stages involved.
     """
     avals, treedef = spec.param_avals, spec.params_treedef
-    trainable = [pid for pid, a in enumerate(avals) if is_differentiable(a)]
-    full: list = [None] * len(avals)
-    for pid in trainable:
-        full[pid] = jax.ShapeDtypeStruct(avals[pid].shape, avals[pid].dtype)
+    # One abstract leaf per tree leaf: the first input of each (a stacked weight split over
+    # stages: its first stage's rows; which leaves an update reads does not depend on it).
+    first: dict[int, int] = {}
+    for pid, a in enumerate(avals):
+        if is_differentiable(a):
+            first.setdefault(spec.tree_leaf(pid), pid)
+    trainable = sorted(first)  # tree leaves
+    full: list = [None] * treedef.num_leaves
+    for leaf, pid in first.items():
+        full[leaf] = jax.ShapeDtypeStruct(avals[pid].shape, avals[pid].dtype)
     tree = jax.tree.unflatten(treedef, full)
     try:
         state = jax.eval_shape(optimizer.init, tree)
@@ -206,19 +215,26 @@ def check_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) 
         if new == state_deps:
             break
         state_deps = new
-    stage_of = spec.param_owners
-    for j, pid in enumerate(trainable):
-        deps = leaves_read(j, state_deps) | {pid}
-        home = set(spec.stages[stage_of[pid][0]].param_ids)
-        if deps <= home:
+    owners = spec.param_owners
+    inputs_of: dict[int, list[int]] = {}
+    for pid in range(len(avals)):
+        inputs_of.setdefault(spec.tree_leaf(pid), []).append(pid)
+    for j, leaf in enumerate(trainable):
+        deps = leaves_read(j, state_deps) | {leaf}
+        # every stage that updates (rows of) this leaf must hold every leaf its update reads
+        homes = [owners[pid][0] for pid in inputs_of[leaf]]
+        held = [{spec.tree_leaf(q) for q in spec.stages[h].param_ids} for h in homes]
+        bad = [(h, deps - home) for h, home in zip(homes, held, strict=True) if deps - home]
+        if not bad:
             continue
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(
-            jax.tree.unflatten(treedef, list(range(len(avals)))))[0]]
-        others = sorted(deps - home)
-        stages = sorted({s for o in others for s in stage_of[o]})
+            jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))[0]]
+        home, missing = bad[0]
+        others = sorted(missing)
+        stages = sorted({s for o in others for q in inputs_of[o] for s in owners[q]})
         raise PipelineError(
             f"the optimizer couples parameters across pipeline stages: the update of params"
-            f"{paths[pid]} (stage {stage_of[pid][0]}) reads params{paths[others[0]]} "
+            f"{paths[leaf]} (stage {home}) reads params{paths[others[0]]} "
             f"(stage(s) {stages}). The optimizer runs per stage and would see only its "
             "stage's part, so the step would differ from the same optimizer without a "
             "pipeline. Global-norm clipping (optax.clip_by_global_norm, anything using "
