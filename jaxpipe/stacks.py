@@ -124,6 +124,11 @@ def cut_stacks(closed: jcore.ClosedJaxpr, num_params: int, stacks: Sequence[Stac
             views.append(ParamView(leaf))
     view_index = {(w.leaf, w.start): i for i, w in enumerate(views)}
     params = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
+    # Stacked outputs (ys) nothing reads are not gathered over the pieces: nnx.scan, for
+    # one, returns the layers' weights as ys, and gathering them would send every
+    # stage's weights down the pipeline.
+    used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jcore.Var)}
+    used |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
     marker_ids: list[MarkerId] = []
     names: list[Any] = []
 
@@ -140,7 +145,7 @@ def cut_stacks(closed: jcore.ClosedJaxpr, num_params: int, stacks: Sequence[Stac
                 scanned = {pos: params[v] for pos, v in enumerate(eqn.invars)
                            if isinstance(v, jcore.Var) and params.get(v) in split}
                 outs = _run_pieces(eqn, by_eqn[k], list(bounds[k]), env, vals, view_index,
-                                   scanned, marker_ids, names)
+                                   scanned, marker_ids, names, used)
             else:
                 invals = [read(env, v) for v in eqn.invars]
                 with eqn.ctx.manager:
@@ -171,7 +176,7 @@ def _view_shape(aval: Any, w: ParamView) -> tuple[int, ...]:
 
 def _run_pieces(eqn: Any, stack: Stack, bounds: list[int], env: dict, vals: Sequence[Any],
                 view_index: Mapping[tuple[int, int | None], int], params_of: Mapping[int, int],
-                marker_ids: list[MarkerId], names: list[Any]) -> list[Any]:
+                marker_ids: list[MarkerId], names: list[Any], used: set) -> list[Any]:
     """Bind the stack's scan once per piece, a cut marker on the carry after each.
 
     ``params_of``: scanned input position -> the parameter leaf passed there as views.
@@ -196,8 +201,12 @@ def _run_pieces(eqn: Any, stack: Stack, bounds: list[int], env: dict, vals: Sequ
         ys_parts.append(list(outs[ncarry:]))
         marker_ids.append(("iter", stack.eqn, b - 1))
         names.append(_piece_name(stack, a, b))
-    ys = [lax.concatenate([part[i] for part in ys_parts], 0) if len(ys_parts) > 1
-          else ys_parts[0][i] for i in range(len(ys_parts[0]))]
+    ys = []
+    for i, v in enumerate(eqn.outvars[ncarry:]):
+        parts = [part[i] for part in ys_parts]
+        # an unread ys: any value will do (nothing reads it), so nothing is gathered
+        ys.append(parts[-1] if len(parts) == 1 or v not in used
+                  else lax.concatenate(parts, 0))
     return carry + ys
 
 
