@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxpipe.avals import is_differentiable
@@ -44,7 +45,8 @@ from jaxpipe.inputs import CompileWatch
 if TYPE_CHECKING:
     from jaxpipe.runtime.base import Executor, RuntimeSpec
 
-__all__ = ["StageOptimizer", "TrainOptions", "TrainState", "Trainer", "check_separable"]
+__all__ = ["StageOptimizer", "TrainOptions", "TrainState", "Trainer", "check_rows_separable",
+           "check_separable"]
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,62 @@ def check_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) 
         )
 
 
+def check_rows_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) -> None:
+    """Raise :class:`PipelineError` if ``optimizer`` couples the layers of a split stack.
+
+    A scanned stack's stacked weight split over stages is updated per stage, on that
+    stage's rows. That equals updating the whole leaf when the update of a row reads only
+    that row (Adam, SGD, weight decay: anything elementwise), not when it reads the whole
+    leaf (a per-leaf norm: LARS / LAMB trust ratios, Adafactor's update clipping). The
+    update reads no value that tells which, so this probes it: for every split leaf, one
+    step on two random rows at once must equal one step on each row alone.
+    """
+    inputs_of: dict[int, list[int]] = {}
+    for pid, a in enumerate(spec.param_avals):
+        if is_differentiable(a):
+            inputs_of.setdefault(spec.tree_leaf(pid), []).append(pid)
+    n = spec.params_treedef.num_leaves
+    rng = np.random.default_rng(0)
+    for leaf, pids in sorted(inputs_of.items()):
+        if len(pids) < 2:
+            continue
+        a = spec.param_avals[pids[0]]
+        shape = (2, *a.shape[1:])
+        param = rng.standard_normal(shape).astype(a.dtype)
+        grad = rng.standard_normal(shape).astype(a.dtype)
+
+        def step(p: np.ndarray, g: np.ndarray, leaf: int = leaf) -> Any:
+            full: list = [None] * n
+
+            def tree(x: Any) -> Any:
+                full[leaf] = jnp.asarray(x)
+                return jax.tree.unflatten(spec.params_treedef, full)
+
+            updates, _ = optimizer.update(tree(g), optimizer.init(tree(p)), tree(p))
+            return jax.tree.leaves(updates)[0]
+
+        try:
+            whole = np.asarray(step(param, grad))
+            rows = np.concatenate([np.asarray(step(param[i:i + 1], grad[i:i + 1]))
+                                   for i in range(2)])
+        except Exception:  # the optimizer's own error comes from the real step
+            return
+        if np.allclose(whole, rows, rtol=1e-5, atol=1e-6 * (np.abs(whole).max() + 1e-12)):
+            continue
+        path = jax.tree_util.keystr(jax.tree.flatten_with_path(
+            jax.tree.unflatten(spec.params_treedef, list(range(n))))[0][leaf][0])
+        stages = sorted({spec.param_owners[pid][0] for pid in pids})
+        raise PipelineError(
+            f"the optimizer couples the layers of the scanned stack params{path}: its "
+            "update of one layer's rows reads the other layers' rows (e.g. a per-leaf norm: "
+            "LARS / LAMB trust ratios, Adafactor's update clipping or factored moments over "
+            f"the layer axis). Stages {stages} each hold and update only their own layers' "
+            "rows, so the step would differ from the same optimizer without a pipeline. "
+            "Use an optimizer whose update is per element (e.g. optax.adamw, optax.sgd), or "
+            "give every layer its own parameter leaves (unroll the scan into a Python loop)."
+        )
+
+
 def global_norm_scale(sq_norm: jax.Array, options: TrainOptions) -> tuple[jax.Array, jax.Array]:
     """``(gradient norm, scale to apply)`` from the global squared norm."""
     gnorm = jnp.sqrt(sq_norm)
@@ -280,6 +338,7 @@ class Trainer:
         self.optimizer = optimizer
         self.options = options
         check_separable(optimizer, executor.spec)
+        check_rows_separable(optimizer, executor.spec)
         step, self._init_opt = executor.make_train_step(optimizer, options)
 
         def step_fn(state: TrainState, batch: Any, key: Any = None

@@ -150,6 +150,15 @@ def test_train_step_matches_plain_optax(uneven, model):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tx", [optax.lamb(1e-2), optax.adafactor(1e-2)],
+                         ids=["lamb", "adafactor"])
+def test_optimizer_coupling_the_layers_is_refused(uneven, model, tx):
+    _, params, _ = model
+    with pytest.raises(jp.PipelineError, match=r"couples the layers of the scanned stack "
+                                               r"params\['layers'\].*per element.*unroll"):
+        uneven.init(params, tx)
+
+
 def test_state_checkpoint_resumes(uneven, model, tmp_path):
     from jaxpipe import checkpoint as jpc
 
