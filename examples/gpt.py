@@ -4,6 +4,7 @@
     python examples/gpt.py --schedule gpipe --microbatches 8
     python examples/gpt.py --schedule schedules/zb.py:ZeroBubbleH1
     python examples/gpt.py --plain              # same model, plain single-device JAX
+    python examples/gpt.py --scan-layers        # the blocks as one nnx.scan over stacked weights
 
 The model is a GPT written in flax nnx: token + position embeddings, the token
 embedding tied to the output head (``logits = h @ embed.T``), ``--layers`` decoder
@@ -11,6 +12,11 @@ blocks (causal self-attention + MLP, pre-layernorm), each decorated with
 ``@jp.layer`` so the cutter may place a stage boundary after any block. The tied
 embedding is used by the first stage (lookup) and the last (head): jaxpipe keeps a
 copy on both and sums their gradients.
+
+With ``--scan-layers`` the same GPT keeps its blocks' weights stacked (``nnx.vmap`` at
+init) and runs them with one ``nnx.scan``, as MaxText-style models do; the model code is
+otherwise unchanged. jaxpipe cuts the scan between iterations: each stage scans its own
+blocks and holds only their rows of the stacked weights.
 
 The corpus is the Python standard library's own source code (present on every
 machine, no download), read as characters. Files are taken in sorted order; the last
@@ -185,17 +191,34 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     """Decoder-only transformer with the token embedding tied to the output head."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, scan_layers: bool = False):
         self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab, cfg.width)))
         self.pos = nnx.Param(nnx.initializers.normal(0.01)(rngs.params(), (cfg.seq, cfg.width)))
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.scan_layers = scan_layers
+        if scan_layers:
+            # One Block whose every weight has a leading [layers] axis.
+            @nnx.split_rngs(splits=cfg.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs)
+
+            self.blocks = stacked(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
         self.ln_f = nnx.LayerNorm(cfg.width, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits ``[batch, seq, vocab]`` for integer ``tokens`` ``[batch, seq]``."""
         h = self.embed[...][tokens] + self.pos[...][: tokens.shape[1]]
-        for block in self.blocks:
-            h = block(h)
+        if self.scan_layers:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(h: jax.Array, block: Block) -> jax.Array:
+                return block(h)
+
+            h = run(h, self.blocks)
+        else:
+            for block in self.blocks:
+                h = block(h)
         # Tied head: the same matrix that embedded the tokens scores the next one.
         return self.ln_f(h) @ self.embed[...].T
 
@@ -206,12 +229,19 @@ def loss_fn(model: GPT, batch: dict) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
-def make_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
-    """AdamW, linear warm-up from lr/10, cosine decay to lr/10; no decay on norms and biases."""
+def make_optimizer(lr: float, steps: int, scan_layers: bool = False
+                   ) -> optax.GradientTransformation:
+    """AdamW, linear warm-up from lr/10, cosine decay to lr/10; no decay on norms and biases
+    (matrices only; a stacked block weight has one more axis, the layer)."""
     warmup = max(1, min(100, steps // 10))
     sched = optax.warmup_cosine_decay_schedule(lr / 10, lr, warmup, max(steps, warmup + 1), lr / 10)
+
+    def is_matrix(path: Any, x: jax.Array) -> bool:
+        stacked = scan_layers and "blocks" in jax.tree_util.keystr(path)
+        return x.ndim - stacked >= 2
+
     return optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1,
-                       mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+                       mask=lambda p: jax.tree_util.tree_map_with_path(is_matrix, p))
 
 
 # ----------------------------------------------------------------------------- driver
@@ -245,6 +275,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a very small config (tests, smoke runs)")
     p.add_argument("--plain", action="store_true",
                    help="train without the pipeline (plain jax.value_and_grad, one device)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the blocks as one nnx.scan over stacked weights")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     base = TINY if args.tiny else DEFAULTS
@@ -268,13 +300,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = Config(seq=args.seq, layers=args.layers, width=args.width, heads=args.heads)
     train_ids, held_ids = load_data(args.corpus_chars)
     rng = np.random.default_rng(args.seed)
-    model = GPT(cfg, rngs=nnx.Rngs(args.seed))
-    optimizer = make_optimizer(args.lr, args.steps)
+    model = GPT(cfg, rngs=nnx.Rngs(args.seed), scan_layers=args.scan_layers)
+    optimizer = make_optimizer(args.lr, args.steps, args.scan_layers)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"corpus: {len(train_ids):,} train / {len(held_ids):,} held-out characters of "
           f"stdlib source; vocab {VOCAB} (uniform-guess loss ln(V) = {math.log(VOCAB):.3f})")
-    print(f"model: {cfg.layers} blocks, width {cfg.width}, {cfg.heads} heads, context "
-          f"{cfg.seq}, {n_params:,} parameters")
+    print(f"model: {cfg.layers} blocks{' (scanned)' if args.scan_layers else ''}, width "
+          f"{cfg.width}, {cfg.heads} heads, context {cfg.seq}, {n_params:,} parameters")
 
     graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
 
@@ -349,7 +381,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "schedule": None if args.plain else args.schedule,
         "config": dataclasses.asdict(cfg) | {"batch": args.batch, "stages": args.stages,
                                              "microbatches": args.microbatches,
-                                             "steps": args.steps, "lr": args.lr},
+                                             "steps": args.steps, "lr": args.lr,
+                                             "scan_layers": args.scan_layers},
         "params": int(n_params),
         "uniform_loss": math.log(VOCAB),
         "losses": losses,

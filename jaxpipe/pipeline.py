@@ -3,13 +3,18 @@
 :class:`Pipeline` is the frontend. It does the layers above the runtime seam, in order:
 
 1. trace ``loss_fn`` to a flat jaxpr with its candidate cuts (:mod:`jaxpipe.trace`);
+   a scanned layer stack is rewritten with a cut after every iteration
+   (:mod:`jaxpipe.stacks`);
 2. choose the cut (:mod:`jaxpipe.cut`, with the runtime's memory model);
-3. split the jaxpr into stage functions (:mod:`jaxpipe.stages`);
+3. split the jaxpr into stage functions (:mod:`jaxpipe.stages`); a scanned stack is
+   first rewritten into one scan per stage over that stage's layers;
 4. build the runtime's executor from one :class:`~jaxpipe.runtime.RuntimeSpec`.
 
 Everything about where values live on devices and how the schedule runs is the
 executor's (``pipe.executor``); the frontend checks inputs, reshapes batches into
-microbatches and maps between the user's pytrees and flat leaves.
+microbatches and maps between the user's pytrees and flat leaves, and between the
+user's leaves and the stages' parameter views (:mod:`jaxpipe.views`: a stacked weight
+split over stages is passed as each stage's rows, its gradient gathered back).
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ from jaxpipe.inputs import (
 )
 from jaxpipe.runtime import Executor, Runtime, RuntimeSpec, resolve
 from jaxpipe.schedule import Schedule
+from jaxpipe.stacks import Stack, find_stacks, for_stages, per_layer
 from jaxpipe.stages import StageFn, boundary_aval, param_owners, split, to_boundary
 from jaxpipe.trace import Traced, microbatch_like, trace
+from jaxpipe.views import ParamViews
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -114,7 +121,14 @@ class Pipeline:
       batch_axes: the mesh axes other than ``axis``: the batch is split over them and
         gradients are averaged.
       traced: the traced loss (:class:`jaxpipe.trace.Traced`).
-      cuts: marker indices after which a new stage begins.
+      stacks: the scanned layer stacks found in it (:class:`jaxpipe.stacks.Stack`; each
+        is cut between its iterations).
+      cut_traced: the loss the cutter sees: ``traced`` with a cut marker after every
+        iteration of every stack (``traced`` itself when there are none).
+      cuts: marker indices (into ``cut_traced.markers``) after which a new stage begins.
+      views: the stages' parameter inputs over the user's leaves
+        (:class:`jaxpipe.views.ParamViews`; each stage gets its own rows of a stacked
+        weight).
       cut_report: the cutter's :class:`jaxpipe.cut.CutResult` (predicted costs, memory).
       stages: the stage functions (:class:`jaxpipe.stages.StageFn`).
       runtime: the :class:`jaxpipe.runtime.Runtime` that runs them.
@@ -179,30 +193,45 @@ class Pipeline:
         self.traced = trace(traced_loss, params, shard_mb)
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
-        self.cuts, self.cut_report = _resolve_cuts(self.traced, schedule, cut,
+        # Scanned stacks: the cutter sees one segment per layer; the stages run one scan
+        # each over their own layers, reading their own rows of the stacked weights.
+        self.stacks: tuple[Stack, ...] = tuple(find_stacks(self.traced.jaxpr))
+        layers = per_layer(self.traced, self.stacks) if self.stacks else None
+        self.cut_traced: Traced = layers.traced if layers else self.traced
+        self.cuts, self.cut_report = _resolve_cuts(self.cut_traced, schedule, cut,
                                                    self.runtime.memory_model,
                                                    tuple(mesh.devices.flat))
-        self.stages: list[StageFn] = split(self.traced, self.cuts, remat=self.cut_report.remat)
+        if layers is not None:
+            staged, stage_cuts = for_stages(self.traced, self.stacks, layers, self.cuts)
+            stage_traced, self.views = staged.traced, staged.views
+        else:
+            stage_traced, stage_cuts = self.traced, self.cuts
+            self.views = ParamViews.whole(self.param_avals)
+        self.stages: list[StageFn] = split(stage_traced, stage_cuts,
+                                           remat=self.cut_report.remat)
         self.executor: Executor = self.runtime.build(RuntimeSpec(
             stages=tuple(self.stages),
             schedule=schedule,
             mesh=mesh,
             axis=axis,
             batch_axes=self.batch_axes,
-            param_avals=self.param_avals,
+            param_avals=tuple(v.aval for v in stage_traced.jaxpr.invars[
+                : stage_traced.num_params]),
             params_treedef=self.traced.params_treedef,
             # key-typed batch leaves reach a runtime as key data (see jaxpipe.stages)
             microbatch_avals=tuple(boundary_aval(v.aval) for v in self.traced.jaxpr.invars[
                 self.traced.num_params:]),
             param_owners=param_owners(self.stages),
+            param_tree_leaves=() if self.views.is_whole else self.views.leaf_of,
         ))
         self._param_paths = leaf_paths(self.traced.params_treedef)
         self._vg = jax.jit(self._value_and_grad)
         self._staged_vg = jax.jit(self._staged_value_and_grad)
         self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad")
         self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad")
-        self._shard_jit = jax.jit(self.executor.shard)
-        self._unshard_jit = jax.jit(self.executor.unshard)
+        self._shard_jit = jax.jit(lambda leaves: self.executor.shard(self.views.take(leaves)))
+        self._unshard_jit = jax.jit(
+            lambda staged: self.views.gather(self.executor.unshard(staged)))
         self._plan = None
         if jax.process_count() > 1:
             # Every process must build the same program, or its collectives never match.
@@ -224,8 +253,12 @@ class Pipeline:
 
     @property
     def param_owners(self) -> dict[int, tuple[int, ...]]:
-        """Parameter leaf -> the stages that read it (a tied leaf has several)."""
-        return dict(self.executor.spec.param_owners)
+        """Parameter leaf -> the stages that read it (a tied leaf has several; a stacked
+        weight split over stages lists the stages holding its rows)."""
+        owners: dict[int, set[int]] = {}
+        for pid, stages in self.executor.spec.param_owners.items():
+            owners.setdefault(self.views.views[pid].leaf, set()).update(stages)
+        return {leaf: tuple(sorted(s)) for leaf, s in sorted(owners.items())}
 
     # ---------------------------------------------------------------- checks
     def check_params(self, params: Any, what: str = "params") -> list:
@@ -316,7 +349,8 @@ class Pipeline:
         return [tuple(a.shape) for a in jax.tree.leaves(self.executor.staged_abstract())]
 
     def stage_params(self, staged: Any) -> list[list[jax.Array]]:
-        """Every stage's parameter leaves as its device holds them (tied: each copy)."""
+        """Every stage's parameter inputs as its device holds them (tied: each copy; a
+        stacked weight split over stages: the stage's rows)."""
         staged = self._place_staged(staged, "stage_params")
         if hasattr(self.executor, "stage_params"):
             return self.executor.stage_params(staged)
@@ -326,9 +360,9 @@ class Pipeline:
     # ---------------------------------------------------------------- compute
     def _value_and_grad(self, params: Any, batch: Any, key: Any = None
                         ) -> tuple[jax.Array, Any]:
-        loss, grads = self.executor.value_and_grad(self.check_params(params),
+        loss, grads = self.executor.value_and_grad(self.views.take(self.check_params(params)),
                                                    self.microbatches(batch, key))
-        return loss, self._user_tree(grads)
+        return loss, self._user_tree(self.views.gather(grads))
 
     def _staged_value_and_grad(self, staged: Any, batch: Any, key: Any = None
                                ) -> tuple[jax.Array, Any]:
@@ -382,8 +416,9 @@ class Pipeline:
         params = self._place_params(params)
         key = self._place_key(key, "pipe.reference_value_and_grad")
         loss, grads = self._reference.value_and_grad(
-            self.check_params(params), self.microbatches(self._place_batch(batch), key))
-        return loss, self._user_tree(grads)
+            self.views.take(self.check_params(params)),
+            self.microbatches(self._place_batch(batch), key))
+        return loss, self._user_tree(self.views.gather(grads))
 
     def lower_step(self, params: Any, batch: Any) -> Any:
         """``jax.jit(...).lower`` of the value-and-grad step (for memory/cost inspection)."""
@@ -423,7 +458,8 @@ class Pipeline:
         # Replicated over the mesh, as train_step returns it (else the 2nd step recompiles).
         step = self.placement.put(np.zeros((), np.int32), self.placement.replicated, "step")
         return TrainState(self._shard_jit(jax.tree.leaves(params)),
-                          trainer.init_opt_state(jax.tree.leaves(params)), step, trainer)
+                          trainer.init_opt_state(self.views.take(jax.tree.leaves(params))),
+                          step, trainer)
 
     def train_step(self, state: Any, batch: Any, key: Any = None) -> tuple[Any, dict]:
         """One optimizer step: ``(state, batch) -> (state, metrics)``; jitted, state donated.

@@ -58,7 +58,8 @@ class Plan:
                 "device": sched.placement(s),
                 "layers": ",".join(st.names) if st.names else "-",
                 "flops_share": res.stage_fwd[s] / total_flops,
-                "param_bytes": int(sum(aval_bytes(pipe.param_avals[i]) for i in st.param_ids)),
+                "param_bytes": int(sum(aval_bytes(pipe.executor.spec.param_avals[i])
+                                       for i in st.param_ids)),
                 "residual_bytes": int(sum(aval_bytes(a) for a in st.residual_avals)),
                 "in_flight": res.in_flight[s],
                 "remat": str(st.remat.value),

@@ -32,26 +32,16 @@ from jax.extend import core as jcore
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import read
 from jaxpipe.markers import boundary_p
+from jaxpipe.trace import Traced
+from jaxpipe.views import ParamView, ParamViews
 
-__all__ = ["MarkerId", "ParamView", "Stack", "cut_stacks", "find_stacks"]
+__all__ = ["MarkerId", "ParamView", "Stack", "StackCut", "cut_stacks", "find_stacks",
+           "per_layer", "for_stages"]
 
 #: Identity of a cut marker across rewrites: ``("top", k)`` for the k-th top-level
 #: marker of the traced loss, ``("iter", eqn, i)`` for the cut after iteration ``i`` of
 #: the stack at equation ``eqn``.
 MarkerId = tuple
-
-
-@dataclass(frozen=True)
-class ParamView:
-    """A parameter input of the stages: user leaf ``leaf``, whole or rows
-    ``[start, stop)`` of its leading axis (a piece of a stacked layer parameter)."""
-
-    leaf: int
-    start: int | None = None
-    stop: int | None = None
-
-    def take(self, x: Any) -> Any:
-        return x if self.start is None else x[self.start:self.stop]
 
 
 @dataclass(frozen=True)
@@ -134,6 +124,11 @@ def cut_stacks(closed: jcore.ClosedJaxpr, num_params: int, stacks: Sequence[Stac
             views.append(ParamView(leaf))
     view_index = {(w.leaf, w.start): i for i, w in enumerate(views)}
     params = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
+    # Stacked outputs (ys) nothing reads are not gathered over the pieces: nnx.scan, for
+    # one, returns the layers' weights as ys, and gathering them would send every
+    # stage's weights down the pipeline.
+    used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jcore.Var)}
+    used |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
     marker_ids: list[MarkerId] = []
     names: list[Any] = []
 
@@ -150,7 +145,7 @@ def cut_stacks(closed: jcore.ClosedJaxpr, num_params: int, stacks: Sequence[Stac
                 scanned = {pos: params[v] for pos, v in enumerate(eqn.invars)
                            if isinstance(v, jcore.Var) and params.get(v) in split}
                 outs = _run_pieces(eqn, by_eqn[k], list(bounds[k]), env, vals, view_index,
-                                   scanned, marker_ids, names)
+                                   scanned, marker_ids, names, used)
             else:
                 invals = [read(env, v) for v in eqn.invars]
                 with eqn.ctx.manager:
@@ -181,7 +176,7 @@ def _view_shape(aval: Any, w: ParamView) -> tuple[int, ...]:
 
 def _run_pieces(eqn: Any, stack: Stack, bounds: list[int], env: dict, vals: Sequence[Any],
                 view_index: Mapping[tuple[int, int | None], int], params_of: Mapping[int, int],
-                marker_ids: list[MarkerId], names: list[Any]) -> list[Any]:
+                marker_ids: list[MarkerId], names: list[Any], used: set) -> list[Any]:
     """Bind the stack's scan once per piece, a cut marker on the carry after each.
 
     ``params_of``: scanned input position -> the parameter leaf passed there as views.
@@ -206,11 +201,72 @@ def _run_pieces(eqn: Any, stack: Stack, bounds: list[int], env: dict, vals: Sequ
         ys_parts.append(list(outs[ncarry:]))
         marker_ids.append(("iter", stack.eqn, b - 1))
         names.append(_piece_name(stack, a, b))
-    ys = [lax.concatenate([part[i] for part in ys_parts], 0) if len(ys_parts) > 1
-          else ys_parts[0][i] for i in range(len(ys_parts[0]))]
+    ys = []
+    for i, v in enumerate(eqn.outvars[ncarry:]):
+        parts = [part[i] for part in ys_parts]
+        # an unread ys: any value will do (nothing reads it), so nothing is gathered
+        ys.append(parts[-1] if len(parts) == 1 or v not in used
+                  else lax.concatenate(parts, 0))
     return carry + ys
 
 
 def _piece_name(stack: Stack, a: int, b: int) -> str:
     base = stack.name or "scan"
     return f"{base}[{a}]" if b - a == 1 else f"{base}[{a}:{b}]"
+
+
+@dataclass(frozen=True)
+class StackCut:
+    """A traced loss with its stacks rewritten into pieces.
+
+    Attributes:
+      traced: the rewritten loss; its parameter inputs are ``views.views`` (a flat list)
+        and its markers are the top-level markers and the cut after every piece.
+      views: the parameter views behind its parameter inputs.
+      marker_ids: the identity of each marker in ``traced.markers`` (stable across
+        rewrites of the same loss).
+      bounds: per stack (by equation), the iteration bounds of its pieces.
+    """
+
+    traced: Traced
+    views: ParamViews
+    marker_ids: tuple[MarkerId, ...]
+    bounds: Mapping[int, tuple[int, ...]]
+
+
+def _rewrite(traced: Traced, stacks: Sequence[Stack],
+             bounds: Mapping[int, Sequence[int]]) -> StackCut:
+    closed, views, ids, _ = cut_stacks(traced.closed_jaxpr, traced.num_params, stacks, bounds)
+    eqns = closed.jaxpr.eqns
+    markers = tuple(i for i, e in enumerate(eqns) if e.primitive is boundary_p)
+    assert len(markers) == len(ids), (markers, ids)
+    leaf_avals = tuple(v.aval for v in traced.jaxpr.invars[: traced.num_params])
+    new = Traced(closed, jax.tree.structure(list(range(len(views)))), traced.batch_treedef,
+                 len(views), markers, tuple(eqns[i].params.get("name") for i in markers))
+    return StackCut(new, ParamViews(tuple(views), leaf_avals), tuple(ids),
+                    {k: tuple(b) for k, b in bounds.items()})
+
+
+def per_layer(traced: Traced, stacks: Sequence[Stack]) -> StackCut:
+    """Every iteration of every stack its own piece, a marker after each: the loss as the
+    cost model and the cutter see it (one segment per layer)."""
+    return _rewrite(traced, stacks, {s.eqn: tuple(range(s.length + 1)) for s in stacks})
+
+
+def for_stages(traced: Traced, stacks: Sequence[Stack], layers: StackCut,
+               cuts: Sequence[int]) -> tuple[StackCut, list[int]]:
+    """The loss as the stages run it: each stack cut only where a stage ends.
+
+    ``cuts`` are marker indices into ``layers.traced`` (what the cutter chose). Returns
+    the rewrite whose pieces are the stages' parts of every stack, and the same cuts as
+    marker indices into it.
+    """
+    chosen = [layers.marker_ids[c] for c in cuts]
+    bounds = {}
+    for s in stacks:
+        inner = sorted({i + 1 for kind, *rest in chosen if kind == "iter" and rest[0] == s.eqn
+                        for i in rest[1:] if i + 1 < s.length})
+        bounds[s.eqn] = (0, *inner, s.length)
+    staged = _rewrite(traced, stacks, bounds)
+    index = {mid: i for i, mid in enumerate(staged.marker_ids)}
+    return staged, [index[mid] for mid in chosen]

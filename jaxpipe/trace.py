@@ -3,8 +3,10 @@
 The traced program has the parameter leaves and the microbatch leaves as inputs and
 the scalar loss as its only output. ``jaxpipe_boundary`` equations at the top level are
 the candidate cut points. Boundaries hidden inside ``jit``-ted helpers are inlined to
-the top level; boundaries inside control flow (``scan``, ``cond``, ``while``) or custom
-derivative rules cannot be cut there and raise a clear error.
+the top level. A top-level ``scan`` whose body holds boundaries is kept as it is: it is a
+scanned layer stack, cut between its iterations by :mod:`jaxpipe.stacks`. Boundaries
+inside other control flow (``cond``, ``while``) or custom derivative rules cannot be cut
+there and raise a clear error.
 """
 
 from __future__ import annotations
@@ -66,12 +68,15 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts, args) -> list:
         subs = jcore.jaxprs_in_params(eqn.params)
         if not (subs and any(_has_marker(s) for s in subs)):
             return None  # plain equation: bind it
+        if eqn.primitive.name == "scan":
+            return None  # a scanned layer stack: jaxpipe.stacks cuts it between iterations
         if eqn.primitive.name not in _INLINE:
             raise PipelineError(
                 f"jaxpipe.boundary / @jaxpipe.layer was used inside `{eqn.primitive.name}` "
-                "(e.g. lax.scan, lax.cond, a while loop or a custom_vjp function). Cuts must "
-                "be at the top level of the loss function: move the marker out of the "
-                "control-flow body, or unroll that loop in Python."
+                "(e.g. lax.cond, a while loop or a custom_vjp function). Cuts must be at the "
+                "top level of the loss function or between the iterations of a lax.scan over "
+                "layers: move the marker out of the control-flow body, or unroll that loop "
+                "in Python."
             )
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
         inner_consts = getattr(inner, "consts", [])

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxpipe.avals import is_differentiable
@@ -44,7 +45,8 @@ from jaxpipe.inputs import CompileWatch
 if TYPE_CHECKING:
     from jaxpipe.runtime.base import Executor, RuntimeSpec
 
-__all__ = ["StageOptimizer", "TrainOptions", "TrainState", "Trainer", "check_separable"]
+__all__ = ["StageOptimizer", "TrainOptions", "TrainState", "Trainer", "check_rows_separable",
+           "check_separable"]
 
 
 @dataclass(frozen=True)
@@ -116,11 +118,14 @@ class StageOptimizer:
 
     def stage_tree(self, stage: int, leaves: Sequence[Any]) -> Any:
         """The user's parameter pytree as the optimizer sees it on ``stage``: that stage's
-        trainable leaves, ``None`` for other stages' leaves and for non-float leaves."""
-        full: list = [None] * len(self.spec.param_avals)
+        trainable leaves, ``None`` for other stages' leaves and for non-float leaves.
+
+        A scanned stack's stacked weight split over stages appears with this stage's rows
+        only (an elementwise optimizer on those rows equals it on the whole leaf)."""
+        full: list = [None] * self.treedef.num_leaves
         for pid, x in zip(self.spec.stages[stage].param_ids, leaves, strict=True):
             if self.trainable[pid]:
-                full[pid] = x
+                full[self.spec.tree_leaf(pid)] = x
         return jax.tree.unflatten(self.treedef, full)
 
     def init(self, stage: int, param_leaves: Sequence[Any]) -> list:
@@ -139,7 +144,7 @@ class StageOptimizer:
         g_tree = self.stage_tree(stage, grads)
         o_tree = jax.tree.unflatten(self.state_treedefs[stage], list(state))
         updates, o_tree = self.optimizer.update(g_tree, o_tree, p_tree)
-        # stage param_ids are ascending, i.e. the tree's leaf order
+        # stage param_ids are ascending, i.e. the tree's leaf order (one input per leaf)
         new = iter(jax.tree.leaves(optax.apply_updates(p_tree, updates)))
         ids = self.spec.stages[stage].param_ids
         out = [next(new) if self.trainable[pid] else x for pid, x in zip(ids, params,
@@ -174,10 +179,16 @@ def check_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) 
     stages involved.
     """
     avals, treedef = spec.param_avals, spec.params_treedef
-    trainable = [pid for pid, a in enumerate(avals) if is_differentiable(a)]
-    full: list = [None] * len(avals)
-    for pid in trainable:
-        full[pid] = jax.ShapeDtypeStruct(avals[pid].shape, avals[pid].dtype)
+    # One abstract leaf per tree leaf: the first input of each (a stacked weight split over
+    # stages: its first stage's rows; which leaves an update reads does not depend on it).
+    first: dict[int, int] = {}
+    for pid, a in enumerate(avals):
+        if is_differentiable(a):
+            first.setdefault(spec.tree_leaf(pid), pid)
+    trainable = sorted(first)  # tree leaves
+    full: list = [None] * treedef.num_leaves
+    for leaf, pid in first.items():
+        full[leaf] = jax.ShapeDtypeStruct(avals[pid].shape, avals[pid].dtype)
     tree = jax.tree.unflatten(treedef, full)
     try:
         state = jax.eval_shape(optimizer.init, tree)
@@ -206,19 +217,26 @@ def check_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) 
         if new == state_deps:
             break
         state_deps = new
-    stage_of = spec.param_owners
-    for j, pid in enumerate(trainable):
-        deps = leaves_read(j, state_deps) | {pid}
-        home = set(spec.stages[stage_of[pid][0]].param_ids)
-        if deps <= home:
+    owners = spec.param_owners
+    inputs_of: dict[int, list[int]] = {}
+    for pid in range(len(avals)):
+        inputs_of.setdefault(spec.tree_leaf(pid), []).append(pid)
+    for j, leaf in enumerate(trainable):
+        deps = leaves_read(j, state_deps) | {leaf}
+        # every stage that updates (rows of) this leaf must hold every leaf its update reads
+        homes = [owners[pid][0] for pid in inputs_of[leaf]]
+        held = [{spec.tree_leaf(q) for q in spec.stages[h].param_ids} for h in homes]
+        bad = [(h, deps - home) for h, home in zip(homes, held, strict=True) if deps - home]
+        if not bad:
             continue
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(
-            jax.tree.unflatten(treedef, list(range(len(avals)))))[0]]
-        others = sorted(deps - home)
-        stages = sorted({s for o in others for s in stage_of[o]})
+            jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))[0]]
+        home, missing = bad[0]
+        others = sorted(missing)
+        stages = sorted({s for o in others for q in inputs_of[o] for s in owners[q]})
         raise PipelineError(
             f"the optimizer couples parameters across pipeline stages: the update of params"
-            f"{paths[pid]} (stage {stage_of[pid][0]}) reads params{paths[others[0]]} "
+            f"{paths[leaf]} (stage {home}) reads params{paths[others[0]]} "
             f"(stage(s) {stages}). The optimizer runs per stage and would see only its "
             "stage's part, so the step would differ from the same optimizer without a "
             "pipeline. Global-norm clipping (optax.clip_by_global_norm, anything using "
@@ -226,6 +244,62 @@ def check_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) 
             "built in: drop them from the chain and use pipe.init(params, tx, "
             "clip_global_norm=<max norm>, skip_nonfinite=True), which use the true "
             "global gradient norm over all stages."
+        )
+
+
+def check_rows_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) -> None:
+    """Raise :class:`PipelineError` if ``optimizer`` couples the layers of a split stack.
+
+    A scanned stack's stacked weight split over stages is updated per stage, on that
+    stage's rows. That equals updating the whole leaf when the update of a row reads only
+    that row (Adam, SGD, weight decay: anything elementwise), not when it reads the whole
+    leaf (a per-leaf norm: LARS / LAMB trust ratios, Adafactor's update clipping). The
+    update reads no value that tells which, so this probes it: for every split leaf, one
+    step on two random rows at once must equal one step on each row alone.
+    """
+    inputs_of: dict[int, list[int]] = {}
+    for pid, a in enumerate(spec.param_avals):
+        if is_differentiable(a):
+            inputs_of.setdefault(spec.tree_leaf(pid), []).append(pid)
+    n = spec.params_treedef.num_leaves
+    rng = np.random.default_rng(0)
+    for leaf, pids in sorted(inputs_of.items()):
+        if len(pids) < 2:
+            continue
+        a = spec.param_avals[pids[0]]
+        shape = (2, *a.shape[1:])
+        param = rng.standard_normal(shape).astype(a.dtype)
+        grad = rng.standard_normal(shape).astype(a.dtype)
+
+        def step(p: np.ndarray, g: np.ndarray, leaf: int = leaf) -> Any:
+            full: list = [None] * n
+
+            def tree(x: Any) -> Any:
+                full[leaf] = jnp.asarray(x)
+                return jax.tree.unflatten(spec.params_treedef, full)
+
+            updates, _ = optimizer.update(tree(g), optimizer.init(tree(p)), tree(p))
+            return jax.tree.leaves(updates)[0]
+
+        try:
+            whole = np.asarray(step(param, grad))
+            rows = np.concatenate([np.asarray(step(param[i:i + 1], grad[i:i + 1]))
+                                   for i in range(2)])
+        except Exception:  # the optimizer's own error comes from the real step
+            return
+        if np.allclose(whole, rows, rtol=1e-5, atol=1e-6 * (np.abs(whole).max() + 1e-12)):
+            continue
+        path = jax.tree_util.keystr(jax.tree.flatten_with_path(
+            jax.tree.unflatten(spec.params_treedef, list(range(n))))[0][leaf][0])
+        stages = sorted({spec.param_owners[pid][0] for pid in pids})
+        raise PipelineError(
+            f"the optimizer couples the layers of the scanned stack params{path}: its "
+            "update of one layer's rows reads the other layers' rows (e.g. a per-leaf norm: "
+            "LARS / LAMB trust ratios, Adafactor's update clipping or factored moments over "
+            f"the layer axis). Stages {stages} each hold and update only their own layers' "
+            "rows, so the step would differ from the same optimizer without a pipeline. "
+            "Use an optimizer whose update is per element (e.g. optax.adamw, optax.sgd), or "
+            "give every layer its own parameter leaves (unroll the scan into a Python loop)."
         )
 
 
@@ -264,6 +338,7 @@ class Trainer:
         self.optimizer = optimizer
         self.options = options
         check_separable(optimizer, executor.spec)
+        check_rows_separable(optimizer, executor.spec)
         step, self._init_opt = executor.make_train_step(optimizer, options)
 
         def step_fn(state: TrainState, batch: Any, key: Any = None

@@ -190,24 +190,38 @@ def test_unknown_cut_option():
 
 
 # ------------------------------------------------------------------- loss function
-def _scan_loss(params, mb):
-    def body(h, w):
-        return jp.boundary(jnp.tanh(h @ w)), None
-
-    h, _ = lax.scan(body, mb["x"], jnp.stack(params["w"]))
-    return jnp.mean((h - mb["y"]) ** 2)
-
-
 def _cond_loss(params, mb):
     x = lax.cond(mb["x"][0, 0] > 0, lambda h: jp.boundary(h * 2), lambda h: h, mb["x"])
     return loss_fn(params, {"x": x, "y": mb["y"]})
 
 
-@pytest.mark.parametrize("fn, prim", [(_scan_loss, "scan"), (_cond_loss, "cond")])
+def _while_loss(params, mb):
+    _, x = lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jp.boundary(jnp.tanh(c[1]))),
+                          (0, mb["x"]))
+    return loss_fn(params, {"x": x, "y": mb["y"]})
+
+
+def _reversed_scan_loss(params, mb):
+    def body(h, w):
+        return jp.boundary(jnp.tanh(h @ w)), None
+
+    h, _ = lax.scan(body, mb["x"], jnp.stack(params["w"]), reverse=True)
+    return jnp.mean((h - mb["y"]) ** 2)
+
+
+@pytest.mark.parametrize("fn, prim", [(_cond_loss, "cond"), (_while_loss, "while")])
 def test_markers_inside_control_flow(fn, prim):
+    # (a forward lax.scan over layers is a scanned stack, cut between iterations:
+    # tests/test_stacks.py)
     with pytest.raises(jp.PipelineError, match=rf"used inside `{prim}`.*Cuts must be at the "
-                                               r"top level.*unroll"):
+                                               r"top level.*lax.scan over layers.*unroll"):
         build(loss_fn=fn)
+
+
+def test_markers_inside_reversed_scan():
+    with pytest.raises(jp.PipelineError, match=r"reversed lax.scan.*scan over the reversed "
+                                               r"stack instead"):
+        build(loss_fn=_reversed_scan_loss)
 
 
 @pytest.mark.parametrize("fn, what", [

@@ -44,6 +44,18 @@ def test_gpt_tiny_pipelined_loss_finite_and_decreasing():
     assert "OneFOneB" in out
 
 
+def test_gpt_tiny_scan_layers_trains():
+    """The same GPT with its blocks as one nnx.scan: 3 scanned blocks cut over 2 stages."""
+    out = _run("gpt.py", "--tiny", "--scan-layers", "--stages", "2", "--layers", "3",
+               "--steps", "3", "--seed", "0", "--no-progress")
+    res = _result(out)
+    losses = res["losses"]
+    assert res["mode"] == "pipeline" and res["config"]["scan_layers"]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert losses[0] > losses[1] > losses[2], losses
+    assert "Block[" in out  # the plan names each stage's slice of the stack
+
+
 def test_linen_mlp_example_runs():
     out = _run("linen_mlp.py", "--steps", "3")
     assert "max |grad difference|" in out

@@ -47,13 +47,19 @@ class RuntimeSpec:
       axis: name of the pipeline mesh axis.
       batch_axes: the other mesh axes, over which the batch is split and gradients
         averaged.
-      param_avals: abstract value of every flat parameter leaf of the user's pytree.
+      param_avals: abstract value of every parameter input of the stages: the flat
+        leaves of the user's pytree, except that a scanned stack's stacked weights split
+        over several stages come as one input per stage (its rows; see
+        :mod:`jaxpipe.views`).
       params_treedef: the treedef of the user's parameter pytree (optimizers run on
         per-stage views of it).
       microbatch_avals: abstract value of every flat batch leaf of one microbatch on
         one data shard (what a stage function reads).
-      param_owners: parameter leaf -> the stages that read it, ascending. A leaf read by
-        several stages (a tied embedding) lives on each; its gradient is their sum.
+      param_owners: parameter input -> the stages that read it, ascending. An input read
+        by several stages (a tied embedding) lives on each; its gradient is their sum.
+      param_tree_leaves: parameter input -> the leaf of ``params_treedef`` it is (rows
+        of); empty for the identity (every input a whole leaf). A stage holds at most one
+        input of each leaf.
     """
 
     stages: tuple[StageFn, ...]
@@ -65,6 +71,11 @@ class RuntimeSpec:
     params_treedef: Any
     microbatch_avals: tuple[Any, ...]
     param_owners: Mapping[int, tuple[int, ...]]
+    param_tree_leaves: tuple[int, ...] = ()
+
+    def tree_leaf(self, pid: int) -> int:
+        """The leaf of ``params_treedef`` parameter input ``pid`` is (rows of)."""
+        return self.param_tree_leaves[pid] if self.param_tree_leaves else pid
 
     @property
     def num_microbatches(self) -> int:

@@ -1,0 +1,361 @@
+"""Issue 15 part 3: scanned layer stacks are cut between their iterations.
+
+A loss that runs ``lax.scan`` (or flax ``nnx.scan`` / linen ``nn.scan``) over stacked layer
+parameters with a marker in the body is pipelined without changing the model: each stage
+scans its own rows of the stacked weights, gradients come back in the stacked layout, and
+loss and gradients equal ``jax.value_and_grad`` of the unpipelined loss.
+
+Pipelines are shared through module fixtures and the models are tiny: every compile
+counts on the 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from models import assert_matches, reference
+
+import jaxpipe as jp
+from jaxpipe.markers import boundary_p
+
+WIDTH, IN, BATCH, M = 8, 6, 16, 4
+
+
+def scan_model(n_layers: int = 5, *, remat: bool = False, outside_use: bool = False,
+               seed: int = 3):
+    """Embedding tied to the head (first and last stage), ``n_layers`` scanned blocks with a
+    marker in the body, and a skip connection from the embedding around the stack."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    params = {
+        "embed": jax.random.normal(ks[0], (IN, WIDTH)) / jnp.sqrt(IN),
+        "layers": {"w": jax.random.normal(ks[1], (n_layers, WIDTH, WIDTH)) / jnp.sqrt(WIDTH),
+                   "b": 0.1 * jax.random.normal(ks[2], (n_layers, WIDTH))},
+    }
+    batch = {"x": jax.random.normal(ks[3], (BATCH, IN)),
+             "y": jax.random.normal(ks[4], (BATCH, IN))}
+
+    def body(h, layer):
+        return jp.boundary(h + jnp.tanh(h @ layer["w"] + layer["b"]), name="block"), None
+
+    if remat:
+        body = jax.checkpoint(body)
+
+    def loss_fn(p, b):
+        h0 = jp.boundary(jnp.tanh(b["x"] @ p["embed"]), name="embed")
+        h, _ = lax.scan(body, h0, p["layers"])
+        h = h + 0.5 * h0  # skip connection around the stack
+        loss = jnp.mean((h @ p["embed"].T - b["y"]) ** 2)  # tied head
+        if outside_use:  # the stacked weight is read outside the scan as well
+            loss = loss + 0.01 * jnp.sum(p["layers"]["w"][0] ** 2)
+        return loss
+
+    return loss_fn, params, batch
+
+
+def _mesh(p: int):
+    return jax.make_mesh((p,), ("pipe",))
+
+
+def _scans(jaxpr) -> list:
+    """Every scan equation, at any depth."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            out.append(e)
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            out += _scans(sub)
+    return out
+
+
+def _layer_scans(jaxpr) -> list[int]:
+    """Lengths of the scans whose body holds a marker (the stage's piece of the stack)."""
+    def marked(j):
+        j = getattr(j, "jaxpr", j)
+        return any(e.primitive is boundary_p or any(marked(s) for s in
+                   jax.extend.core.jaxprs_in_params(e.params)) for e in j.eqns)
+
+    return [e.params["length"] for e in _scans(jaxpr) if marked(e.params["jaxpr"])]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return scan_model()
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    loss_fn, params, batch = model
+    return reference(loss_fn, params, batch, M)
+
+
+@pytest.fixture(scope="module")
+def uneven(model):
+    """p=2, embedding + 1 layer on stage 0, 4 layers + head on stage 1."""
+    loss_fn, params, batch = model
+    return jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M),
+                       cut=jp.Cut(indices=[1]))
+
+
+# ------------------------------------------------------------------- structure
+
+
+def test_each_stage_scans_its_own_layers(uneven, model):
+    pipe = uneven
+    assert len(pipe.stacks) == 1 and pipe.stacks[0].length == 5
+    # the cutter saw one segment per layer: embed + 5 iterations = 6 markers
+    assert len(pipe.cut_traced.markers) == 6
+    assert [st.names for st in pipe.stages] == [("embed", "block[0]"), ("block[1:5]",)]
+    assert [_layer_scans(st.fwd) for st in pipe.stages] == [[1], [4]]
+    # every stage holds only its rows of the stacked weights, the tied embedding on both
+    _, params, _ = model
+    staged = pipe.shard(params)
+    shapes = [[tuple(x.shape) for x in leaves] for leaves in pipe.stage_params(staged)]
+    assert shapes == [[(IN, WIDTH), (1, WIDTH), (1, WIDTH, WIDTH)],
+                      [(IN, WIDTH), (4, WIDTH), (4, WIDTH, WIDTH)]]
+    assert pipe.param_owners == {0: (0, 1), 1: (0, 1), 2: (0, 1)}
+    # unshard gives the user's stacked layout back
+    back = pipe.unshard(staged)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_uneven_stages_match_value_and_grad(uneven, model, expected):
+    loss_fn, params, batch = model
+    result = uneven.value_and_grad(params, batch)
+    assert jax.tree.structure(result[1]) == jax.tree.structure(params)
+    assert_matches(result, expected)
+    assert_matches(uneven.reference_value_and_grad(params, batch), expected)
+
+
+def test_train_step_matches_plain_optax(uneven, model):
+    loss_fn, params, batch = model
+    tx = optax.adamw(1e-2, weight_decay=1e-2)
+    state = uneven.init(params, tx)
+    ref_params, ref_opt = params, tx.init(params)
+    for _ in range(2):
+        state, metrics = uneven.train_step(state, batch)
+        ref_loss, grads = reference(loss_fn, ref_params, batch, M)
+        updates, ref_opt = tx.update(grads, ref_opt, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+        np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+    got = uneven.params(state)
+    assert jax.tree.structure(got) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tx", [optax.lamb(1e-2), optax.adafactor(1e-2)],
+                         ids=["lamb", "adafactor"])
+def test_optimizer_coupling_the_layers_is_refused(uneven, model, tx):
+    _, params, _ = model
+    with pytest.raises(jp.PipelineError, match=r"couples the layers of the scanned stack "
+                                               r"params\['layers'\].*per element.*unroll"):
+        uneven.init(params, tx)
+
+
+def test_state_checkpoint_resumes(uneven, model, tmp_path):
+    from jaxpipe import checkpoint as jpc
+
+    _, params, batch = model
+    tx = optax.adam(1e-2)
+    state, _ = uneven.train_step(uneven.init(params, tx), batch)
+    jpc.save(tmp_path / "state", state, pipe=uneven)
+    jpc.save_params(tmp_path / "params", uneven, state)
+    want = uneven.params(state)
+    restored = jpc.restore(tmp_path / "state", uneven, optimizer=tx)
+    for a, b in zip(jax.tree.leaves(uneven.params(restored)), jax.tree.leaves(want),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    plain = jpc.restore_params(tmp_path / "params", pipe=uneven)  # the stacked layout
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------- every schedule
+
+
+def _gallery(spec: str):
+    from pathlib import Path
+
+    return jp.load_schedule(str(Path(__file__).resolve().parents[1] / "schedules" / spec))
+
+
+SCHEDULES = {
+    "gpipe": lambda: jp.GPipe(2, M),
+    "1f1b": lambda: jp.OneFOneB(2, M),
+    "interleaved2": lambda: jp.Interleaved1F1B(2, M, stages_per_device=2),
+    "zero_bubble": lambda: _gallery("zero_bubble.py:ZeroBubbleH1")(2, M),
+    "dualpipe_v": lambda: _gallery("dualpipe_v.py:DualPipeV")(2, M),
+    "eager_1f1b": lambda: _gallery("eager_1f1b.py:Eager1F1B")(2, M),
+    "looped_bfs": lambda: _gallery("looped_bfs.py:LoopedBFS")(2, M),
+    "v_half": lambda: _gallery("v_half.py:VHalf")(2, M),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_schedule_matches_value_and_grad(name, model, expected):
+    loss_fn, params, batch = model
+    schedule = SCHEDULES[name]()
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=schedule,
+                       cut="markers")
+    assert sum(sum(_layer_scans(st.fwd)) for st in pipe.stages) == 5
+    assert_matches(pipe.value_and_grad(params, batch), expected)
+
+
+def test_four_devices_auto_cut(model, expected):
+    loss_fn, params, batch = model
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(4), schedule=jp.OneFOneB(4, M))
+    lengths = [_layer_scans(st.fwd) for st in pipe.stages]
+    assert sum(sum(x) for x in lengths) == 5 and all(len(x) <= 1 for x in lengths)
+    assert_matches(pipe.value_and_grad(params, batch), expected)
+
+
+# ------------------------------------------------------------------- model variants
+
+
+def test_remat_inside_the_body():
+    loss_fn, params, batch = scan_model(remat=True)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M),
+                       cut="markers")
+    plain = jp.pipeline(*scan_model()[:2], batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M),
+                        cut="markers", runtime="reference")
+    for st, st_plain in zip(pipe.stages, plain.stages, strict=True):
+        # the user's jax.checkpoint still applies: a layer stores only its input
+        layers = sum(_layer_scans(st.fwd))
+        assert [tuple(a.shape) for a in st.residual_avals].count((layers, BATCH // M, WIDTH)) \
+            == 1
+        assert len(st.residual_avals) < len(st_plain.residual_avals)
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
+
+
+def test_stacked_weight_also_read_outside_the_scan_is_passed_whole():
+    loss_fn, params, batch = scan_model(outside_use=True)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=jp.GPipe(2, M),
+                       cut="markers")
+    w_leaf = 2  # params["layers"]["w"] (leaves: embed, layers.b, layers.w)
+    assert [v for v in pipe.views.views if v.leaf == w_leaf] == [jp.views.ParamView(w_leaf)]
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
+
+
+def test_scan_over_a_computed_stack():
+    """The scanned array is built inside the loss (not a parameter): sliced per stage."""
+    ks = jax.random.split(jax.random.key(0), 5)
+    params = {"w": [jax.random.normal(k, (WIDTH, WIDTH)) / jnp.sqrt(WIDTH) for k in ks[:3]]}
+    batch = {"x": jax.random.normal(ks[3], (BATCH, WIDTH)),
+             "y": jax.random.normal(ks[4], (BATCH, WIDTH))}
+
+    def loss_fn(p, b):
+        h, _ = lax.scan(lambda h, w: (jp.boundary(jnp.tanh(h @ w)), None), b["x"],
+                        jnp.stack(p["w"]))
+        return jnp.mean((h - b["y"]) ** 2)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M),
+                       cut="markers", runtime="reference")
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
+
+
+def test_reversed_scan_is_refused(model):
+    _, params, batch = model
+
+    def loss_fn(p, b):
+        h = b["x"] @ p["embed"]
+        h, _ = lax.scan(lambda h, w: (jp.boundary(jnp.tanh(h @ w)), None), h,
+                        p["layers"]["w"], reverse=True)
+        return jnp.mean(h ** 2)
+
+    with pytest.raises(jp.PipelineError, match=r"reversed lax.scan.*scan over the reversed"):
+        jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M))
+
+
+# ------------------------------------------------------------------- flax
+
+
+def _tokens(n=BATCH, seq=5, vocab=11, seed=0):
+    rng = np.random.default_rng(seed)
+    t = rng.integers(0, vocab, size=(n, seq + 1)).astype(np.int32)
+    return {"x": t[:, :-1], "y": t[:, 1:]}
+
+
+def test_nnx_scan():
+    from flax import nnx
+
+    @jp.layer
+    class Block(nnx.Module):
+        def __init__(self, d, *, rngs):
+            self.linear = nnx.Linear(d, d, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.linear(x))
+
+    class LM(nnx.Module):
+        def __init__(self, vocab=11, d=WIDTH, depth=3, *, rngs):
+            self.embed = nnx.Param(jax.random.normal(rngs.params(), (vocab, d)) * 0.5)
+
+            @nnx.split_rngs(splits=depth)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def create(rngs):
+                return Block(d, rngs=rngs)
+
+            self.blocks = create(rngs)
+
+        def __call__(self, tokens):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def forward(h, block):
+                return block(h)
+
+            return forward(self.embed[...][tokens], self.blocks) @ self.embed[...].T
+
+    def loss_fn(model, mb):
+        return optax.softmax_cross_entropy_with_integer_labels(model(mb["x"]), mb["y"]).mean()
+
+    model, batch = LM(rngs=nnx.Rngs(0)), _tokens()
+    pipe = jp.flax.pipeline(model, loss_fn, batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M),
+                            cut="markers")
+    assert [_layer_scans(st.fwd) for st in pipe.stages] == [[2], [1]]
+    # the stage boundary carries the activation only (nnx.scan's weights-as-outputs are not
+    # sent down the pipeline)
+    assert [tuple(a.shape) for a in pipe.stages[1].in_avals] == [(BATCH // M, 5, WIDTH)]
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # a mean loss over equal microbatches is the full batch's (nnx.scan does not vmap here)
+    loss, grads = jax.value_and_grad(
+        lambda s: loss_fn(nnx.merge(graphdef, s, rest), batch))(params)
+    assert_matches(pipe.value_and_grad(model, batch), (loss, nnx.to_pure_dict(grads)))
+
+
+def test_linen_scan():
+    from flax import linen as nn
+
+    @jp.layer
+    class Block(nn.Module):
+        features: int
+
+        @nn.compact
+        def __call__(self, x, _):
+            return x + jnp.tanh(nn.Dense(self.features)(x)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = x0 = nn.Dense(WIDTH)(x)
+            x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=5)(WIDTH)(x, None)
+            return nn.Dense(IN)(x + x0)
+
+    def loss_fn(module, variables, mb):
+        return jnp.mean((module.apply(variables, mb["x"]) - mb["y"]) ** 2)
+
+    _, _, batch = scan_model()
+    module = Net()
+    variables = module.init(jax.random.key(0), batch["x"])
+    pipe = jp.flax.pipeline_linen(module, variables, loss_fn, batch, mesh=_mesh(2),
+                                  schedule=jp.GPipe(2, M), cut="markers")
+    assert sorted(sum((_layer_scans(st.fwd) for st in pipe.stages), [])) == [2, 3]
+    ref = reference(lambda prm, mb: loss_fn(module, {"params": prm}, mb), variables["params"],
+                    batch, M)
+    assert_matches(pipe.value_and_grad(variables["params"], batch), ref)
