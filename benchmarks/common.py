@@ -21,11 +21,13 @@ Timing helpers return medians of repeated runs after warm-up, plus the process C
 
 from __future__ import annotations
 
+import ast
 import math
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -297,3 +299,26 @@ def memory_stats(compiled: Any) -> dict[str, int]:
     temp, alias = int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes)
     return {"argument_bytes": arg, "output_bytes": out, "temp_bytes": temp,
             "alias_bytes": alias, "total_bytes": arg + out + temp - alias}
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def gallery_schedules() -> list[tuple[str, Callable[[int, int], jp.Schedule]]]:
+    """(name, factory) for every Schedule subclass defined in ``schedules/*.py``."""
+    out = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "schedules").glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text())
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            try:
+                cls = jp.load_schedule(f"{path}:{node.name}")
+            except Exception:  # noqa: BLE001 - not a schedule / not loadable: skip
+                continue
+            if isinstance(cls, type) and issubclass(cls, jp.Schedule):
+                out.append((f"{cls.__name__}", lambda p, m, cls=cls: cls(p, m)))
+    return out

@@ -2,6 +2,7 @@
 
     python benchmarks/lowering.py                 # table + benchmarks/results/lowering.json
     python benchmarks/lowering.py --scale         # also validate/simulate/lower at p=64
+    python benchmarks/lowering.py --scale-only    # only that
 
 *Lowered efficiency* = the schedule's asynchronous makespan (``Schedule.simulate``: each
 device waits only for its data) / the makespan of jaxpipe's lowered SPMD program under
@@ -20,7 +21,6 @@ does where devices run concurrently). Deterministic: no timing.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import sys
@@ -35,25 +35,13 @@ REPO = Path(__file__).resolve().parent.parent
 def schedules() -> list[tuple[str, Callable[[int, int], Any]]]:
     """Built-in and gallery (``schedules/*.py``) schedules, as ``(name, make(p, m))``."""
     import jaxpipe as jp
+    from benchmarks import common as C
 
     out: list[tuple[str, Callable[[int, int], Any]]] = [
         ("GPipe", jp.GPipe), ("1F1B", jp.OneFOneB),
         ("Interleaved1F1B", lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=2)),
     ]
-    for path in sorted((REPO / "schedules").glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text())
-        except SyntaxError:
-            continue
-        for node in tree.body:
-            if not isinstance(node, ast.ClassDef):
-                continue
-            try:
-                cls = jp.load_schedule(f"{path}:{node.name}")
-            except Exception:  # noqa: BLE001 - not a schedule class: skip
-                continue
-            if isinstance(cls, type) and issubclass(cls, jp.Schedule):
-                out.append((cls.__name__, lambda p, m, cls=cls: cls(p, m)))
+    out += C.gallery_schedules()
     return out
 
 
@@ -161,17 +149,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-gpt", action="store_true", help="uniform costs only (fast)")
     ap.add_argument("--scale", action="store_true",
                     help="also time validate/simulate/lower at p=64, m=512")
+    ap.add_argument("--scale-only", action="store_true", help="only the p=64 timing")
     args = ap.parse_args(argv)
-    res = section_lowering(gpt=not args.no_gpt)
-    print(markdown(res))
-    print("minimum efficiency:", res["min_efficiency"])
-    if args.scale:
+    res: dict[str, Any] = {}
+    if not args.scale_only:
+        res = section_lowering(gpt=not args.no_gpt)
+        print(markdown(res))
+        print("minimum efficiency:", res["min_efficiency"])
+    if args.scale or args.scale_only:
         res["scale"] = section_scale()
         for r in res["scale"]["rows"]:
             print(r)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "lowering.json").write_text(json.dumps(res, indent=1, default=str))
+    name = "lowering_scale.json" if args.scale_only else "lowering.json"
+    (out / name).write_text(json.dumps(res, indent=1, default=str))
     return res
 
 

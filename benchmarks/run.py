@@ -84,7 +84,6 @@ if __name__ == "__main__":
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
-import ast  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -411,26 +410,6 @@ def section_baseline(r: Runner) -> dict[str, Any]:
     }
 
 
-def _gallery() -> list[tuple[str, Callable[[int, int], jp.Schedule]]]:
-    """(name, factory) for every Schedule subclass defined in ``schedules/*.py``."""
-    out = []
-    for path in sorted((REPO / "schedules").glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text())
-        except SyntaxError:
-            continue
-        for node in tree.body:
-            if not isinstance(node, ast.ClassDef):
-                continue
-            try:
-                cls = jp.load_schedule(f"{path}:{node.name}")
-            except Exception:  # noqa: BLE001 - not a schedule / not loadable: skip
-                continue
-            if isinstance(cls, type) and issubclass(cls, jp.Schedule):
-                out.append((f"{cls.__name__}", lambda p, m, cls=cls: cls(p, m)))
-    return out
-
-
 def section_sweep(r: Runner) -> dict[str, Any]:
     """Every built-in and gallery schedule at p=P (and p=P_big when devices allow)."""
     s, cfg = r.s, r.s.model
@@ -438,7 +417,7 @@ def section_sweep(r: Runner) -> dict[str, Any]:
         ("GPipe", jp.GPipe), ("1F1B", jp.OneFOneB),
         ("Interleaved1F1B", lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=2)),
     ]
-    scheds = builtins + _gallery()
+    scheds = builtins + C.gallery_schedules()
     ps = sorted({p for p in (s.p, s.p_big) if p <= len(jax.devices())})
     rows = []
     for p in ps:
