@@ -552,7 +552,7 @@ def section_compile(r: Runner) -> dict[str, Any]:
     from benchmarks.compile_time import measure
 
     if r.s.quick:
-        return measure([2], [2], [1], ["unrolled", "scanned"])
+        return measure([2], [2], [1], ["scanned"])
     return measure([8, 32], [2, 4], [1, 2], ["unrolled", "scanned"])
 
 
