@@ -42,9 +42,9 @@ def _decode(branch: int, num_stages: int) -> tuple[str, int]:
     return ACTION_KINDS[k], s
 
 
-def _check_lowering(schedule, split=False):
+def _check_lowering(schedule, split=False, same_tick=False):
     run, _ = expand(schedule, split)
-    ticks = assign_ticks(run)
+    ticks = assign_ticks(run, same_tick)
     when = ticks.timing()
     D = schedule.num_devices
     # every action once, on its device, one action per (device, step), device order kept
@@ -95,7 +95,7 @@ def _check_lowering(schedule, split=False):
                     assert hi1 <= lo2 or hi2 <= lo1
     assert list(alloc.residual_peak) == list(schedule.simulate().peak_in_flight)
 
-    low = lower(schedule, counts, split_backward=split)
+    low = lower(schedule, counts, split_backward=split, iw_same_tick=same_tick)
     t = low.table
     # rows decode back to exactly the program's actions
     seen = set()
@@ -127,15 +127,30 @@ def _check_lowering(schedule, split=False):
     lambda: jp.GPipe(4, 8), lambda: jp.OneFOneB(4, 8), lambda: jp.OneFOneB(3, 2),
     lambda: jp.Interleaved1F1B(2, 4, stages_per_device=2), lambda: DeferredW1F1B(4, 6),
 ])
-@pytest.mark.parametrize("split", [False, True])
-def test_lowering_steps_builtin(make, split):
-    _check_lowering(make(), split)
+@pytest.mark.parametrize("split,same_tick", [(False, False), (True, False), (True, True)])
+def test_lowering_steps_builtin(make, split, same_tick):
+    _check_lowering(make(), split, same_tick)
 
 
 @settings(max_examples=30, deadline=None)
-@given(schedules(), st.booleans())
-def test_lowering_steps_random_schedules(schedule, split):
-    _check_lowering(schedule, split)
+@given(schedules(), st.booleans(), st.booleans())
+def test_lowering_steps_random_schedules(schedule, split, same_tick):
+    _check_lowering(schedule, split, same_tick)
+
+
+def test_w_shares_its_i_tick():
+    """iw_same_tick: 1F1B split into I+W keeps the unsplit tick count (a W that follows
+    its own I runs as the second step of the I's tick), with the same residual peaks."""
+    sched = jp.OneFOneB(4, 8)
+    plain = lower(sched, _counts(sched))
+    split = lower(sched, _counts(sched), split_backward=True)
+    packed = lower(sched, _counts(sched), split_backward=True, iw_same_tick=True)
+    assert packed.num_ticks == plain.num_ticks < split.num_ticks
+    assert packed.residual_peak == plain.residual_peak
+    for a, tm in packed.actions.items():
+        if a.kind == "W":
+            i = packed.actions[jp.Action("I", a.stage, a.microbatch)]
+            assert (tm.tick, tm.device, tm.step) == (i.tick, i.device, i.step + 1)
 
 
 def test_split_backward_keeps_order_and_memory():

@@ -10,6 +10,7 @@ from models import MODELS, assert_matches, reference
 from split_schedule import DeferredW1F1B
 
 import jaxpipe as jp
+from jaxpipe.runtime.spmd import SpmdRuntime
 
 SCHEDULES = {
     "gpipe": lambda p, m: jp.GPipe(p, m),
@@ -43,6 +44,18 @@ def test_spmd_matches_value_and_grad(sched, p, m, model):
     mesh = jax.make_mesh((p,), ("pipe",))
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut="markers")
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, m))
+
+
+@pytest.mark.parametrize("runtime", [
+    SpmdRuntime(split_backward=True), SpmdRuntime(split_backward=True, iw_same_tick=True)])
+def test_split_backward_runtimes_match_value_and_grad(runtime):
+    """Every B run as I then W, in separate ticks or with W in its I's tick: exact."""
+    schedule = jp.OneFOneB(4, 6)
+    loss_fn, params, batch = MODELS["tiny_lm"](4, batch=12)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
+                       schedule=schedule, cut="markers", runtime=runtime)
+    assert pipe.executor.lowering.split_backward
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 6))
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])

@@ -42,17 +42,24 @@ class SpmdRuntime(Runtime):
         weight half ``W`` (same device order and memory; balanced steps when devices run
         concurrently). ``"auto"``: split when the devices run concurrently (an
         accelerator, or several processes) and the schedule has a B.
+      iw_same_tick: run a W that directly follows its own I in the I's tick (fewer ticks
+        and permutation rendezvous, the same steps; the I's cotangent then leaves after
+        the W). For executors that run devices one after another (CPU virtual devices);
+        where devices run concurrently it delays the cotangent, so it is off by default.
     """
 
     name: ClassVar[str] = "spmd"
 
-    def __init__(self, *, share_bodies: bool = True, split_backward: bool | str = "auto"
-                 ) -> None:
+    def __init__(self, *, share_bodies: bool = True, split_backward: bool | str = "auto",
+                 iw_same_tick: bool = False) -> None:
         if split_backward not in (True, False, "auto"):
             raise PipelineError(
                 f"split_backward must be True, False or 'auto', got {split_backward!r}.")
+        if not isinstance(iw_same_tick, bool):
+            raise PipelineError(f"iw_same_tick must be True or False, got {iw_same_tick!r}.")
         self.share_bodies = bool(share_bodies)
         self.split_backward = split_backward
+        self.iw_same_tick = iw_same_tick
 
     @property
     def memory_model(self) -> Any:
@@ -70,7 +77,7 @@ class SpmdRuntime(Runtime):
 
     def __repr__(self) -> str:
         return (f"SpmdRuntime(share_bodies={self.share_bodies}, "
-                f"split_backward={self.split_backward!r})")
+                f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick})")
 
 
 class SpmdExecutor(Executor):
@@ -95,7 +102,8 @@ class SpmdExecutor(Executor):
         self.bodies, self.body_of_stage = group_bodies(
             spec.stages, self.layouts.slots, sched, share=runtime.share_bodies)
         self.lowering: Lowering = lower(sched, self.layouts.pool_counts(), self.body_of_stage,
-                                        split_backward=runtime.resolve_split())
+                                        split_backward=runtime.resolve_split(),
+                                        iw_same_tick=runtime.iw_same_tick)
         self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
                                 spec.axis, spec.batch_axes, len(spec.microbatch_avals))
         self._staged_sharding = NamedSharding(spec.mesh, P(spec.axis))

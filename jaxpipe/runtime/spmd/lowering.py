@@ -271,14 +271,35 @@ class Ticks:
                 zip(self.graph.actions, self.device, self.tick, self.step, strict=True)}
 
 
-def assign_ticks(schedule: Schedule) -> Ticks:
+def assign_ticks(schedule: Schedule, iw_same_tick: bool = False) -> Ticks:
     """One action per device per tick, ticks from the unit-cost simulation's start times
-    (each device runs its actions in order, each as soon as its inputs exist)."""
+    (each device runs its actions in order, each as soon as its inputs exist).
+
+    ``iw_same_tick``: a W that directly follows its own I on a device runs in the I's
+    tick, as the tick's second step (the tick's messages, the I's cotangent among them,
+    move after both). Fewer ticks, the same steps.
+    """
     graph = schedule.graph()
-    start = np.array([s for s, _ in graph.run(lambda a: 1)], np.int64)
-    n_ticks = int(start.max()) + 1 if len(start) else 0
-    return Ticks(graph, np.asarray(graph.device, np.int64), start, start,
-                 np.arange(n_ticks, dtype=np.int64))
+    n = len(graph.actions)
+    packed = np.zeros(n, bool)
+    partner = np.arange(n)
+    if iw_same_tick:
+        for k, (a, deps, data) in enumerate(zip(graph.actions, graph.deps, graph.data,
+                                                strict=True)):
+            if a.kind == "W" and len(deps) > len(data):
+                prev = deps[-1]  # the device's previous action
+                if graph.actions[prev] == Action("I", a.stage, a.microbatch):
+                    packed[k], partner[k] = True, prev
+    zero = {graph.actions[k] for k in np.flatnonzero(packed)}
+    start = np.array([s for s, _ in graph.run(lambda a: 0 if a in zero else 1)], np.int64)
+    tick = start[partner]
+    sub = packed.astype(np.int64)
+    n_ticks = int(tick.max()) + 1 if n else 0
+    per_tick = np.ones(n_ticks, np.int64)
+    np.maximum.at(per_tick, tick, sub + 1)
+    first = np.concatenate([[0], np.cumsum(per_tick)[:-1]]).astype(np.int64)
+    return Ticks(graph, np.asarray(graph.device, np.int64), tick, first[tick] + sub,
+                 first + per_tick - 1)
 
 
 # ----------------------------------------------------------------------------- step 3
@@ -503,8 +524,8 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
 
 
 def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
-          body_of_stage: Sequence[int] | None = None, *, split_backward: bool = False
-          ) -> Lowering:
+          body_of_stage: Sequence[int] | None = None, *, split_backward: bool = False,
+          iw_same_tick: bool = False) -> Lowering:
     """Lower ``schedule`` (validated here) given what each stage stores per microbatch.
 
     Args:
@@ -514,6 +535,7 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
       body_of_stage: the program body that runs each stage (stages with identical
         functions share one); default one body per stage.
       split_backward: run every B of the schedule as I then W (see :func:`expand`).
+      iw_same_tick: a W right after its own I shares the I's tick (:func:`assign_ticks`).
     """
     schedule.validate()
     S, D = schedule.num_stages, schedule.num_devices
@@ -521,7 +543,7 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
         body_of_stage = list(range(S))
     counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
     run, split = expand(schedule, split_backward)
-    ticks = assign_ticks(run)
+    ticks = assign_ticks(run, iw_same_tick)
     messages = list_messages(ticks)
     remote = messages.src != messages.dst
     offsets = tuple(sorted({int(x) for x in (messages.dst - messages.src)[remote] % D}))
