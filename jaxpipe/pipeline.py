@@ -170,7 +170,7 @@ class Pipeline:
         param_leaves, param_tree = jax.tree.flatten(params)
         self.mesh_axes, self.param_dims = resolve_mesh_axes(
             mesh, axis, batch_axes, param_specs, params, param_tree,
-            [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in param_leaves])
+            [tuple(np.shape(x)) for x in param_leaves])
         self.batch_axes = self.mesh_axes.batch_axes
         self.num_microbatches = schedule.num_microbatches
         self.placement = Placement(mesh, self.mesh_axes, self.param_dims)

@@ -164,13 +164,12 @@ def _check_batch_axes(batch_axes: Any, mesh: Mesh, axis: str) -> tuple[str, ...]
     return tuple(a for a in mesh.axis_names if a in batch_axes)
 
 
-def _leaf_dims(spec: Any, aval: Any, path: str, mesh: Mesh, axis: str) -> Dims:
+def _leaf_dims(spec: Any, shape: tuple[int, ...], path: str, mesh: Mesh, axis: str) -> Dims:
     """One leaf's spec checked against the mesh and the leaf's shape."""
     if spec is not None and not isinstance(spec, P):
         raise PipelineTypeError(
             f"param_specs{path} is a {type(spec).__name__}; every leaf of param_specs is a "
             "jax.sharding.PartitionSpec (or None for replicated), e.g. P(None, 'model').")
-    shape = tuple(aval.shape)
     if spec is not None and len(spec) > len(shape):
         raise PipelineError(
             f"param_specs{path} = {spec} has {len(spec)} entries but the parameter has "
@@ -202,7 +201,7 @@ def _leaf_dims(spec: Any, aval: Any, path: str, mesh: Mesh, axis: str) -> Dims:
 
 
 def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
-                      params: Any, treedef: Any, avals: Sequence[Any]
+                      params: Any, treedef: Any, shapes: Sequence[tuple[int, ...]]
                       ) -> tuple[MeshAxes, tuple[Dims, ...]]:
     """The roles of the mesh axes and the dims of every user parameter leaf.
 
@@ -216,7 +215,7 @@ def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(
         jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))[0]]
     if param_specs is None:
-        specs: list = [None] * len(avals)
+        specs: list = [None] * len(shapes)
     elif isinstance(param_specs, str) and param_specs == "params":
         specs = []
         for x in jax.tree.leaves(params):
@@ -230,8 +229,8 @@ def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
             raise PipelineError(
                 "param_specs must have the structure of params (one PartitionSpec or None "
                 f"per parameter leaf): {' '.join(str(err).split())[:300]}") from err
-    dims = tuple(_leaf_dims(s, a, p, mesh, axis)
-                 for s, a, p in zip(specs, avals, paths, strict=True))
+    dims = tuple(_leaf_dims(s, shape, p, mesh, axis)
+                 for s, shape, p in zip(specs, shapes, paths, strict=True))
     used = {a for d in dims for a in dims_axes(d)}
     param_axes = tuple(a for a in mesh.axis_names if a in used)
     explicit = [a for a in param_axes
