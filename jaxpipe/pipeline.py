@@ -45,7 +45,7 @@ from jaxpipe.inputs import (
 )
 from jaxpipe.runtime import Executor, Runtime, RuntimeSpec, resolve
 from jaxpipe.schedule import Schedule
-from jaxpipe.sharding import resolve_mesh_axes, to_spec
+from jaxpipe.sharding import check_divisible, resolve_mesh_axes, to_spec
 from jaxpipe.stacks import Stack, find_stacks, for_stages, per_layer
 from jaxpipe.stages import StageFn, boundary_aval, param_owners, split, to_boundary
 from jaxpipe.trace import Traced, microbatch_like, trace
@@ -223,6 +223,12 @@ class Pipeline:
         else:
             stage_traced, stage_cuts = self.traced, self.cuts
             self.views = ParamViews.whole(self.param_avals)
+        for v in self.views.views:  # a stage's rows of a stacked leaf must split too
+            if v.start is not None:
+                check_divisible(v.aval(self.param_avals[v.leaf]).shape,
+                                self.param_dims[v.leaf], mesh,
+                                f"param_specs{self._leaf_path(v.leaf)}",
+                                f" rows {v.start}:{v.stop} (one stage's layers)")
         self.stages: list[StageFn] = split(stage_traced, stage_cuts,
                                            remat=self.cut_report.remat)
         self.executor: Executor = self.runtime.build(RuntimeSpec(
@@ -268,6 +274,9 @@ class Pipeline:
     def batch_shards(self) -> int:
         """How many pieces the batch axes split every microbatch into."""
         return self._shards(self.batch_axes)
+
+    def _leaf_path(self, leaf: int) -> str:
+        return leaf_paths(self.traced.params_treedef)[leaf]
 
     def _shards(self, axes: tuple[str, ...]) -> int:
         return int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
@@ -567,6 +576,10 @@ class Pipeline:
             "params_tree_sha256": sha(str(self.traced.params_treedef)),
             "microbatch": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[n:]],
             "runtime": self.runtime.name,
+            # only when used, so pipelines without them keep their fingerprint
+            **({"batch_axes": list(self.batch_axes),
+                "param_specs": sha(str(self.param_dims))}
+               if self.mesh_axes.param_axes else {}),
             **self.executor.fingerprint(),
         }
 

@@ -190,14 +190,22 @@ def _leaf_dims(spec: Any, shape: tuple[int, ...], path: str, mesh: Mesh, axis: s
         raise PipelineError(
             f"param_specs{path} = {spec} uses a mesh axis twice; a mesh axis shards at most "
             "one dimension of a parameter.")
+    check_divisible(shape, dims, mesh, f"param_specs{path} = {spec}")
+    return dims
+
+
+def check_divisible(shape: Sequence[int], dims: Dims, mesh: Mesh, what: str,
+                    rows: str = "") -> None:
+    """Every sharded dimension of ``shape`` divisible by its axes' size, or a clear error
+    (``rows``: what ``shape`` is when it is only part of the parameter)."""
+    shape = tuple(shape)
     for i, d in enumerate(dims):
         n = math.prod(mesh.shape[a] for a in d)
         if shape[i] % n:
             raise PipelineError(
-                f"param_specs{path} = {spec} splits dimension {i} (size {shape[i]}) of the "
-                f"parameter of shape {shape} over {d} ({n} devices), which does not divide "
-                f"it; use a size divisible by {n} or shard another dimension.")
-    return dims
+                f"{what} splits dimension {i} (size {shape[i]}) of the parameter{rows} of "
+                f"shape {shape} over {d} ({n} devices), which does not divide it; use a "
+                f"size divisible by {n} or shard another dimension.")
 
 
 def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
