@@ -293,13 +293,20 @@ class CompileWatch:
     whose signature differs from the first call's.
     """
 
-    def __init__(self, fn: Any, name: str) -> None:
+    def __init__(self, fn: Any, name: str,
+                 check: Callable[[Any, str], None] | None = None) -> None:
         self.fn = fn
         self.name = name
+        #: ``check(compiled, name)`` runs once, on the program compiled for the first call
+        #: (a runtime's refusal of a program it cannot run, before it runs)
+        self.check = check
         self._first: list | None = None
         self._warned = False
 
     def __call__(self, *args: Any) -> Any:
+        if self._first is None and self.check is not None:
+            # jit reuses this compilation for the call below
+            self.check(self.fn.lower(*args).compile(), self.name)
         before = self._cache_size()
         out = self.fn(*args)
         if self._first is None:

@@ -252,8 +252,10 @@ class Pipeline:
         self._param_paths = leaf_paths(self.traced.params_treedef)
         self._vg = jax.jit(self._value_and_grad)
         self._staged_vg = jax.jit(self._staged_value_and_grad)
-        self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad")
-        self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad")
+        check = self.executor.compiled_check()
+        self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad", check)
+        self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad",
+                                             check)
         self._shard_jit = jax.jit(lambda leaves: self.executor.shard(self.views.take(leaves)))
         self._unshard_jit = jax.jit(
             lambda staged: self.views.gather(self.executor.unshard(staged)))

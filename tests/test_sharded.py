@@ -246,3 +246,22 @@ def test_specs_of_another_structure_and_explicit_axes_are_refused():
     with pytest.raises(jp.PipelineError, match="AxisType.Auto"):
         jp.pipeline(loss_fn, params, batch, mesh=explicit, schedule=jp.OneFOneB(2, M),
                     cut="markers", param_specs=specs)
+
+
+def test_resharding_inside_a_stage_is_refused_on_cpu_not_hung():
+    """A split across a sharded dimension makes XLA reshard with a collective-permute
+    inside the stage; the CPU runtime would wait for every device there forever."""
+    mesh = _mesh((2, 4), ("pipe", "model"))
+    params = {"w": jnp.ones((D, 3 * 16)) / D, "v": jnp.ones((16, D)) / 16}
+    batch = {"x": jnp.ones((8, D))}
+
+    def loss_fn(p, b):
+        q, k, v = jnp.split(b["x"] @ p["w"], 3, axis=-1)
+        return jnp.mean(jp.boundary(q * k + v) @ p["v"])
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.GPipe(2, 2),
+                       cut="markers", param_specs={"w": P(None, "model"), "v": None})
+    if jax.default_backend() != "cpu":
+        pytest.skip("the check is for the CPU runtime")
+    with pytest.raises(jp.PipelineError, match="collective-permute.*cannot run inside a stage"):
+        pipe.value_and_grad(params, batch)

@@ -170,6 +170,12 @@ class Executor(abc.ABC):
         under per-action ``cost`` (``None``: nothing to say, e.g. a sequential runtime)."""
         return None
 
+    def compiled_check(self) -> Callable[[Any, str], None] | None:
+        """``check(compiled, what)``, run on each entry point's first compiled program
+        before it runs; it raises ``PipelineError`` for a program this runtime cannot run
+        (``None``: nothing to check)."""
+        return None
+
     @abc.abstractmethod
     def fingerprint(self) -> dict[str, str]:
         """Short digests of everything the compiled program depends on beyond the spec

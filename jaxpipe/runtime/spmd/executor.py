@@ -26,7 +26,7 @@ from jaxpipe.runtime.spmd.bodies import group_bodies
 from jaxpipe.runtime.spmd.layout import SlotLayout, StageLayouts
 from jaxpipe.runtime.spmd.lowering import Lowering, lower
 from jaxpipe.runtime.spmd.optimizer import make_epilogue, opt_slots
-from jaxpipe.runtime.spmd.program import build_step, place, place_tree
+from jaxpipe.runtime.spmd.program import build_step, check_stage_collectives, place, place_tree
 from jaxpipe.sharding import constrain, manual_spec, to_spec
 from jaxpipe.train import StageOptimizer, TrainOptions
 
@@ -277,6 +277,14 @@ class SpmdExecutor(Executor):
         return [jax.ShapeDtypeStruct(s.shape, s.dtype,
                                      sharding=NamedSharding(self.spec.mesh, p))
                 for s, p in zip(shapes, init_opt_state.specs, strict=True)]
+
+    def compiled_check(self) -> Any:
+        """On the CPU backend with parameters sharded over automatic axes: refuse a program
+        in which XLA moved data inside a stage with a collective-permute (see
+        :func:`.program.check_stage_collectives`)."""
+        if not self.spec.param_axes or jax.default_backend() != "cpu":
+            return None
+        return check_stage_collectives
 
     # -- reports --------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ a few scalar comparisons.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ from jaxpipe.runtime.spmd.lowering import IDLE, Lowering, Pool, TickTable, branc
 from jaxpipe.schedule import ACTION_KINDS
 from jaxpipe.sharding import MeshAxes, constrain, manual_spec
 
-__all__ = ["build_step", "place", "place_tree"]
+__all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
 
 #: ``epilogue(params_local, grads_local, loss, *extra_local)`` -> outputs of the program.
 Epilogue = Callable[..., object]
@@ -290,6 +291,35 @@ def build_step(
         return place_tree(out, mesh, out_specs) if manual != set(mesh.axis_names) else out
 
     return run
+
+
+def check_stage_collectives(compiled: Any, what: str) -> None:
+    """Refuse a compiled program whose stages hold a collective-permute XLA inserted.
+
+    Over the automatic mesh axes XLA partitions the stages itself; to reshard a value (a
+    split across a sharded dimension, say) it may emit a collective-permute. The stages
+    run in branches that only the devices of one pipe position take, and the CPU
+    runtime's collective-permute waits for *every* device of the program, so it would
+    hang. (The program's own ``ppermute`` runs on all devices at once.)
+    """
+    text = compiled.as_text()
+    for line in text.splitlines():
+        if " collective-permute(" not in line:
+            continue
+        op = re.search(r'op_name="([^"]*)"', line)
+        name = op.group(1) if op else ""
+        if "shard_map" not in name or name.endswith("/ppermute"):
+            continue  # outside the program every device runs it; ppermute: ours
+        from jaxpipe.errors import PipelineError
+
+        raise PipelineError(
+            f"{what}: XLA partitioned a stage over the parameter-sharding mesh axes with a "
+            f"collective-permute ({name.split('/')[-1] or 'resharding'} at {name}), which "
+            "the CPU runtime cannot run inside a stage (it waits for every device, and "
+            "only one pipe position runs the stage); the step would hang. Shard the "
+            "parameters so the stage needs no resharding (e.g. no jnp.split across a "
+            "sharded dimension), or constrain its activations with "
+            "jax.lax.with_sharding_constraint. (Checked on the CPU backend only.)")
 
 
 def place_tree(tree, mesh: Mesh, specs):
