@@ -265,3 +265,27 @@ def test_resharding_inside_a_stage_is_refused_on_cpu_not_hung():
         pytest.skip("the check is for the CPU runtime")
     with pytest.raises(jp.PipelineError, match="collective-permute.*cannot run inside a stage"):
         pipe.value_and_grad(params, batch)
+
+
+def test_rng_over_an_fsdp_batch_axis():
+    """A stage on an automatic batch axis runs on its whole microbatch and draws with the
+    key of its first piece: microbatch i uses fold_in(key, i * batch_shards)."""
+    loss0, params, specs, batch = _model(FSDP["wspec"], FSDP["bspec"], FSDP["batch"])
+
+    def loss_fn(p, b, key):
+        keep = jax.random.bernoulli(key, 0.8, b["x"].shape)
+        return loss0(p, {"x": jnp.where(keep, b["x"], 0.0), "y": b["y"]})
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(*FSDP["mesh"]),
+                       schedule=jp.OneFOneB(2, M), cut="markers", param_specs=specs,
+                       rng=True, **FSDP["kwargs"])
+    key = jax.random.key(7)
+    n = pipe.batch_shards
+
+    def mean_loss(p):
+        mbs = jax.tree.map(lambda x: x.reshape(M, -1, *x.shape[1:]), batch)
+        keys = jnp.stack([jax.random.fold_in(key, i * n) for i in range(M)])
+        return jnp.mean(jax.vmap(lambda mb, k: loss_fn(p, mb, k))(mbs, keys))
+
+    assert_matches(pipe.value_and_grad(params, batch, key),
+                   jax.jit(jax.value_and_grad(mean_loss))(params))
