@@ -277,6 +277,13 @@ class Pipeline:
         """How many pieces the batch axes split every microbatch into."""
         return self._shards(self.batch_axes)
 
+    @property
+    def batch_sharding(self) -> Any:
+        """The ``NamedSharding`` batches are placed with: axis 0 split over the batch axes
+        (those the program is manual over first), replicated over the pipe axis. Build
+        multi-process batches with it to skip a reshard at every call."""
+        return self.placement.batch
+
     def _leaf_path(self, leaf: int) -> str:
         return leaf_paths(self.traced.params_treedef)[leaf]
 

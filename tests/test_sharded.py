@@ -152,7 +152,7 @@ def test_train_step_matches_plain_optax(case, trained):
 
 
 def _train_step_compiled(pipe, state, batch):
-    batch = jax.device_put(batch, NamedSharding(pipe.mesh, pipe.mesh_axes.batch_spec()))
+    batch = jax.device_put(batch, pipe.batch_sharding)
     return state.trainer.step_fn.lower(state, batch).compile()
 
 
