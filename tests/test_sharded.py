@@ -289,3 +289,39 @@ def test_rng_over_an_fsdp_batch_axis():
 
     assert_matches(pipe.value_and_grad(params, batch, key),
                    jax.jit(jax.value_and_grad(mean_loss))(params))
+
+
+def test_nnx_partitioning_metadata_gives_the_specs():
+    from flax import nnx
+
+    mesh = _mesh(*TP["mesh"])
+    kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+
+    @jp.layer
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(D, H, kernel_init=kernel, rngs=rngs)
+            self.down = nnx.Linear(H, D, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jnp.tanh(self.up(x)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    with jax.set_mesh(mesh):
+        model = Model(nnx.Rngs(0))
+    batch = {"x": jnp.ones((16, D)), "y": jnp.zeros((16, D))}
+    pipe = jp.flax.pipeline(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), batch,
+                            mesh=mesh, schedule=jp.GPipe(2, 2), cut="markers",
+                            param_specs="flax")
+    specs = pipe.param_specs["blocks"][0]
+    assert spec_dims(specs["up"]["kernel"], 2) == ((), ("model",))
+    assert spec_dims(specs["down"]["kernel"], 2) == ((), ())
+    assert pipe.batch_axes == ("data",)
