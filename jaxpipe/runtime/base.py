@@ -17,6 +17,7 @@ talks to these two classes.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import jax
 from jax.sharding import Mesh
 
+from jaxpipe.avals import aval_bytes
 from jaxpipe.sharding import Dims, MeshAxes
 
 if TYPE_CHECKING:
@@ -86,6 +88,14 @@ class RuntimeSpec:
     def mesh_axes(self) -> MeshAxes:
         """The roles of the mesh axes (pipe, manual and automatic batch, parameter)."""
         return MeshAxes(self.axis, self.batch_axes, self.param_axes)
+
+    def shards(self, dims: Dims) -> int:
+        """How many pieces ``dims`` split a value into (the product of its axes' sizes)."""
+        return math.prod(self.mesh.shape[a] for d in dims for a in d)
+
+    def device_bytes(self, pid: int) -> int:
+        """Bytes of parameter input ``pid`` on one device holding it (its shard)."""
+        return aval_bytes(self.param_avals[pid]) // self.shards(self.dims(pid))
 
     def dims(self, pid: int) -> Dims:
         """The sharding of parameter input ``pid`` over the non-pipe axes."""

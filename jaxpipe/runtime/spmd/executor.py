@@ -294,7 +294,9 @@ class SpmdExecutor(Executor):
         store_bytes = sum(c.nbytes * n for c, n in low.slots.items())
         msg = lay.unit_bytes() * (low.num_inbox + 1 + sum(max(k, 1) for k in low.units))
         return {
-            "buffer_bytes": 2 * lay.slots.nbytes() + store_bytes + msg,
+            # parameters and gradients: each device's shards
+            "buffer_bytes": 2 * sum(c.nbytes // self.spec.shards(c.dims)
+                                    for c in lay.slots.classes) + store_bytes + msg,
             "device_rows": [
                 {"residual_peak": low.residual_peak[d],
                  "residual_bytes": sum(c.nbytes * n
