@@ -33,6 +33,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import IDLE, Lowering, Pool, TickTable, branch_id
@@ -310,8 +311,6 @@ def check_stage_collectives(compiled: Any, what: str) -> None:
         name = op.group(1) if op else ""
         if "shard_map" not in name or name.endswith("/ppermute"):
             continue  # outside the program every device runs it; ppermute: ours
-        from jaxpipe.errors import PipelineError
-
         raise PipelineError(
             f"{what}: XLA partitioned a stage over the parameter-sharding mesh axes with a "
             f"collective-permute ({name.split('/')[-1] or 'resharding'} at {name}), which "
