@@ -325,3 +325,28 @@ def test_nnx_partitioning_metadata_gives_the_specs():
     assert spec_dims(specs["up"]["kernel"], 2) == ((), ("model",))
     assert spec_dims(specs["down"]["kernel"], 2) == ((), ())
     assert pipe.batch_axes == ("data",)
+
+
+def test_scanned_stack_keeps_its_sharding_per_stage():
+    """A lax.scan over stacked tensor-parallel weights, cut between iterations: each
+    stage holds its own layers' rows, still sharded over 'model'."""
+    ks = jax.random.split(jax.random.key(3), 4)
+    params = {"w1": jax.random.normal(ks[0], (4, D, H)) / 5,
+              "w2": jax.random.normal(ks[1], (4, H, D)) / 7}
+    specs = {"w1": P(None, None, "model"), "w2": P(None, "model", None)}
+    batch = {"x": jax.random.normal(ks[2], (16, D)), "y": jax.random.normal(ks[3], (16, D))}
+
+    def loss_fn(p, b):
+        def layer(h, w):
+            return jp.boundary(h + jnp.tanh(h @ w["w1"]) @ w["w2"]), None
+        h, _ = jax.lax.scan(layer, b["x"], p)
+        return jnp.mean((h - b["y"]) ** 2)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(*TP["mesh"]),
+                       schedule=jp.OneFOneB(2, M), cut="markers", param_specs=specs)
+    assert pipe.stacks
+    loss, grads = pipe.value_and_grad(params, batch)
+    assert_matches((loss, grads), reference(loss_fn, params, batch, M))
+    staged = pipe.shard(params)
+    assert {v.shape[1] for v in staged} == {2}  # each stage: its 2 of the 4 layers
+    assert all(_axes(v.sharding.spec) == {"pipe", "model"} for v in staged)
