@@ -5,6 +5,7 @@
     python examples/gpt.py --schedule schedules/zb.py:ZeroBubbleH1
     python examples/gpt.py --plain              # same model, plain single-device JAX
     python examples/gpt.py --scan-layers        # the blocks as one nnx.scan over stacked weights
+    python examples/gpt.py --mesh pipe=2,data=2,model=2   # + data and tensor parallelism
 
 The model is a GPT written in flax nnx: token + position embeddings, the token
 embedding tied to the output head (``logits = h @ embed.T``), ``--layers`` decoder
@@ -17,6 +18,11 @@ With ``--scan-layers`` the same GPT keeps its blocks' weights stacked (``nnx.vma
 init) and runs them with one ``nnx.scan``, as MaxText-style models do; the model code is
 otherwise unchanged. jaxpipe cuts the scan between iterations: each stage scans its own
 blocks and holds only their rows of the stacked weights.
+
+With ``--mesh pipe=2,data=2,model=2`` the pipeline runs inside a bigger mesh: the batch
+is split over ``data`` and every block is tensor-parallel over ``model`` (Megatron
+style: the MLP's first matrix split by columns, its second by rows;
+``tensor_parallel_specs``), passed to the pipeline as ``param_specs``.
 
 The corpus is the Python standard library's own source code (present on every
 machine, no download), read as characters. Files are taken in sorted order; the last
@@ -45,6 +51,14 @@ def _force_cpu_devices(argv: list[str]) -> None:
             n = max(n, int(argv[i + 1]))
         elif a.startswith("--stages="):
             n = max(n, int(a.split("=", 1)[1]))
+        elif a.startswith("--mesh"):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv)
+                                                         else "")
+            count = 1
+            for part in value.split(","):  # name=size,...; argparse reports bad ones
+                size = part.partition("=")[2]
+                count *= int(size) if size.isdigit() else 1
+            n = max(n, count)
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
@@ -277,13 +291,73 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="train without the pipeline (plain jax.value_and_grad, one device)")
     p.add_argument("--scan-layers", action="store_true",
                    help="run the blocks as one nnx.scan over stacked weights")
+    p.add_argument("--mesh", help="mesh axes, e.g. pipe=2,data=2,model=2 (the pipe size is "
+                   "the number of stages; 'data' splits the batch, 'model' is tensor parallel)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.mesh:
+        try:
+            sizes = dict(parse_mesh(args.mesh))
+        except ValueError as err:
+            p.error(str(err))
+        if "pipe" not in sizes:
+            p.error(f"--mesh {args.mesh} has no pipe axis")
+        args.stages = sizes["pipe"]
     base = TINY if args.tiny else DEFAULTS
     for key, value in base.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
+
+
+def tensor_parallel_specs(params: Any, axis: str = "model", stacked: bool = False) -> Any:
+    """``PartitionSpec`` s of the GPT's parameters (the pure dict) for tensor parallelism
+    over ``axis``: the MLP's first matrix split by output columns (its bias too), its
+    second by input rows; attention, embeddings and norms replicated. ``stacked``: block
+    weights have a leading layer axis (``--scan-layers``).
+
+    The attention stays whole: sharding its heads makes XLA split q, k and v out of the
+    column-split ``qkv(x)`` with collective-permutes inside the stage, which the CPU
+    runtime cannot run in a branch only some devices take (see docs/multihost.md)."""
+    from jax.sharding import PartitionSpec as P
+
+    def spec(path: Any, x: Any) -> P:
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        lead = (None,) if stacked and "blocks" in keys else ()
+        if "fc" in keys:
+            return P(*lead, None, axis) if keys[-1] == "kernel" else P(*lead, axis)
+        if "out" in keys and keys[-1] == "kernel":
+            return P(*lead, axis, None)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def parse_mesh(text: str) -> list[tuple[str, int]]:
+    """``"pipe=2,data=2,model=2"`` -> ``[("pipe", 2), ("data", 2), ("model", 2)]``."""
+    out = []
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name or not size.isdigit():
+            raise ValueError(f"--mesh expects name=size,... (e.g. pipe=2,data=2,model=2), "
+                             f"got {text!r}")
+        out.append((name.strip(), int(size)))
+    return out
+
+
+def make_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
+    """The pipeline's mesh: ``--stages`` devices on one pipe axis, or ``--mesh``."""
+    devices = jax.devices()
+    axes = parse_mesh(args.mesh) if args.mesh else [("pipe", args.stages)]
+    need = math.prod(size for _, size in axes)
+    if len(devices) < need:
+        raise SystemExit(f"the mesh {dict(axes)} needs {need} devices, jax sees "
+                         f"{len(devices)}; set XLA_FLAGS=--xla_force_host_platform_"
+                         f"device_count={need} before starting Python")
+    names = tuple(name for name, _ in axes)
+    grid = np.array(devices[:need]).reshape(tuple(size for _, size in axes))
+    return jax.sharding.Mesh(grid, names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
 
 
 def make_schedule(args: argparse.Namespace) -> jp.Schedule:
@@ -326,15 +400,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("training without a pipeline (--plain): one device, jax.value_and_grad")
     else:
         schedule = make_schedule(args)
-        devices = jax.devices()
-        if len(devices) < args.stages:
-            raise SystemExit(f"--stages {args.stages} needs {args.stages} devices, jax sees "
-                             f"{len(devices)}; set XLA_FLAGS=--xla_force_host_platform_"
-                             f"device_count={args.stages} before starting Python")
-        mesh = jax.sharding.Mesh(np.array(devices[: args.stages]), ("pipe",))
+        mesh = make_mesh(args)
         example = sample_batch(train_ids, np.random.default_rng(args.seed), args.batch, args.seq)
+        specs = (tensor_parallel_specs(nnx.to_pure_dict(params0), stacked=args.scan_layers)
+                 if "model" in mesh.axis_names else None)
         pipe = jp.flax.pipeline(model, loss_fn, example, mesh=mesh, schedule=schedule,
-                                cut=args.cut)
+                                cut=args.cut, param_specs=specs)
+        if specs is not None:
+            print(f"mesh {dict(mesh.shape)}: batch split over {pipe.batch_axes}, blocks "
+                  "tensor-parallel over 'model'")
         print(pipe.plan)
         print(f"schedule {type(schedule).__name__} (p={args.stages}, m={args.microbatches}):")
         print(schedule.simulate().to_ascii())

@@ -262,6 +262,8 @@ def pipeline(
       wrt: nnx filter selecting the trained parameters (default ``nnx.Param``).
       rng: the model draws random numbers (dropout): every call then takes a PRNG key.
       **kwargs: passed on to :func:`jaxpipe.pipeline` (e.g. ``runtime="reference"``).
+        ``param_specs="flax"`` takes the parameters' shardings from their nnx
+        partitioning metadata (``nnx.with_partitioning``; ``nnx.get_partition_spec``).
 
     Returns:
       an :class:`NnxPipeline` (the ``jp.Pipeline`` API plus :meth:`NnxPipeline.update_model`).
@@ -309,6 +311,8 @@ def pipeline(
             "jp.flax.pipeline(..., rng=True) but the model holds no RNG streams to seed "
             "(no nnx.Rngs stored in it, e.g. nnx.Dropout(rate, rngs=rngs)); give its "
             "random layers rngs=... or build without rng=True.")
+    if isinstance(kwargs.get("param_specs"), str) and kwargs["param_specs"] == "flax":
+        kwargs["param_specs"] = nnx.to_pure_dict(nnx.get_partition_spec(template))
     pipe = _pipeline_fn()(pure_loss, params, batch, mesh=mesh, schedule=schedule, cut=cut,
                           axis=axis, rng=rng, **kwargs)
     return NnxPipeline(pipe, graphdef, template, rest, wrt)

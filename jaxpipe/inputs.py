@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.sharding import Dims, MeshAxes, to_spec
 
 if TYPE_CHECKING:
     from jaxpipe.schedule import Schedule
@@ -197,8 +198,9 @@ def _devices(x: Any) -> str:
 class Placement:
     """Canonical shardings of a pipeline's inputs on its mesh.
 
-    - parameters (the user's pytree): replicated, unless already on this mesh with a
-      sharding of the user's own (kept, e.g. FSDP over a data axis);
+    - parameters (the user's pytree): sharded as the pipeline's ``param_specs`` say;
+      without specs, replicated, unless already on this mesh with a sharding of the
+      user's own (kept);
     - batch leaves: split along axis 0 over the batch axes, replicated over the pipe
       axis (what :func:`jaxpipe.distributed.global_batch` builds);
     - anything in a runtime's layout (staged parameters, optimizer state): the sharding
@@ -209,10 +211,14 @@ class Placement:
     into a global batch with :func:`jaxpipe.distributed.global_batch`).
     """
 
-    def __init__(self, mesh: Mesh, batch_axes: tuple[str, ...]) -> None:
+    def __init__(self, mesh: Mesh, axes: MeshAxes, param_dims: tuple[Dims, ...] = ()
+                 ) -> None:
         self.mesh = mesh
         self.replicated = NamedSharding(mesh, P())
-        self.batch = NamedSharding(mesh, P(batch_axes if batch_axes else None))
+        self.batch = NamedSharding(mesh, axes.batch_spec())
+        #: per user parameter leaf, its sharding (None: as before, see the class doc)
+        self.param_shardings = [NamedSharding(mesh, to_spec(d)) if any(d) else None
+                                for d in param_dims]
 
     def on_mesh(self, x: Any) -> bool:
         sharding = getattr(x, "sharding", None)
@@ -246,6 +252,9 @@ class Placement:
             ) from err
 
     def params(self, leaves: list, paths: list[str]) -> list:
+        if any(self.param_shardings):
+            return [self.put(x, s or self.replicated, f"params{p}")
+                    for x, s, p in zip(leaves, self.param_shardings, paths, strict=True)]
         return [x if self.on_mesh(x) else self.put(x, self.replicated, f"params{p}")
                 for x, p in zip(leaves, paths, strict=True)]
 
@@ -284,13 +293,20 @@ class CompileWatch:
     whose signature differs from the first call's.
     """
 
-    def __init__(self, fn: Any, name: str) -> None:
+    def __init__(self, fn: Any, name: str,
+                 check: Callable[[Any, str], None] | None = None) -> None:
         self.fn = fn
         self.name = name
+        #: ``check(compiled, name)`` runs once, on the program compiled for the first call
+        #: (a runtime's refusal of a program it cannot run, before it runs)
+        self.check = check
         self._first: list | None = None
         self._warned = False
 
     def __call__(self, *args: Any) -> Any:
+        if self._first is None and self.check is not None:
+            # jit reuses this compilation for the call below
+            self.check(self.fn.lower(*args).compile(), self.name)
         before = self._cache_size()
         out = self.fn(*args)
         if self._first is None:

@@ -45,6 +45,7 @@ from jaxpipe.inputs import (
 )
 from jaxpipe.runtime import Executor, Runtime, RuntimeSpec, resolve
 from jaxpipe.schedule import Schedule
+from jaxpipe.sharding import check_divisible, resolve_mesh_axes, to_spec
 from jaxpipe.stacks import Stack, find_stacks, for_stages, per_layer
 from jaxpipe.stages import StageFn, boundary_aval, param_owners, split, to_boundary
 from jaxpipe.trace import Traced, microbatch_like, trace
@@ -118,8 +119,11 @@ class Pipeline:
 
     Attributes:
       loss_fn, schedule, mesh, axis: as passed to :func:`pipeline`.
-      batch_axes: the mesh axes other than ``axis``: the batch is split over them and
-        gradients are averaged.
+      batch_axes: the mesh axes the batch is split over (gradients are averaged over
+        them).
+      mesh_axes: the roles of the mesh axes (:class:`jaxpipe.sharding.MeshAxes`).
+      param_dims: per user parameter leaf, its sharding over the non-pipe axes
+        (:data:`jaxpipe.sharding.Dims`; :attr:`param_specs` as ``PartitionSpec`` s).
       traced: the traced loss (:class:`jaxpipe.trace.Traced`).
       stacks: the scanned layer stacks found in it (:class:`jaxpipe.stacks.Stack`; each
         is cut between its iterations).
@@ -138,7 +142,8 @@ class Pipeline:
 
     def __init__(self, loss_fn: Callable[..., jax.Array], params: Any, batch: Any, *,
                  mesh: Mesh, schedule: Schedule, cut: Any = "auto", axis: str = "pipe",
-                 runtime: str | Runtime = "spmd", rng: bool = False) -> None:
+                 runtime: str | Runtime = "spmd", rng: bool = False,
+                 batch_axes: Any = None, param_specs: Any = None) -> None:
         if not isinstance(schedule, Schedule):
             raise PipelineTypeError(
                 f"schedule must be a jaxpipe.Schedule instance, got {type(schedule).__name__};"
@@ -160,9 +165,15 @@ class Pipeline:
         self.mesh = mesh
         self.axis = axis
         self.rng = rng
-        self.batch_axes = check_mesh(mesh, axis, schedule)
+        check_mesh(mesh, axis, schedule)
+        check_no_keys(params)
+        param_leaves, param_tree = jax.tree.flatten(params)
+        self.mesh_axes, self.param_dims = resolve_mesh_axes(
+            mesh, axis, batch_axes, param_specs, params, param_tree,
+            [tuple(np.shape(x)) for x in param_leaves])
+        self.batch_axes = self.mesh_axes.batch_axes
         self.num_microbatches = schedule.num_microbatches
-        self.placement = Placement(mesh, self.batch_axes)
+        self.placement = Placement(mesh, self.mesh_axes, self.param_dims)
         mb = microbatch_like(batch, self.num_microbatches)
         self._mb_shapes = [a.shape for a in jax.tree.leaves(mb)]
         self._batch_treedef = jax.tree.structure(batch)
@@ -180,14 +191,19 @@ class Pipeline:
                     f"{n * self.num_microbatches}."
                 )
         check_no_keys(params)
-        # Stage functions run on one batch shard of a microbatch: trace at that size.
+        # Stage functions run on one manual batch shard of a microbatch (the global view
+        # of the batch axes left to JAX's sharding): trace at that size.
+        n_manual = self._shards(self.mesh_axes.manual_batch_axes)
         shard_mb = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype), mb)
+            lambda a: jax.ShapeDtypeStruct((a.shape[0] // n_manual, *a.shape[1:]), a.dtype),
+            mb)
         self.key_dtype = jax.random.key(0).dtype if rng else None
         if rng:
-            # One key per microbatch piece rides along as a hidden batch leaf.
+            # One key per microbatch piece rides along as a hidden batch leaf (a stage
+            # sees those of its automatic batch axes and draws with the first).
             traced_loss = with_key(loss_fn)
-            shard_mb = (shard_mb, jax.ShapeDtypeStruct((1,), self.key_dtype))
+            shard_mb = (shard_mb, jax.ShapeDtypeStruct(
+                (self._shards(self.mesh_axes.auto_batch_axes),), self.key_dtype))
         else:
             traced_loss = loss_fn
         self.traced = trace(traced_loss, params, shard_mb)
@@ -207,6 +223,12 @@ class Pipeline:
         else:
             stage_traced, stage_cuts = self.traced, self.cuts
             self.views = ParamViews.whole(self.param_avals)
+        for v in self.views.views:  # a stage's rows of a stacked leaf must split too
+            if v.start is not None:
+                check_divisible(v.aval(self.param_avals[v.leaf]).shape,
+                                self.param_dims[v.leaf], mesh,
+                                f"param_specs{self._leaf_path(v.leaf)}",
+                                f" rows {v.start}:{v.stop} (one stage's layers)")
         self.stages: list[StageFn] = split(stage_traced, stage_cuts,
                                            remat=self.cut_report.remat)
         self.executor: Executor = self.runtime.build(RuntimeSpec(
@@ -223,12 +245,17 @@ class Pipeline:
                 self.traced.num_params:]),
             param_owners=param_owners(self.stages),
             param_tree_leaves=() if self.views.is_whole else self.views.leaf_of,
+            param_dims=(tuple(self.param_dims[v.leaf] for v in self.views.views)
+                        if any(any(d) for d in self.param_dims) else ()),
+            param_axes=self.mesh_axes.param_axes,
         ))
         self._param_paths = leaf_paths(self.traced.params_treedef)
         self._vg = jax.jit(self._value_and_grad)
         self._staged_vg = jax.jit(self._staged_value_and_grad)
-        self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad")
-        self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad")
+        check = self.executor.compiled_check()
+        self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad", check)
+        self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad",
+                                             check)
         self._shard_jit = jax.jit(lambda leaves: self.executor.shard(self.views.take(leaves)))
         self._unshard_jit = jax.jit(
             lambda staged: self.views.gather(self.executor.unshard(staged)))
@@ -248,8 +275,27 @@ class Pipeline:
     @property
     def batch_shards(self) -> int:
         """How many pieces the batch axes split every microbatch into."""
-        return int(np.prod([self.mesh.shape[a] for a in self.batch_axes])) if self.batch_axes \
-            else 1
+        return self._shards(self.batch_axes)
+
+    @property
+    def batch_sharding(self) -> Any:
+        """The ``NamedSharding`` batches are placed with: axis 0 split over the batch axes
+        (those the program is manual over first), replicated over the pipe axis. Build
+        multi-process batches with it to skip a reshard at every call."""
+        return self.placement.batch
+
+    def _leaf_path(self, leaf: int) -> str:
+        return leaf_paths(self.traced.params_treedef)[leaf]
+
+    def _shards(self, axes: tuple[str, ...]) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
+
+    @property
+    def param_specs(self) -> Any:
+        """The parameters' sharding over the non-pipe mesh axes: a pytree of
+        ``PartitionSpec`` with the structure of ``params`` (``P()``: replicated)."""
+        return jax.tree.unflatten(self.traced.params_treedef,
+                                  [to_spec(d) for d in self.param_dims])
 
     @property
     def param_owners(self) -> dict[int, tuple[int, ...]]:
@@ -539,6 +585,10 @@ class Pipeline:
             "params_tree_sha256": sha(str(self.traced.params_treedef)),
             "microbatch": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[n:]],
             "runtime": self.runtime.name,
+            # only when used, so pipelines without them keep their fingerprint
+            **({"batch_axes": list(self.batch_axes),
+                "param_specs": sha(str(self.param_dims))}
+               if self.mesh_axes.param_axes else {}),
             **self.executor.fingerprint(),
         }
 
@@ -554,6 +604,8 @@ def pipeline(
     axis: str = "pipe",
     runtime: str | Runtime = "spmd",
     rng: bool = False,
+    batch_axes: Any = None,
+    param_specs: Any = None,
 ) -> Pipeline:
     """Compile ``loss_fn`` for pipelined execution under ``schedule`` on ``mesh``.
 
@@ -563,8 +615,8 @@ def pipeline(
       params: parameter pytree (arrays or ``jax.ShapeDtypeStruct``) to trace with.
       batch: a full batch pytree (arrays or ``ShapeDtypeStruct``); every leaf is split
         into ``schedule.num_microbatches`` along axis 0.
-      mesh: a mesh with a pipeline axis of size ``schedule.num_devices``. Other axes are
-        data-parallel: the batch is sharded over them and gradients averaged.
+      mesh: a mesh with a pipeline axis of size ``schedule.num_devices``. Its other axes
+        split the batch (``batch_axes``) or shard parameters (``param_specs``), or both.
       schedule: any validated :class:`jaxpipe.Schedule`.
       cut: ``"auto"`` (memory-aware cutter), ``"markers"`` (markers grouped evenly into
         ``num_stages`` stages), or a :class:`jaxpipe.Cut`.
@@ -575,7 +627,19 @@ def pipeline(
         ``loss_fn(params, microbatch, key)`` then gets microbatch ``i``'s key
         ``jax.random.fold_in(key, i)`` of the key passed to ``value_and_grad`` /
         ``train_step`` (with ``n`` data shards: piece ``j`` of microbatch ``i`` gets
-        ``fold_in(key, i * n + j)``).
+        ``fold_in(key, i * n + j)``; over batch axes that also shard parameters the
+        stage runs on their whole piece and draws with its first key).
+      batch_axes: the mesh axes that split the batch (data parallelism; gradients are
+        averaged over them). Default: every axis but ``axis`` that no parameter is
+        sharded over. An axis may also shard parameters (FSDP: ``batch_axes=('fsdp',)``
+        with ``P('fsdp', None)`` weights).
+      param_specs: how parameters are sharded over the non-pipe axes: a pytree with the
+        structure of ``params`` of ``PartitionSpec`` (``None`` / ``P()``: replicated),
+        e.g. ``{'w1': P(None, 'model'), 'w2': P('model', None)}`` for tensor parallelism;
+        or ``"params"`` to take them from the parameters' own ``NamedSharding`` on
+        ``mesh``. Default: every parameter replicated. Staged parameters, gradients and
+        optimizer state keep these shardings (a slot array is ``P(axis, *spec)``); the
+        stages run under JAX's sharding over these axes (see docs/multihost.md).
 
     Example::
 
@@ -585,4 +649,4 @@ def pipeline(
         loss, grads = pipe.value_and_grad(params, batch)
     """
     return Pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut=cut, axis=axis,
-                    runtime=runtime, rng=rng)
+                    runtime=runtime, rng=rng, batch_axes=batch_axes, param_specs=param_specs)

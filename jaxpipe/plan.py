@@ -58,7 +58,8 @@ class Plan:
                 "device": sched.placement(s),
                 "layers": ",".join(st.names) if st.names else "-",
                 "flops_share": res.stage_fwd[s] / total_flops,
-                "param_bytes": int(sum(aval_bytes(pipe.executor.spec.param_avals[i])
+                # its device's shard (parameters sharded over other mesh axes)
+                "param_bytes": int(sum(pipe.executor.spec.device_bytes(i)
                                        for i in st.param_ids)),
                 "residual_bytes": int(sum(aval_bytes(a) for a in st.residual_avals)),
                 "in_flight": res.in_flight[s],
@@ -76,8 +77,10 @@ class Plan:
                 **report["device_rows"][d],
             })
         # Every device also holds the whole batch (its data shard), replicated over pipe.
+        # (microbatch avals are one manual batch shard; automatic batch axes split it too)
+        auto = pipe.executor.spec.shards((pipe.mesh_axes.auto_batch_axes,))
         batch_bytes = sum(aval_bytes(a) for a in pipe.executor.spec.microbatch_avals) * (
-            pipe.num_microbatches)
+            pipe.num_microbatches) // auto
         return cls(stage_rows, device_rows, float(res.makespan or 0.0),
                    float(res.bubble_fraction or 0.0), type(sched).__name__, res.objective,
                    int(report["buffer_bytes"]), float(res.padded_memory.total) + batch_bytes,

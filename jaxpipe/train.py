@@ -348,7 +348,7 @@ class Trainer:
             return TrainState(params, opt, state.step + 1, state.trainer), metrics
 
         self.step_fn = jax.jit(step_fn, donate_argnums=0)
-        self._watch = CompileWatch(self.step_fn, "pipe.train_step")
+        self._watch = CompileWatch(self.step_fn, "pipe.train_step", executor.compiled_check())
         self._abstract_opt = executor.opt_state_abstract(self._init_opt)
         shardings = jax.tree.map(lambda a: getattr(a, "sharding", None), self._abstract_opt)
         self._init_jit = jax.jit(self._init_opt, out_shardings=shardings)

@@ -17,12 +17,16 @@ talks to these two classes.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 from jax.sharding import Mesh
+
+from jaxpipe.avals import aval_bytes
+from jaxpipe.sharding import Dims, MeshAxes
 
 if TYPE_CHECKING:
     from jaxpipe.cut import MemoryModel
@@ -45,8 +49,7 @@ class RuntimeSpec:
       schedule: the validated schedule (placement and every device's action order).
       mesh: the device mesh; ``axis`` is its pipeline axis.
       axis: name of the pipeline mesh axis.
-      batch_axes: the other mesh axes, over which the batch is split and gradients
-        averaged.
+      batch_axes: the mesh axes over which the batch is split and gradients averaged.
       param_avals: abstract value of every parameter input of the stages: the flat
         leaves of the user's pytree, except that a scanned stack's stacked weights split
         over several stages come as one input per stage (its rows; see
@@ -60,6 +63,12 @@ class RuntimeSpec:
       param_tree_leaves: parameter input -> the leaf of ``params_treedef`` it is (rows
         of); empty for the identity (every input a whole leaf). A stage holds at most one
         input of each leaf.
+      param_dims: per parameter input, its sharding over the non-pipe mesh axes as
+        :data:`jaxpipe.sharding.Dims` (one tuple of axis names per dimension); empty when
+        every parameter is replicated over them.
+      param_axes: the mesh axes some parameter is sharded over (see
+        :class:`jaxpipe.sharding.MeshAxes`: the program is manual over the pipe axis and
+        the other batch axes, and leaves these to JAX's sharding inside the stages).
     """
 
     stages: tuple[StageFn, ...]
@@ -72,6 +81,27 @@ class RuntimeSpec:
     microbatch_avals: tuple[Any, ...]
     param_owners: Mapping[int, tuple[int, ...]]
     param_tree_leaves: tuple[int, ...] = ()
+    param_dims: tuple[Dims, ...] = ()
+    param_axes: tuple[str, ...] = ()
+
+    @property
+    def mesh_axes(self) -> MeshAxes:
+        """The roles of the mesh axes (pipe, manual and automatic batch, parameter)."""
+        return MeshAxes(self.axis, self.batch_axes, self.param_axes)
+
+    def shards(self, dims: Dims) -> int:
+        """How many pieces ``dims`` split a value into (the product of its axes' sizes)."""
+        return math.prod(self.mesh.shape[a] for d in dims for a in d)
+
+    def device_bytes(self, pid: int) -> int:
+        """Bytes of parameter input ``pid`` on one device holding it (its shard)."""
+        return aval_bytes(self.param_avals[pid]) // self.shards(self.dims(pid))
+
+    def dims(self, pid: int) -> Dims:
+        """The sharding of parameter input ``pid`` over the non-pipe axes."""
+        if not self.param_dims:
+            return ((),) * len(self.param_avals[pid].shape)
+        return self.param_dims[pid]
 
     def tree_leaf(self, pid: int) -> int:
         """The leaf of ``params_treedef`` parameter input ``pid`` is (rows of)."""
@@ -148,6 +178,12 @@ class Executor(abc.ABC):
     def timing_report(self, cost: Callable[[Any], float]) -> str | None:
         """One line on how the executed program's time compares with the schedule's own
         under per-action ``cost`` (``None``: nothing to say, e.g. a sequential runtime)."""
+        return None
+
+    def compiled_check(self) -> Callable[[Any, str], None] | None:
+        """``check(compiled, what)``, run on each entry point's first compiled program
+        before it runs; it raises ``PipelineError`` for a program this runtime cannot run
+        (``None``: nothing to check)."""
         return None
 
     @abc.abstractmethod

@@ -23,10 +23,11 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.runtime.spmd.bodies import group_bodies
-from jaxpipe.runtime.spmd.layout import StageLayouts
+from jaxpipe.runtime.spmd.layout import SlotLayout, StageLayouts
 from jaxpipe.runtime.spmd.lowering import Lowering, lower
 from jaxpipe.runtime.spmd.optimizer import make_epilogue, opt_slots
-from jaxpipe.runtime.spmd.program import build_step, place
+from jaxpipe.runtime.spmd.program import build_step, check_stage_collectives, place, place_tree
+from jaxpipe.sharding import constrain, manual_spec, to_spec
 from jaxpipe.train import StageOptimizer, TrainOptions
 
 __all__ = ["SpmdExecutor", "SpmdRuntime"]
@@ -80,6 +81,17 @@ class SpmdRuntime(Runtime):
                 f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick})")
 
 
+class _InitOptState:
+    """``init_opt_state(param_leaves)`` and the specs of the slot arrays it returns."""
+
+    def __init__(self, fn: Any, specs: list[P]) -> None:
+        self.fn = fn
+        self.specs = specs
+
+    def __call__(self, param_leaves: list) -> list:
+        return self.fn(param_leaves)
+
+
 class SpmdExecutor(Executor):
     """A pipeline's SPMD program, its lowered tables and its slot buffers.
 
@@ -98,15 +110,47 @@ class SpmdExecutor(Executor):
         self.spec = spec
         sched = spec.schedule
         device_stages = [sched.device_stages(d) for d in range(sched.num_devices)]
-        self.layouts = StageLayouts.build(spec.stages, spec.param_avals, device_stages)
+        self.layouts = StageLayouts.build(spec.stages, spec.param_avals, device_stages,
+                                          spec.param_dims)
         self.bodies, self.body_of_stage = group_bodies(
             spec.stages, self.layouts.slots, sched, share=runtime.share_bodies)
         self.lowering: Lowering = lower(sched, self.layouts.pool_counts(), self.body_of_stage,
                                         split_backward=runtime.resolve_split(),
                                         iw_same_tick=runtime.iw_same_tick)
         self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
-                                spec.axis, spec.batch_axes, len(spec.microbatch_avals))
-        self._staged_sharding = NamedSharding(spec.mesh, P(spec.axis))
+                                spec.mesh_axes, len(spec.microbatch_avals))
+
+    def _shard_map(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
+        """``jax.shard_map`` manual over the program's manual axes; ``in_specs`` /
+        ``out_specs`` are the arrays' specs outside (inputs and outputs are placed on
+        them; the shard_map gets their manual part)."""
+        spec = self.spec
+        axes = spec.mesh_axes
+        manual = set(axes.manual_axes)
+
+        def inner(specs: Any) -> Any:
+            return jax.tree.map(lambda p: manual_spec(p, manual), specs,
+                                is_leaf=lambda x: isinstance(x, P))
+
+        mapped = jax.shard_map(fn, mesh=spec.mesh, in_specs=inner(in_specs),
+                               out_specs=inner(out_specs), check_vma=False,
+                               **axes.shard_map_kwargs(spec.mesh))
+
+        def run(*args: Any) -> Any:
+            out = mapped(*place_tree(args, spec.mesh, in_specs))
+            if manual == set(spec.mesh.axis_names):
+                return out  # fully manual: the out_specs are the outputs' shardings
+            return place_tree(out, spec.mesh, out_specs)
+
+        return run
+
+    def _slot_specs(self, slots: SlotLayout) -> list[P]:
+        """Specs of a slot list's arrays: ``P(pipe, *dims)``."""
+        return [c.spec(self.spec.axis) for c in slots.classes]
+
+    def _param_specs(self) -> list[P]:
+        """Specs of the parameter inputs (user view leaves), over the non-pipe axes."""
+        return [to_spec(self.spec.dims(pid)) for pid in range(len(self.spec.param_avals))]
 
     # -- parameters -----------------------------------------------------------------
     def staged_shapes(self) -> list[tuple[int, ...]]:
@@ -115,9 +159,11 @@ class SpmdExecutor(Executor):
         return [(D, *c.shape) for c, _ in self.layouts.slots.slots]
 
     def staged_abstract(self) -> list[jax.ShapeDtypeStruct]:
-        return [jax.ShapeDtypeStruct(shape, np.dtype(c.dtype), sharding=self._staged_sharding)
-                for shape, (c, _) in zip(self.staged_shapes(), self.layouts.slots.slots,
-                                         strict=True)]
+        mesh = self.spec.mesh
+        return [jax.ShapeDtypeStruct(shape, np.dtype(c.dtype),
+                                     sharding=NamedSharding(mesh, c.spec(self.spec.axis)))
+                for shape, c in zip(self.staged_shapes(), self.layouts.slots.classes,
+                                    strict=True)]
 
     def check_staged(self, staged: Any, what: str) -> None:
         want = self.staged_shapes()
@@ -132,7 +178,7 @@ class SpmdExecutor(Executor):
             )
 
     def shard(self, param_leaves: list) -> list:
-        """User leaves (replicated) -> one ``[devices, *shape]`` array per slot.
+        """User leaves -> one ``[devices, *shape]`` array per slot, sharded like them.
 
         Runs as a shard_map: each device copies just its own stages' leaves into its
         slots (one copy of its parameters), instead of XLA partitioning a global stack.
@@ -145,21 +191,22 @@ class SpmdExecutor(Executor):
                 out = slots.zeros()
                 for s in sched.device_stages(d):
                     out = slots.scatter(out, s, [lv[pid] for pid in spec.stages[s].param_ids])
-                return out
+                return slots.constrain(out)
             return f
 
         def local(lv):
+            lv = [constrain(x, spec.dims(pid)) for pid, x in enumerate(lv)]
             out = lax.switch(lax.axis_index(spec.axis),
                              [branch(d) for d in range(sched.num_devices)], lv)
             return [x[None] for x in out]
 
-        fn = jax.shard_map(local, mesh=spec.mesh, in_specs=(P(),),
-                           out_specs=[P(spec.axis)] * len(slots), check_vma=False)
-        return fn([place(x, spec.mesh, P()) for x in param_leaves])
+        fn = self._shard_map(local, (self._param_specs(),), self._slot_specs(slots))
+        return fn(list(param_leaves))
 
     def _gather(self, staged: list, owner_only: bool) -> list:
-        """Slots -> user leaves, replicated: the sum over the stages holding each leaf
-        (``owner_only``: the first such stage's copy, for parameters)."""
+        """Slots -> user leaves (replicated over the pipe axis, sharded over the others
+        as the parameters are): the sum over the stages holding each leaf (``owner_only``:
+        the first such stage's copy, for parameters)."""
         spec, slots = self.spec, self.layouts.slots
         sched = spec.schedule
         avals = spec.param_avals
@@ -173,18 +220,19 @@ class SpmdExecutor(Executor):
                         if owner_only and spec.param_owners[pid][0] != s:
                             continue
                         out[pid] = x if out[pid] is None else out[pid] + x
-                return [jnp.zeros(a.shape, a.dtype) if x is None else x
-                        for x, a in zip(out, avals, strict=True)]
+                return [constrain(jnp.zeros(a.shape, a.dtype) if x is None else x,
+                                  spec.dims(pid))
+                        for pid, (x, a) in enumerate(zip(out, avals, strict=True))]
             return f
 
         def local(buf):
+            buf = [constrain(x[0], c.dims) for x, c in zip(buf, slots.classes, strict=True)]
             out = lax.switch(lax.axis_index(spec.axis),
-                             [branch(d) for d in range(sched.num_devices)], [x[0] for x in buf])
+                             [branch(d) for d in range(sched.num_devices)], buf)
             return [lax.psum(x, spec.axis).astype(x.dtype) for x in out]
 
-        fn = jax.shard_map(local, mesh=spec.mesh, in_specs=([P(spec.axis)] * len(slots),),
-                           out_specs=[P()] * len(avals), check_vma=False)
-        return fn([place(x, spec.mesh, P(spec.axis)) for x in staged])
+        fn = self._shard_map(local, (self._slot_specs(slots),), self._param_specs())
+        return fn(list(staged))
 
     def unshard(self, staged: list) -> list:
         return self._gather(list(staged), owner_only=True)
@@ -211,10 +259,10 @@ class SpmdExecutor(Executor):
         stage_opt = StageOptimizer(optimizer, spec)
         ostate = opt_slots(spec, stage_opt)
         epilogue = make_epilogue(spec, self.layouts.slots, stage_opt, ostate, options)
-        pspec = [P(spec.axis)] * len(self.layouts.slots)
-        ospec = [P(spec.axis)] * len(ostate)
+        pspec = self._slot_specs(self.layouts.slots)
+        ospec = self._slot_specs(ostate)
         core = build_step(
-            self.bodies, self.layouts, self.lowering, spec.mesh, spec.axis, spec.batch_axes,
+            self.bodies, self.layouts, self.lowering, spec.mesh, spec.mesh_axes,
             len(spec.microbatch_avals), epilogue=epilogue, extra_in_specs=(ospec,),
             epilogue_out_specs=(pspec, ospec, {"loss": P(), "grad_norm": P(), "skipped": P()}),
         )
@@ -231,14 +279,22 @@ class SpmdExecutor(Executor):
                 bufs[d] = ostate.scatter(bufs[d], st.index, leaves)
             return [jnp.stack([bufs[d][k] for d in range(D)]) for k in range(len(ostate))]
 
-        return step, init_opt_state
+        return step, _InitOptState(init_opt_state, ospec)
 
     def opt_state_abstract(self, init_opt_state: Any) -> Any:
         shapes = jax.eval_shape(init_opt_state, [
             jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.spec.param_avals])
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                           sharding=self._staged_sharding),
-                            shapes)
+        return [jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                     sharding=NamedSharding(self.spec.mesh, p))
+                for s, p in zip(shapes, init_opt_state.specs, strict=True)]
+
+    def compiled_check(self) -> Any:
+        """On the CPU backend with parameters sharded over automatic axes: refuse a program
+        in which XLA moved data inside a stage with a collective-permute (see
+        :func:`.program.check_stage_collectives`)."""
+        if not self.spec.param_axes or jax.default_backend() != "cpu":
+            return None
+        return check_stage_collectives
 
     # -- reports --------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
@@ -246,7 +302,9 @@ class SpmdExecutor(Executor):
         store_bytes = sum(c.nbytes * n for c, n in low.slots.items())
         msg = lay.unit_bytes() * (low.num_inbox + 1 + sum(max(k, 1) for k in low.units))
         return {
-            "buffer_bytes": 2 * lay.slots.nbytes() + store_bytes + msg,
+            # parameters and gradients: each device's shards
+            "buffer_bytes": 2 * sum(c.nbytes // self.spec.shards(c.dims)
+                                    for c in lay.slots.classes) + store_bytes + msg,
             "device_rows": [
                 {"residual_peak": low.residual_peak[d],
                  "residual_bytes": sum(c.nbytes * n

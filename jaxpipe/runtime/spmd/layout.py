@@ -27,9 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.avals import aval_bytes
 from jaxpipe.runtime.spmd.lowering import Pool
+from jaxpipe.sharding import Dims, constrain, to_spec
 from jaxpipe.stages import StageFn
 
 __all__ = ["Packing", "SlotLayout", "StageLayouts", "ValueClass", "param_slots", "value_class"]
@@ -37,10 +39,18 @@ __all__ = ["Packing", "SlotLayout", "StageLayouts", "ValueClass", "param_slots",
 
 @dataclass(frozen=True, order=True)
 class ValueClass:
-    """What values a buffer holds: shape and dtype name (the buffer is [slots, *shape])."""
+    """What values a buffer holds: shape, dtype name and sharding over the non-pipe mesh
+    axes (the buffer is [slots, *shape]).
+
+    ``dims`` is empty for a value replicated over those axes (every residual and message:
+    their sharding is JAX's to propagate) and, for a sharded parameter, its
+    :data:`~jaxpipe.sharding.Dims`: two parameters share slots only if they are sharded
+    alike.
+    """
 
     shape: tuple[int, ...]
     dtype: str
+    dims: Dims = ()
 
     @property
     def nbytes(self) -> int:
@@ -49,9 +59,16 @@ class ValueClass:
     def zeros(self, slots: int) -> jax.Array:
         return jnp.zeros((slots, *self.shape), self.dtype)
 
+    def spec(self, *lead: Any) -> P:
+        """The value's ``PartitionSpec`` after the ``lead`` entries (e.g. the pipe axis)."""
+        return to_spec(self.dims, *lead)
 
-def value_class(aval: Any) -> ValueClass:
-    return ValueClass(tuple(int(d) for d in aval.shape), np.dtype(aval.dtype).name)
+
+def value_class(aval: Any, dims: Dims = ()) -> ValueClass:
+    """The class of ``aval``; ``dims`` as in :attr:`ValueClass.dims` (all-unsharded dims
+    count as none)."""
+    return ValueClass(tuple(int(d) for d in aval.shape), np.dtype(aval.dtype).name,
+                      tuple(dims) if any(dims) else ())
 
 
 class Packing:
@@ -121,15 +138,16 @@ class SlotLayout:
     """
 
     def __init__(self, stage_avals: Sequence[Sequence[Any]],
-                 device_stages: Sequence[Sequence[int]]) -> None:
+                 device_stages: Sequence[Sequence[int]],
+                 stage_dims: Sequence[Sequence[Dims]] | None = None) -> None:
         counts: dict[ValueClass, int] = {}
         local: dict[int, list[tuple[ValueClass, int]]] = {}
         for mine in device_stages:
             used: dict[ValueClass, int] = {}
             for s in mine:
                 local[s] = []
-                for a in stage_avals[s]:
-                    c = value_class(a)
+                for i, a in enumerate(stage_avals[s]):
+                    c = value_class(a, stage_dims[s][i] if stage_dims is not None else ())
                     local[s].append((c, used.get(c, 0)))
                     used[c] = used.get(c, 0) + 1
             for c, n in used.items():
@@ -155,6 +173,11 @@ class SlotLayout:
     def zeros(self) -> list[jax.Array]:
         return [jnp.zeros(c.shape, c.dtype) for c, _ in self.slots]
 
+    def constrain(self, bufs: Sequence[jax.Array]) -> list[jax.Array]:
+        """Inside a partial-manual shard_map: one device's slot list, each array sharded
+        as its class says over the automatic axes."""
+        return [constrain(x, c.dims) for x, c in zip(bufs, self.classes, strict=True)]
+
     def gather(self, bufs: Sequence[jax.Array], stage: int) -> list[jax.Array]:
         """The values of ``stage`` from one device's slot list."""
         return [bufs[k] for k in self.where[stage]]
@@ -169,10 +192,14 @@ class SlotLayout:
 
 
 def param_slots(stages: Sequence[StageFn], param_avals: Sequence[Any],
-                device_stages: Sequence[Sequence[int]]) -> SlotLayout:
-    """The parameter slots: each stage's parameter leaves (tied leaves on every owner)."""
+                device_stages: Sequence[Sequence[int]],
+                param_dims: Sequence[Dims] = ()) -> SlotLayout:
+    """The parameter slots: each stage's parameter leaves (tied leaves on every owner),
+    sharded over the non-pipe axes as ``param_dims`` says (empty: replicated)."""
     return SlotLayout([[param_avals[pid] for pid in st.param_ids] for st in stages],
-                      device_stages)
+                      device_stages,
+                      [[param_dims[pid] for pid in st.param_ids] for st in stages]
+                      if param_dims else None)
 
 
 @dataclass(frozen=True)
@@ -202,7 +229,8 @@ class StageLayouts:
 
     @classmethod
     def build(cls, stages: Sequence[StageFn], param_avals: Sequence[Any],
-              device_stages: Sequence[Sequence[int]]) -> StageLayouts:
+              device_stages: Sequence[Sequence[int]],
+              param_dims: Sequence[Dims] = ()) -> StageLayouts:
         pools = {
             Pool.RESIDUAL_A: [Packing([st.residual_avals[i] for i in st.i_only_residual_ids])
                               for st in stages],
@@ -213,7 +241,7 @@ class StageLayouts:
         act_out = [Packing([] if st.is_last else st.out_avals) for st in stages]
         ct_in = [Packing(st.ct_in_avals()) for st in stages]
         return cls(
-            slots=param_slots(stages, param_avals, device_stages),
+            slots=param_slots(stages, param_avals, device_stages, param_dims),
             residuals=[Packing(st.residual_avals) for st in stages],
             pools=pools,
             act_out=act_out,

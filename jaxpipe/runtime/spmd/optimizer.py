@@ -8,7 +8,9 @@ steps and the metrics) is a ``psum`` over the pipe axis.
 
 Optimizer state is stored like parameters: a list of slots ``[devices, *shape]``
 (:class:`~.layout.SlotLayout`), so a moment estimate of a parameter has its own array
-of the parameter's shape (and, later, sharding).
+of the parameter's shape and sharding (:func:`state_dims`). Over the mesh axes that
+shard parameters the update runs on the global view, so norms and sums over sharded
+leaves are JAX's to reduce.
 """
 
 from __future__ import annotations
@@ -22,16 +24,46 @@ from jax import lax
 
 from jaxpipe.runtime.base import RuntimeSpec
 from jaxpipe.runtime.spmd.layout import SlotLayout
+from jaxpipe.sharding import Dims, constrain
 from jaxpipe.train import StageOptimizer, TrainOptions, global_norm_scale, sq_norm
 
 __all__ = ["make_epilogue", "opt_slots"]
 
 
 def opt_slots(spec: RuntimeSpec, stage_opt: StageOptimizer) -> SlotLayout:
-    """Slots of every stage's optimizer-state leaves."""
+    """Slots of every stage's optimizer-state leaves, sharded like their parameters."""
     sched = spec.schedule
     return SlotLayout(stage_opt.state_avals,
-                      [sched.device_stages(d) for d in range(sched.num_devices)])
+                      [sched.device_stages(d) for d in range(sched.num_devices)],
+                      state_dims(spec, stage_opt) if spec.param_dims else None)
+
+
+def _keys(path: Any) -> list[str]:
+    return [jax.tree_util.keystr((k,)) for k in path]
+
+
+def state_dims(spec: RuntimeSpec, stage_opt: StageOptimizer) -> list[list[Dims]]:
+    """Per stage, the sharding of each optimizer-state leaf: that of the parameter it
+    belongs to (optax keeps per-parameter state as copies of the parameter tree, so the
+    leaf's path ends with the parameter's path and it has the parameter's shape), and
+    replicated for anything else (step counts, scalars)."""
+    treedef = spec.params_treedef
+    leaf_paths = [_keys(p) for p, _ in jax.tree.flatten_with_path(
+        jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))[0]]
+    out = []
+    for st, avals, tdef in zip(spec.stages, stage_opt.state_avals, stage_opt.state_treedefs,
+                               strict=True):
+        paths = [_keys(p) for p, _ in jax.tree.flatten_with_path(
+            jax.tree.unflatten(tdef, list(range(len(avals)))))[0]]
+        dims = []
+        for path, a in zip(paths, avals, strict=True):
+            match = [pid for pid in st.param_ids
+                     if tuple(spec.param_avals[pid].shape) == tuple(a.shape)
+                     and path[-len(leaf_paths[spec.tree_leaf(pid)]):]
+                     == leaf_paths[spec.tree_leaf(pid)]]
+            dims.append(spec.dims(match[0]) if match else ((),) * len(a.shape))
+        out.append(dims)
+    return out
 
 
 def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimizer,
@@ -53,14 +85,17 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
 
     # Per-device functions take and return slot *lists* of whole arrays: a lax.switch
     # branch returning arrays it replaced costs their size, never a copy of a buffer.
+    # Every branch constrains what it returns to the values' shardings (XLA refuses a
+    # conditional whose branches return one value sharded differently).
     def local_tied(d: int, bufs: list, owner_only: bool) -> list:
         """Device d's contribution to each tied leaf (sum, or the first owner's value)."""
-        out = [jnp.zeros(avals[pid].shape, avals[pid].dtype) for pid in tied]
+        out = [constrain(jnp.zeros(avals[pid].shape, avals[pid].dtype), spec.dims(pid))
+               for pid in tied]
         for s in sched.device_stages(d):
             for pid, k in leaves(s):
                 if pid in tied and (not owner_only or owners[pid][0] == s):
                     out[tied.index(pid)] = out[tied.index(pid)] + bufs[k]
-        return out
+        return [constrain(x, spec.dims(pid)) for x, pid in zip(out, tied, strict=True)]
 
     def local_sq(d: int, gbuf: list) -> jax.Array:
         return sq_norm([gbuf[k] for s in sched.device_stages(d)
@@ -76,7 +111,7 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
                 s, slots.gather(pbuf, s), grads, ostate.gather(obuf, s))
             pbuf = slots.scatter(pbuf, s, new_params)
             obuf = ostate.scatter(obuf, s, new_state)
-        return list(pbuf), list(obuf)
+        return slots.constrain(pbuf), ostate.constrain(obuf)
 
     def set_tied(d: int, pbuf: list, owned: list) -> list:
         pbuf = list(pbuf)
@@ -84,7 +119,7 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
             for pid, k in leaves(s):
                 if pid in tied:
                     pbuf[k] = owned[tied.index(pid)]
-        return pbuf
+        return slots.constrain(pbuf)
 
     def epilogue(pbuf: list, gout: list, loss: jax.Array, obuf: list) -> tuple:
         obuf = [v[0] for v in obuf]

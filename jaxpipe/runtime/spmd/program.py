@@ -22,6 +22,7 @@ a few scalar comparisons.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,12 +33,14 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import IDLE, Lowering, Pool, TickTable, branch_id
 from jaxpipe.schedule import ACTION_KINDS
+from jaxpipe.sharding import MeshAxes, constrain, manual_spec
 
-__all__ = ["build_step", "place"]
+__all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
 
 #: ``epilogue(params_local, grads_local, loss, *extra_local)`` -> outputs of the program.
 Epilogue = Callable[..., object]
@@ -50,8 +53,7 @@ def build_step(
     layouts: StageLayouts,
     lowering: Lowering,
     mesh: Mesh,
-    axis: str,
-    batch_axes: tuple[str, ...],
+    axes: MeshAxes,
     num_batch_leaves: int,
     epilogue: Epilogue | None = None,
     extra_in_specs: tuple = (),
@@ -60,12 +62,21 @@ def build_step(
     """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss)`` as a shard_map'ed function.
 
     ``pbuf``/``gbuf``: the slot list (``layouts.slots``), each ``[devices, *shape]``
-    sharded over ``axis``. ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``.
+    sharded ``P(pipe, *dims)`` (its class's sharding over the other axes).
+    ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``, split over the batch
+    axes (:meth:`~jaxpipe.sharding.MeshAxes.batch_spec`).
+
+    The program is manual over ``axes.manual_axes`` (the pipe axis and the batch axes that
+    shard no parameter); every other axis keeps JAX's sharding inside the stages, which
+    are traced on the global view of those axes.
 
     With ``epilogue``, the step instead returns ``epilogue(pbuf_local, gbuf_local, loss,
     *extra_local)`` computed on each device inside the same program (the optimizer update
-    uses this), with ``extra_in_specs`` / ``epilogue_out_specs`` as its shard_map specs.
+    uses this), with ``extra_in_specs`` / ``epilogue_out_specs`` as the specs of its
+    extra inputs and outputs outside the program (their manual part is the shard_map's).
     """
+    axis = axes.axis
+    manual_batch = axes.manual_batch_axes
     m = lowering.num_microbatches
     L = layouts
     D = lowering.num_devices
@@ -194,13 +205,15 @@ def build_step(
                 for c, n in unit.items()}
 
     def per_device(pbuf, batch, table: TickTable, *extra):
-        pbuf = [v[0] for v in pbuf]
+        pbuf = [constrain(v[0], c.dims) for v, c in zip(pbuf, L.slots.classes, strict=True)]
+        if axes.auto_batch_axes:  # split over the automatic batch axes (FSDP)
+            batch = [constrain(x, ((), axes.auto_batch_axes)) for x in batch]
         table = jax.tree.map(lambda x: x[:, 0], table)  # this device's column
         store = {c: c.zeros(n) for c, n in lowering.slots.items()}
         inbox = {c: c.zeros((lowering.num_inbox + 1) * n) for c, n in unit.items()}
         # one unit more than used per direction: the dummy that non-senders write to
         outbox = [{c: c.zeros((k + 1) * n) for c, n in unit.items()} for k in units]
-        gbuf = [jnp.zeros(c.shape, c.dtype) for c, _ in L.slots.slots]
+        gbuf = [constrain(jnp.zeros(c.shape, c.dtype), c.dims) for c in L.slots.classes]
 
         def step(carry, row: TickTable):
             store, inbox, outbox, gbuf, loss = carry
@@ -243,33 +256,75 @@ def build_step(
         init = (store, inbox, outbox, gbuf, jnp.zeros((), jnp.float32))
         (_, _, _, gbuf, loss), _ = lax.scan(step, init, table)
         loss = lax.psum(loss, axis) / m
-        if batch_axes:
-            loss = lax.pmean(loss, batch_axes)
-            gbuf = jax.tree.map(lambda x: lax.pmean(x, batch_axes), gbuf)
+        # Manual batch axes average explicitly; over the automatic ones the stages saw
+        # the whole microbatch and XLA already reduced.
+        if manual_batch:
+            loss = lax.pmean(loss, manual_batch)
+            gbuf = jax.tree.map(lambda x: lax.pmean(x, manual_batch), gbuf)
         if epilogue is not None:
             return epilogue(pbuf, gbuf, loss, *extra)
         return [v[None] for v in gbuf], loss
 
     table_arrays = jax.tree.map(jnp.asarray, lowering.table)
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
-    data_spec = batch_axes if batch_axes else None
-    batch_specs = [P(None, data_spec) for _ in range(num_batch_leaves)]
-    pspec = [P(axis)] * len(L.slots)
+    batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
+    pspec = [c.spec(axis) for c in L.slots.classes]
     in_specs = (pspec, batch_specs, table_specs, *extra_in_specs)
+    out_specs = (pspec, P()) if epilogue is None else epilogue_out_specs
+    manual = set(axes.manual_axes)
+
+    def inner(specs):
+        return jax.tree.map(lambda s: manual_spec(s, manual), specs,
+                            is_leaf=lambda x: isinstance(x, P))
+
     fn = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=in_specs,
-        out_specs=(pspec, P()) if epilogue is None else epilogue_out_specs,
+        in_specs=inner(in_specs),
+        out_specs=inner(out_specs),
         check_vma=False,
+        **axes.shard_map_kwargs(mesh),
     )
 
     def run(pbuf, batch_mb, *extra):
         args = (list(pbuf), list(batch_mb), table_arrays, *extra)
-        return fn(*jax.tree.map(lambda x, s: place(x, mesh, s), args, in_specs,
-                                is_leaf=lambda x: x is None))
+        out = fn(*place_tree(args, mesh, in_specs))
+        return place_tree(out, mesh, out_specs) if manual != set(mesh.axis_names) else out
 
     return run
+
+
+def check_stage_collectives(compiled: Any, what: str) -> None:
+    """Refuse a compiled program whose stages hold a collective-permute XLA inserted.
+
+    Over the automatic mesh axes XLA partitions the stages itself; to reshard a value (a
+    split across a sharded dimension, say) it may emit a collective-permute. The stages
+    run in branches that only the devices of one pipe position take, and the CPU
+    runtime's collective-permute waits for *every* device of the program, so it would
+    hang. (The program's own ``ppermute`` runs on all devices at once.)
+    """
+    text = compiled.as_text()
+    for line in text.splitlines():
+        if " collective-permute(" not in line:
+            continue
+        op = re.search(r'op_name="([^"]*)"', line)
+        name = op.group(1) if op else ""
+        if "shard_map" not in name or name.endswith("/ppermute"):
+            continue  # outside the program every device runs it; ppermute: ours
+        raise PipelineError(
+            f"{what}: XLA partitioned a stage over the parameter-sharding mesh axes with a "
+            f"collective-permute ({name.split('/')[-1] or 'resharding'} at {name}), which "
+            "the CPU runtime cannot run inside a stage (it waits for every device, and "
+            "only one pipe position runs the stage); the step would hang. Shard the "
+            "parameters so the stage needs no resharding (e.g. no jnp.split across a "
+            "sharded dimension), or constrain its activations with "
+            "jax.lax.with_sharding_constraint. (Checked on the CPU backend only.)")
+
+
+def place_tree(tree, mesh: Mesh, specs):
+    """:func:`place` every leaf of ``tree`` on its spec (``specs``: a prefix tree)."""
+    return jax.tree.map(lambda s, x: jax.tree.map(lambda y: place(y, mesh, s), x), specs, tree,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def place(x, mesh: Mesh, spec: P):

@@ -1,0 +1,255 @@
+"""How a pipeline uses its mesh axes: the pipe axis, batch axes, parameter sharding.
+
+A mesh can have more axes than the pipe axis. Each one plays one or both of two roles:
+
+- a **batch axis** splits every microbatch along its axis 0 (data parallelism);
+  gradients are averaged over it;
+- a **parameter axis** is named by some parameter's ``PartitionSpec`` (tensor
+  parallelism, e.g. ``P(None, 'model')``; FSDP, e.g. ``P('fsdp', None)`` with ``fsdp``
+  also a batch axis).
+
+The SPMD program is manual (``jax.shard_map(..., axis_names=...)``) over the pipe axis
+and over the batch axes that shard no parameter (their data parallelism is explicit:
+every device traces its own batch shard and gradients are ``pmean``-ed). Parameter axes
+stay under JAX's sharding inside every stage: stages are traced on the global view of
+those axes, and XLA partitions them as the parameters' (and batch's) shardings say.
+
+:class:`MeshAxes` is that split, computed once from the user's ``batch_axes=`` and
+``param_specs=`` (:func:`resolve_mesh_axes`, which also checks them); the runtime reads it
+from :class:`~jaxpipe.runtime.RuntimeSpec`.
+
+Specs are kept as *dims*: one tuple of mesh axis names per array dimension
+(``P(None, ('data', 'model'))`` -> ``((), ('data', 'model'))``), which compare and
+sort; :func:`to_spec` turns dims back into a ``PartitionSpec``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe.errors import PipelineError, PipelineTypeError
+
+__all__ = ["Dims", "MeshAxes", "constrain", "manual_spec", "resolve_mesh_axes", "spec_dims",
+           "to_spec"]
+
+#: One tuple of mesh axis names per array dimension (``()``: not sharded).
+Dims = tuple[tuple[str, ...], ...]
+
+
+def spec_dims(spec: Any, ndim: int) -> Dims:
+    """``PartitionSpec`` (or ``None``) -> dims, padded with ``()`` to ``ndim``."""
+    if spec is None:
+        entries: tuple = ()
+    else:
+        entries = tuple(spec)
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(())
+        elif isinstance(e, str):
+            out.append((e,))
+        else:
+            out.append(tuple(e))
+    return tuple(out) + ((),) * (ndim - len(out))
+
+
+def to_spec(dims: Dims, *lead: Any) -> P:
+    """Dims -> ``PartitionSpec``, after the ``lead`` entries (e.g. the pipe axis)."""
+    entries = [None if not d else d[0] if len(d) == 1 else d for d in dims]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*lead, *entries)
+
+
+def manual_spec(spec: P, manual: Collection[str]) -> P:
+    """The part of ``spec`` over the ``manual`` axes (what a partial-manual
+    ``jax.shard_map`` takes as its in/out spec); the rest is the array's sharding outside.
+
+    Within one dimension the manual axes must come first (major), as
+    :meth:`MeshAxes.batch_spec` orders them.
+    """
+    entries = []
+    for e in spec:
+        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        kept = tuple(a for a in names if a in manual)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def constrain(x: Any, dims: Dims) -> Any:
+    """Inside a partial-manual ``shard_map``: ``x`` sharded as ``dims`` over the automatic
+    axes (nothing to do when ``dims`` shard nothing)."""
+    if not any(dims):
+        return x
+    return jax.lax.with_sharding_constraint(x, to_spec(dims))
+
+
+def dims_axes(dims: Dims) -> tuple[str, ...]:
+    return tuple(a for d in dims for a in d)
+
+
+@dataclass(frozen=True)
+class MeshAxes:
+    """The roles of a pipeline's mesh axes.
+
+    Attributes:
+      axis: the pipe axis.
+      batch_axes: axes the batch is split over (gradients averaged over them).
+      param_axes: axes some parameter is sharded over (in mesh order).
+    """
+
+    axis: str
+    batch_axes: tuple[str, ...]
+    param_axes: tuple[str, ...] = ()
+
+    @property
+    def manual_batch_axes(self) -> tuple[str, ...]:
+        """Batch axes the program is manual over (they shard no parameter)."""
+        return tuple(a for a in self.batch_axes if a not in self.param_axes)
+
+    @property
+    def auto_batch_axes(self) -> tuple[str, ...]:
+        """Batch axes left to JAX's sharding (they also shard parameters: FSDP)."""
+        return tuple(a for a in self.batch_axes if a in self.param_axes)
+
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        """The axes the SPMD program is manual over: the pipe axis, manual batch axes."""
+        return (self.axis, *self.manual_batch_axes)
+
+    def batch_spec(self, *lead: Any) -> P:
+        """How the batch is split: axis 0 (after ``lead``) over the batch axes, manual
+        ones first (so a shard_map takes its manual part without moving data)."""
+        axes = (*self.manual_batch_axes, *self.auto_batch_axes)
+        return P(*lead, axes if axes else None)
+
+    def shard_map_kwargs(self, mesh: Mesh) -> dict:
+        """``axis_names=`` for ``jax.shard_map`` when it is manual over only some axes."""
+        manual = frozenset(self.manual_axes)
+        return {} if manual == frozenset(mesh.axis_names) else {"axis_names": manual}
+
+
+def _bad_axes_message(axes: Any, what: str) -> str:
+    return (f"{what} must be a tuple of mesh axis names, got {axes!r}; e.g. "
+            "batch_axes=('data',).")
+
+
+def _check_batch_axes(batch_axes: Any, mesh: Mesh, axis: str) -> tuple[str, ...]:
+    if isinstance(batch_axes, str):
+        batch_axes = (batch_axes,)
+    if not isinstance(batch_axes, Sequence) or not all(isinstance(a, str) for a in batch_axes):
+        raise PipelineTypeError(_bad_axes_message(batch_axes, "batch_axes"))
+    batch_axes = tuple(batch_axes)
+    for a in batch_axes:
+        if a == axis:
+            raise PipelineError(
+                f"batch_axes {batch_axes} names the pipe axis '{axis}'; the batch is "
+                f"replicated over the pipe axis. Drop '{axis}' from batch_axes.")
+        if a not in mesh.axis_names:
+            raise PipelineError(
+                f"batch_axes {batch_axes} names '{a}', but the mesh has axes "
+                f"{tuple(mesh.axis_names)}; use axes of the mesh.")
+    if len(set(batch_axes)) != len(batch_axes):
+        raise PipelineError(f"batch_axes {batch_axes} names an axis twice; name each once.")
+    # mesh order, so the batch sharding does not depend on how the user listed them
+    return tuple(a for a in mesh.axis_names if a in batch_axes)
+
+
+def _leaf_dims(spec: Any, shape: tuple[int, ...], path: str, mesh: Mesh, axis: str) -> Dims:
+    """One leaf's spec checked against the mesh and the leaf's shape."""
+    if spec is not None and not isinstance(spec, P):
+        raise PipelineTypeError(
+            f"param_specs{path} is a {type(spec).__name__}; every leaf of param_specs is a "
+            "jax.sharding.PartitionSpec (or None for replicated), e.g. P(None, 'model').")
+    if spec is not None and len(spec) > len(shape):
+        raise PipelineError(
+            f"param_specs{path} = {spec} has {len(spec)} entries but the parameter has "
+            f"shape {shape} ({len(shape)} dimensions); give at most one entry per dimension.")
+    dims = spec_dims(spec, len(shape))
+    used = dims_axes(dims)
+    for a in used:
+        if a == axis:
+            raise PipelineError(
+                f"param_specs{path} = {spec} shards over the pipe axis '{axis}'; the pipeline "
+                "places each stage's parameters on its pipe device itself. Shard parameters "
+                "only over the other mesh axes (e.g. 'model', 'fsdp').")
+        if a not in mesh.axis_names:
+            raise PipelineError(
+                f"param_specs{path} = {spec} names mesh axis '{a}', but the mesh has axes "
+                f"{tuple(mesh.axis_names)}; use an axis of the mesh (or add it to the mesh).")
+    if len(set(used)) != len(used):
+        raise PipelineError(
+            f"param_specs{path} = {spec} uses a mesh axis twice; a mesh axis shards at most "
+            "one dimension of a parameter.")
+    check_divisible(shape, dims, mesh, f"param_specs{path} = {spec}")
+    return dims
+
+
+def check_divisible(shape: Sequence[int], dims: Dims, mesh: Mesh, what: str,
+                    rows: str = "") -> None:
+    """Every sharded dimension of ``shape`` divisible by its axes' size, or a clear error
+    (``rows``: what ``shape`` is when it is only part of the parameter)."""
+    shape = tuple(shape)
+    for i, d in enumerate(dims):
+        n = math.prod(mesh.shape[a] for a in d)
+        if shape[i] % n:
+            raise PipelineError(
+                f"{what} splits dimension {i} (size {shape[i]}) of the parameter{rows} of "
+                f"shape {shape} over {d} ({n} devices), which does not divide it; use a "
+                f"size divisible by {n} or shard another dimension.")
+
+
+def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
+                      params: Any, treedef: Any, shapes: Sequence[tuple[int, ...]]
+                      ) -> tuple[MeshAxes, tuple[Dims, ...]]:
+    """The roles of the mesh axes and the dims of every user parameter leaf.
+
+    Args:
+      batch_axes: ``None`` (default: every non-pipe axis no parameter is sharded over) or
+        the axis names.
+      param_specs: ``None`` (every parameter replicated over the non-pipe axes), a pytree
+        of ``PartitionSpec`` / ``None`` with the structure of ``params``, or ``"params"``:
+        the specs of the parameters' own ``NamedSharding`` on ``mesh``.
+    """
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(
+        jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))[0]]
+    if param_specs is None:
+        specs: list = [None] * len(shapes)
+    elif isinstance(param_specs, str) and param_specs == "params":
+        specs = []
+        for x in jax.tree.leaves(params):
+            sharding = getattr(x, "sharding", None)
+            on_mesh = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+            specs.append(sharding.spec if on_mesh else None)
+    else:
+        try:
+            specs = treedef.flatten_up_to(param_specs)
+        except (ValueError, TypeError) as err:
+            raise PipelineError(
+                "param_specs must have the structure of params (one PartitionSpec or None "
+                f"per parameter leaf): {' '.join(str(err).split())[:300]}") from err
+    dims = tuple(_leaf_dims(s, shape, p, mesh, axis)
+                 for s, shape, p in zip(specs, shapes, paths, strict=True))
+    used = {a for d in dims for a in dims_axes(d)}
+    param_axes = tuple(a for a in mesh.axis_names if a in used)
+    explicit = [a for a in param_axes
+                if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit]
+    if explicit:
+        raise PipelineError(
+            f"parameters are sharded over mesh axes {tuple(explicit)} of type Explicit; "
+            "the stages run under JAX's automatic sharding over parameter axes. Build the "
+            "mesh with axis_types=AxisType.Auto for them (jax.make_mesh(..., axis_types=...)).")
+    if batch_axes is None:
+        batch = tuple(a for a in mesh.axis_names if a != axis and a not in used)
+    else:
+        batch = _check_batch_axes(batch_axes, mesh, axis)
+    return MeshAxes(axis, batch, param_axes), dims

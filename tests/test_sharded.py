@@ -1,0 +1,352 @@
+"""Issue 16: pipelines inside a bigger mesh. The program is manual over the pipe axis (and
+the batch axes that shard no parameter); the other axes keep JAX's sharding inside the
+stages: tensor parallelism (pipe 2 x data 2 x model 2) and FSDP (pipe 2 x fsdp 4).
+
+Compiled pipelines are shared through module fixtures (CI has two cores).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from models import assert_matches, reference
+
+import jaxpipe as jp
+from jaxpipe import checkpoint as jpc
+from jaxpipe.sharding import spec_dims
+
+D, H, LAYERS, M = 24, 40, 2, 4  # D, H: sizes no activation or batch shape has
+reference = jax.jit(reference, static_argnums=(0, 3))  # one compile, not op by op
+
+
+def _model(wspec, bspec, batch_size):
+    """An MLP with residual blocks and a projection tied between the first and last stage."""
+    ks = jax.random.split(jax.random.key(0), 2 * LAYERS + 3)
+    params = {
+        "proj": jax.random.normal(ks[-3], (D, D)) / 5,
+        "blocks": [{"w1": jax.random.normal(ks[2 * i], (D, H)) / 5,
+                    "b1": jnp.full((H,), 0.01 * i),
+                    "w2": jax.random.normal(ks[2 * i + 1], (H, D)) / 7,
+                    "b2": jnp.full((D,), -0.01 * i)} for i in range(LAYERS)],
+    }
+    specs = {"proj": wspec[0],
+             "blocks": [{"w1": wspec[0], "b1": bspec, "w2": wspec[1], "b2": None}
+                        for _ in range(LAYERS)]}
+    batch = {"x": jax.random.normal(ks[-2], (batch_size, D)),
+             "y": jax.random.normal(ks[-1], (batch_size, D))}
+
+    def loss_fn(p, b):
+        h = jp.boundary(b["x"] @ p["proj"])
+        for blk in p["blocks"]:
+            h = jp.boundary(h + jnp.tanh(h @ blk["w1"] + blk["b1"]) @ blk["w2"] + blk["b2"])
+        return jnp.mean((h @ p["proj"].T - b["y"]) ** 2)
+
+    return loss_fn, params, specs, batch
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+# tensor parallel: w1 column-, w2 row-sharded over 'model'; data parallel over 'data'
+TP = dict(mesh=((2, 2, 2), ("pipe", "data", "model")),
+          wspec=(P(None, "model"), P("model", None)), bspec=P("model"), batch=16,
+          kwargs={})
+# FSDP: weights sharded over 'fsdp' on their first dimension, the batch split over it too
+FSDP = dict(mesh=((2, 4), ("pipe", "fsdp")), wspec=(P("fsdp", None), P("fsdp", None)),
+            bspec=None, batch=32, kwargs={"batch_axes": ("fsdp",)})
+CASES = {"tp": TP, "fsdp": FSDP}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+    c = CASES[request.param]
+    loss_fn, params, specs, batch = _model(c["wspec"], c["bspec"], c["batch"])
+    mesh = _mesh(*c["mesh"])
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                       cut="markers", param_specs=specs, **c["kwargs"])
+    return request.param, loss_fn, params, specs, batch, pipe
+
+
+def _tx():
+    return optax.adamw(1e-2, weight_decay=0.1)
+
+
+@pytest.fixture(scope="module")
+def trained(case):
+    """Two train steps (clipped by the global norm) and the state after them."""
+    name, loss_fn, params, specs, batch, pipe = case
+    state = pipe.init(params, _tx(), clip_global_norm=0.5)
+    metrics = []
+    for _ in range(2):
+        state, mt = pipe.train_step(state, batch)
+        metrics.append(mt)
+    return state, metrics
+
+
+def _axes(spec):
+    """The mesh axes a spec (or part of one) names."""
+    return {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+
+
+def _full_shapes(specs, params):
+    """``f32[a,b]`` of every parameter that is sharded."""
+    return {"f32[" + ",".join(map(str, x.shape)) + "]"
+            for s, x in zip(jax.tree.leaves(specs, is_leaf=lambda v: v is None),
+                            jax.tree.leaves(params), strict=True) if s is not None and any(s)}
+
+
+def test_roles_of_the_mesh_axes(case):
+    name, _, _, _, _, pipe = case
+    if name == "tp":
+        assert pipe.batch_axes == ("data",)  # default: the axes no parameter uses
+        assert pipe.mesh_axes.manual_axes == ("pipe", "data")
+    else:
+        assert pipe.batch_axes == ("fsdp",)
+        assert pipe.mesh_axes.manual_axes == ("pipe",)
+        assert pipe.mesh_axes.auto_batch_axes == ("fsdp",)
+
+
+def test_value_and_grad_matches_and_keeps_shardings(case):
+    _, loss_fn, params, specs, batch, pipe = case
+    loss, grads = pipe.value_and_grad(params, batch)
+    assert_matches((loss, grads), reference(loss_fn, params, batch, M))
+    want = jax.tree.leaves(pipe.param_specs)
+    for g, spec in zip(jax.tree.leaves(grads), want, strict=True):
+        assert g.sharding.is_equivalent_to(NamedSharding(pipe.mesh, spec), g.ndim)
+
+
+def test_staged_layout_keeps_shardings_and_round_trips(case):
+    _, _, params, specs, _, pipe = case
+    staged = pipe.shard(params)
+    sharded = [v for v in staged if _axes(v.sharding.spec[1:]) & set(pipe.mesh_axes.param_axes)]
+    assert sharded and all(v.sharding.spec[0] == "pipe" for v in staged)
+    for v in sharded:  # each device holds its share only
+        assert v.addressable_shards[0].data.size < v.size // 2
+    back = pipe.unshard(staged)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_train_step_matches_plain_optax(case, trained):
+    _, loss_fn, params, _, batch, pipe = case
+    state, metrics = trained
+    tx = optax.chain(optax.clip_by_global_norm(0.5), _tx())
+    ref_p, ref_o = params, tx.init(params)
+    for mt in metrics:
+        ref_l, g = reference(loss_fn, ref_p, batch, M)
+        np.testing.assert_allclose(mt["loss"], ref_l, rtol=1e-5)
+        np.testing.assert_allclose(mt["grad_norm"], optax.tree.norm(g), rtol=1e-5)
+        u, ref_o = tx.update(g, ref_o, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+    for a, b in zip(jax.tree.leaves(pipe.params(state)), jax.tree.leaves(ref_p), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # optimizer moments are sharded like their parameters
+    assert any(_axes(o.sharding.spec[1:]) & set(pipe.mesh_axes.param_axes)
+               for o in state.opt_state)
+
+
+def _train_step_compiled(pipe, state, batch):
+    batch = jax.device_put(batch, pipe.batch_sharding)
+    return state.trainer.step_fn.lower(state, batch).compile()
+
+
+def _entry_params(hlo: str) -> str:
+    return re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo).group(1)
+
+
+def test_compiled_step_holds_only_shards(case, trained):
+    name, _, params, specs, batch, pipe = case
+    state, _ = trained
+    compiled = _train_step_compiled(pipe, state, batch)
+    hlo = compiled.as_text()
+    full = _full_shapes(specs, params)
+    # no argument of the step (parameters, optimizer state) is a full-size parameter
+    entry = _entry_params(hlo)
+    assert not [s for s in full if s in entry], entry
+    if name == "tp":
+        # tensor parallelism never gathers a weight: no full-size tensor anywhere
+        assert not [s for s in full if s in hlo]
+    # argument bytes: every state leaf divided by the axes it is sharded over
+    mesh = pipe.mesh
+
+    def share(x, sharding):
+        shards = np.prod([mesh.shape[a] for a in _axes(sharding.spec)])
+        return x.size * x.dtype.itemsize // int(shards)
+
+    state_leaves = jax.tree.leaves((state.params, state.opt_state, state.step))
+    analytic = sum(share(x, x.sharding) for x in state_leaves)
+    analytic += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) \
+        // pipe.batch_shards
+    got = compiled.memory_analysis().argument_size_in_bytes
+    assert abs(got - analytic) <= 0.1 * analytic, (got, analytic)
+    replicated = sum(x.size * x.dtype.itemsize // mesh.shape["pipe"] for x in state_leaves)
+    assert got < 0.6 * replicated  # the sharded axes really divide the state
+
+
+def test_checkpoint_round_trip(case, trained, tmp_path):
+    _, _, params, _, batch, pipe = case
+    state, _ = trained
+    jpc.save(tmp_path / "state", state, pipe=pipe)
+    restored = jpc.restore(tmp_path / "state", pipe, like=pipe.init(params, _tx(),
+                                                                    clip_global_norm=0.5))
+    for a, b in zip(jax.tree.leaves((restored.params, restored.opt_state)),
+                    jax.tree.leaves((state.params, state.opt_state)), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(a, b)
+
+
+def test_param_specs_from_placed_params():
+    loss_fn, params, specs, batch = _model(TP["wspec"], TP["bspec"], 16)
+    mesh = _mesh(*TP["mesh"])
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s or P())),
+                          params, specs, is_leaf=lambda v: v is None)
+    pipe = jp.pipeline(loss_fn, placed, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                       cut="markers", param_specs="params")
+    for got, want in zip(jax.tree.leaves(pipe.param_specs),
+                         jax.tree.leaves(specs, is_leaf=lambda v: v is None), strict=True):
+        assert spec_dims(got, 2) == spec_dims(want, 2)
+
+
+@pytest.mark.parametrize("bad,kwargs,match", [
+    ("w1", {"w1": P(None, "tensor")}, "names mesh axis 'tensor'"),
+    ("w1", {"w1": P(None, "pipe")}, "shards over the pipe axis"),
+    ("b1", {"b1": P("model", "data")}, "has 2 entries but the parameter has shape"),
+    ("w1", {"w1": P(("data", "model"), "model")}, "uses a mesh axis twice"),
+    ("b2", {"b2": P("model")}, r"dimension 0 \(size 25\) of the parameter.*2 devices"),
+    ("w1", {"w1": "model"}, "is a str"),
+    (None, {"batch_axes": ("pipe",)}, "names the pipe axis"),
+    (None, {"batch_axes": ("batch",)}, "names 'batch'"),
+    (None, {"batch_axes": ("data", "data")}, "names an axis twice"),
+])
+def test_bad_specs_name_problem_and_fix(bad, kwargs, match):
+    loss_fn, params, specs, batch = _model(TP["wspec"], TP["bspec"], 16)
+    if bad is not None:
+        specs["blocks"][1][bad] = kwargs[bad]
+        kwargs = {}
+    if bad == "b2":  # 25 rows do not split over 2 devices (checked before tracing)
+        params["blocks"][1]["b2"] = jnp.zeros((D + 1,))
+    with pytest.raises(jp.PipelineError, match=match):
+        jp.pipeline(loss_fn, params, batch, mesh=_mesh(*TP["mesh"]),
+                    schedule=jp.OneFOneB(2, M), cut="markers", param_specs=specs, **kwargs)
+
+
+def test_specs_of_another_structure_and_explicit_axes_are_refused():
+    loss_fn, params, specs, batch = _model(TP["wspec"], TP["bspec"], 16)
+    with pytest.raises(jp.PipelineError, match="structure of params"):
+        jp.pipeline(loss_fn, params, batch, mesh=_mesh(*TP["mesh"]),
+                    schedule=jp.OneFOneB(2, M), cut="markers",
+                    param_specs={"proj": P(None, "model")})
+    explicit = jax.make_mesh(*TP["mesh"], axis_types=(AxisType.Explicit,) * 3)
+    with pytest.raises(jp.PipelineError, match="AxisType.Auto"):
+        jp.pipeline(loss_fn, params, batch, mesh=explicit, schedule=jp.OneFOneB(2, M),
+                    cut="markers", param_specs=specs)
+
+
+def test_resharding_inside_a_stage_is_refused_on_cpu_not_hung():
+    """A split across a sharded dimension makes XLA reshard with a collective-permute
+    inside the stage; the CPU runtime would wait for every device there forever."""
+    mesh = _mesh((2, 4), ("pipe", "model"))
+    params = {"w": jnp.ones((D, 3 * 16)) / D, "v": jnp.ones((16, D)) / 16}
+    batch = {"x": jnp.ones((8, D))}
+
+    def loss_fn(p, b):
+        q, k, v = jnp.split(b["x"] @ p["w"], 3, axis=-1)
+        return jnp.mean(jp.boundary(q * k + v) @ p["v"])
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.GPipe(2, 2),
+                       cut="markers", param_specs={"w": P(None, "model"), "v": None})
+    if jax.default_backend() != "cpu":
+        pytest.skip("the check is for the CPU runtime")
+    with pytest.raises(jp.PipelineError, match="collective-permute.*cannot run inside a stage"):
+        pipe.value_and_grad(params, batch)
+
+
+def test_rng_over_an_fsdp_batch_axis():
+    """A stage on an automatic batch axis runs on its whole microbatch and draws with the
+    key of its first piece: microbatch i uses fold_in(key, i * batch_shards)."""
+    loss0, params, specs, batch = _model(FSDP["wspec"], FSDP["bspec"], FSDP["batch"])
+
+    def loss_fn(p, b, key):
+        keep = jax.random.bernoulli(key, 0.8, b["x"].shape)
+        return loss0(p, {"x": jnp.where(keep, b["x"], 0.0), "y": b["y"]})
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(*FSDP["mesh"]),
+                       schedule=jp.OneFOneB(2, M), cut="markers", param_specs=specs,
+                       rng=True, **FSDP["kwargs"])
+    key = jax.random.key(7)
+    n = pipe.batch_shards
+
+    def mean_loss(p):
+        mbs = jax.tree.map(lambda x: x.reshape(M, -1, *x.shape[1:]), batch)
+        keys = jnp.stack([jax.random.fold_in(key, i * n) for i in range(M)])
+        return jnp.mean(jax.vmap(lambda mb, k: loss_fn(p, mb, k))(mbs, keys))
+
+    assert_matches(pipe.value_and_grad(params, batch, key),
+                   jax.jit(jax.value_and_grad(mean_loss))(params))
+
+
+def test_nnx_partitioning_metadata_gives_the_specs():
+    from flax import nnx
+
+    mesh = _mesh(*TP["mesh"])
+    kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+
+    @jp.layer
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(D, H, kernel_init=kernel, rngs=rngs)
+            self.down = nnx.Linear(H, D, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jnp.tanh(self.up(x)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    with jax.set_mesh(mesh):
+        model = Model(nnx.Rngs(0))
+    batch = {"x": jnp.ones((16, D)), "y": jnp.zeros((16, D))}
+    pipe = jp.flax.pipeline(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), batch,
+                            mesh=mesh, schedule=jp.GPipe(2, 2), cut="markers",
+                            param_specs="flax")
+    specs = pipe.param_specs["blocks"][0]
+    assert spec_dims(specs["up"]["kernel"], 2) == ((), ("model",))
+    assert spec_dims(specs["down"]["kernel"], 2) == ((), ())
+    assert pipe.batch_axes == ("data",)
+
+
+def test_scanned_stack_keeps_its_sharding_per_stage():
+    """A lax.scan over stacked tensor-parallel weights, cut between iterations: each
+    stage holds its own layers' rows, still sharded over 'model'."""
+    ks = jax.random.split(jax.random.key(3), 4)
+    params = {"w1": jax.random.normal(ks[0], (4, D, H)) / 5,
+              "w2": jax.random.normal(ks[1], (4, H, D)) / 7}
+    specs = {"w1": P(None, None, "model"), "w2": P(None, "model", None)}
+    batch = {"x": jax.random.normal(ks[2], (16, D)), "y": jax.random.normal(ks[3], (16, D))}
+
+    def loss_fn(p, b):
+        def layer(h, w):
+            return jp.boundary(h + jnp.tanh(h @ w["w1"]) @ w["w2"]), None
+        h, _ = jax.lax.scan(layer, b["x"], p)
+        return jnp.mean((h - b["y"]) ** 2)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(*TP["mesh"]),
+                       schedule=jp.OneFOneB(2, M), cut="markers", param_specs=specs)
+    assert pipe.stacks
+    loss, grads = pipe.value_and_grad(params, batch)
+    assert_matches((loss, grads), reference(loss_fn, params, batch, M))
+    staged = pipe.shard(params)
+    assert {v.shape[1] for v in staged} == {2}  # each stage: its 2 of the 4 layers
+    assert all(_axes(v.sharding.spec) == {"pipe", "model"} for v in staged)
