@@ -314,13 +314,14 @@ def _run_concurrency_once(config: dict[str, Any], microbatches: int, mb_size: in
 
 
 def lockstep_bound(p: int, m: int, f_cost: float = 1.0, b_cost: float = 2.0,
-                   schedule: Any = None, split_backward: bool = True) -> dict[str, Any]:
+                   schedule: Any = None, split_backward: bool = False) -> dict[str, Any]:
     """Best speed-up the lowered SPMD program can reach (default 1F1B) with F:B = 1:2.
 
     ``lockstep_ideal`` = total work / the lowered program's makespan under the sync
     model of :mod:`jaxpipe.runtime.spmd.sync` (devices run their steps back to back and
     wait only where a ``ppermute`` is active, for its source and target), with the
-    backward split into I + W as the runtime does when processes run concurrently.
+    backward unsplit as the runtime runs it on CPU (``split_backward=True``: as on
+    accelerators).
     ``free_ideal`` is the schedule run as soon as inputs are ready (``Schedule.simulate``
     with the same costs). Neither counts the transfers themselves.
     """

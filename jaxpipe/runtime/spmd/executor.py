@@ -41,8 +41,10 @@ class SpmdRuntime(Runtime):
         through one compiled branch per action kind (smaller program, faster compile).
       split_backward: run every full backward ``B`` as its input half ``I`` then its
         weight half ``W`` (same device order and memory; balanced steps when devices run
-        concurrently). ``"auto"``: split when the devices run concurrently (an
-        accelerator, or several processes) and the schedule has a B.
+        concurrently). ``"auto"``: split on accelerators (GPU/TPU), where steps of equal
+        cost keep the lock-step program at the schedule's speed; not on CPU, where the
+        extra steps cost more than they save (2 gloo processes, p=2 m=8: GPipe 0.41 of
+        the ideal speed-up split vs 0.83 unsplit; benchmarks/README.md).
       iw_same_tick: run a W that directly follows its own I in the I's tick (fewer ticks
         and permutation rendezvous, the same steps; the I's cotangent then leaves after
         the W). For executors that run devices one after another (CPU virtual devices);
@@ -74,7 +76,7 @@ class SpmdRuntime(Runtime):
     def resolve_split(self) -> bool:
         if self.split_backward != "auto":
             return bool(self.split_backward)
-        return jax.default_backend() != "cpu" or jax.process_count() > 1
+        return jax.default_backend() != "cpu"
 
     def __repr__(self) -> str:
         return (f"SpmdRuntime(share_bodies={self.share_bodies}, "
