@@ -162,3 +162,21 @@ def test_bad_mesh_errors():
     with pytest.raises(jp.PipelineError, match="size 2 but the schedule has num_devices=4"):
         jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
                     schedule=jp.GPipe(4, 2), cut="markers")
+
+
+def test_identical_stages_share_one_compiled_body():
+    """8 equal MLP layers over 8 stages: the middle stages differ only in their
+    parameters, so they run through one body per kind; the program holds fewer bodies
+    than stages (and exactly one per stage with sharing off). No compile needed."""
+    loss_fn, params, batch = MODELS["mlp"](8, batch=16)
+    mesh = jax.make_mesh((4,), ("pipe",))
+    sched = jp.Interleaved1F1B(4, 4, stages_per_device=2)
+    shared, separate = (
+        jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut="markers",
+                    runtime=SpmdRuntime(share_bodies=share))
+        for share in (True, False))
+    assert len(separate.executor.bodies) == 8
+    # first (reads the batch), last (the loss), and the middle stages: one body for most
+    # (here stage 4, the first of the second round, keeps a body of its own)
+    assert len(shared.executor.bodies) <= 4
+    assert max(len(b.stages) for b in shared.executor.bodies) >= 4
