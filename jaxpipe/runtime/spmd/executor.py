@@ -46,9 +46,9 @@ class SpmdRuntime(Runtime):
         extra steps cost more than they save (2 gloo processes, p=2 m=8: GPipe 0.41 of
         the ideal speed-up split vs 0.83 unsplit; benchmarks/README.md).
       iw_same_tick: run a W that directly follows its own I in the I's tick (fewer ticks
-        and permutation rendezvous, the same steps; the I's cotangent then leaves after
-        the W). For executors that run devices one after another (CPU virtual devices);
-        where devices run concurrently it delays the cotangent, so it is off by default.
+        and permutation rendezvous, more steps; the I's cotangent then leaves after the
+        W). Off by default: where devices run concurrently it delays the cotangent, and
+        on CPU it measured no faster than separate ticks (benchmarks/step_overhead.py).
     """
 
     name: ClassVar[str] = "spmd"
