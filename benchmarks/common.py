@@ -133,12 +133,30 @@ def _run_blocks(blocks: list[dict[str, jax.Array]], h: jax.Array, n_heads: int) 
     return h
 
 
-def gpt_loss(cfg: GPTConfig) -> Callable[[dict, dict], jax.Array]:
-    """Per-microbatch next-token cross entropy of the full GPT (``batch = {"x", "y"}`` ids)."""
+def _scan_blocks(blocks: dict[str, jax.Array], h: jax.Array, n_heads: int) -> jax.Array:
+    """The blocks as one ``lax.scan`` over stacked weights, a boundary in its body."""
+
+    def body(h: jax.Array, bp: dict[str, jax.Array]) -> tuple[jax.Array, None]:
+        return jp.boundary(block(bp, h, n_heads)), None
+
+    return jax.lax.scan(body, h, blocks)[0]
+
+
+def stack_blocks(params: dict) -> dict:
+    """``params`` with ``blocks`` stacked along a leading layer axis (for ``scanned``)."""
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])}
+
+
+def gpt_loss(cfg: GPTConfig, *, scanned: bool = False) -> Callable[[dict, dict], jax.Array]:
+    """Per-microbatch next-token cross entropy of the full GPT (``batch = {"x", "y"}`` ids).
+
+    ``scanned``: the blocks' weights are stacked (:func:`stack_blocks`) and run by one
+    ``lax.scan``, as MaxText-style models do.
+    """
 
     def loss_fn(params: dict, batch: dict) -> jax.Array:
         h = params["embed"][batch["x"]] + params["pos"][None]
-        h = _run_blocks(params["blocks"], h, cfg.n_heads)
+        h = (_scan_blocks if scanned else _run_blocks)(params["blocks"], h, cfg.n_heads)
         h = _layernorm(h, params["lnf_g"], params["lnf_b"])
         logits = (h @ params["head"]).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)

@@ -60,30 +60,14 @@ class _Events:
 
 def _model(layers: int, scanned: bool) -> tuple[Any, Any, Any]:
     import jax
-    import jax.numpy as jnp
-    from jax import lax
 
-    import jaxpipe as jp
     from benchmarks import common as C
 
     cfg = C.GPTConfig(d_model=64, n_heads=4, n_layers=layers, seq=16, vocab=256)
     params = C.init_params(cfg, jax.random.key(0))
-    if not scanned:
-        return C.gpt_loss(cfg), params, cfg
-    params = {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])}
-
-    def loss_fn(p: Any, batch: Any) -> jax.Array:
-        h = p["embed"][batch["x"]] + p["pos"][None]
-
-        def body(h: jax.Array, bp: Any) -> tuple[jax.Array, None]:
-            return jp.boundary(C.block(bp, h, cfg.n_heads)), None
-
-        h, _ = lax.scan(body, h, p["blocks"])
-        h = C._layernorm(h, p["lnf_g"], p["lnf_b"])
-        logp = jax.nn.log_softmax((h @ p["head"]).astype(jnp.float32), axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, batch["y"][..., None], axis=-1))
-
-    return loss_fn, params, cfg
+    if scanned:
+        params = C.stack_blocks(params)
+    return C.gpt_loss(cfg, scanned=scanned), params, cfg
 
 
 def _wall(fn: Any, *args: Any) -> tuple[Any, float]:
