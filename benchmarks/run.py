@@ -106,7 +106,7 @@ from benchmarks.baselines import spmd_gpipe as B  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("overhead", "baseline", "sweep", "scaling", "concurrency", "remat", "lowering",
-            "step", "compile")
+            "step", "compile", "sharded")
 
 #: Fields every section of the JSON has (the test suite checks them).
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -123,6 +123,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "lowering": ("ps", "rows", "min_efficiency", "scale"),
     "step": ("p1_overhead", "split_backward"),
     "compile": ("rows", "targets"),
+    "sharded": ("model", "memory", "p1_overhead"),
     "headline": ("overhead_p1", "overhead_p4", "memory_1f1b_vs_baseline_m4p",
                  "step_1f1b_vs_baseline_m4p", "concurrency_fraction_of_ideal"),
 }
@@ -556,6 +557,13 @@ def section_compile(r: Runner) -> dict[str, Any]:
     return measure([8, 32], [2, 4], [1, 2], ["unrolled", "scanned"])
 
 
+def section_sharded(r: Runner) -> dict[str, Any]:
+    """Pipe x model vs pipe memory, p=1 composed overhead (see :mod:`benchmarks.sharded`)."""
+    from benchmarks.sharded import measure
+
+    return measure(r.s.quick)
+
+
 # ----------------------------------------------------------------------------- plots
 
 
@@ -808,6 +816,13 @@ def markdown_summary(res: dict[str, Any]) -> str:
         lines += ["", f"**Step overhead**: p=1 {o['model']}: {o['ratio_cpu']:.3f} of plain JAX "
                   "(CPU time); I+W / B (1F1B): " + ", ".join(
                       f"{k} {v['ratio_cpu']:.3f}" for k, v in st["split_backward"]["rows"].items())]
+    sh = res.get("sharded")
+    if sh:
+        mem, o = sh["memory"], sh["p1_overhead"]
+        lines += ["", f"**Inside a bigger mesh**: per-device memory pipe=2 x model=2 / pipe=2 "
+                  f"alone: arguments {mem['argument_ratio']:.3f} (analytic "
+                  f"{mem['analytic_state_ratio']:.3f}), total {mem['total_ratio']:.3f}; p=1 "
+                  f"overhead on {o['mesh']}: {o['ratio_cpu']:.3f} of plain JAX (CPU time)"]
     ct = res.get("compile")
     if ct:
         from benchmarks import compile_time as CT

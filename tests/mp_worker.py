@@ -10,7 +10,10 @@ in one process.
 The test imports ``make_model`` and ``loss_fn`` from here to compute the reference.
 
 Usage: ``mp_worker.py ok <out>`` or ``mp_worker.py mismatch <out>`` (process 1 builds
-its schedule with a different ``num_microbatches``, which must fail with a clear error).
+its schedule with a different ``num_microbatches``, which must fail with a clear error),
+or ``mp_worker.py sharded <out>``: a pipe 2 x model 2 mesh (the pipe axis across the
+processes, the tensor-parallel ``model`` axis inside each), an MLP whose weights are
+split over ``model`` (``param_specs``), trained with AdamW and checkpointed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxpipe as jp
 from jaxpipe import checkpoint as jpc
@@ -101,7 +106,85 @@ def main(mode: str, out: str) -> None:
     print(f"process {pid}/{n} done: loss={float(loss):.6f}", flush=True)
 
 
+# ------------------------------------------------------------- tensor parallel, sharded
+TP_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": None}
+
+
+def make_tp_model(seed: int = 1) -> tuple[dict, dict]:
+    """Residual MLP blocks (one per stage), identical in every process."""
+    rng = np.random.default_rng(seed)
+    params = [{"w1": (rng.standard_normal((WIDTH, 2 * WIDTH)) * 0.4).astype(np.float32),
+               "b1": np.full((2 * WIDTH,), 0.01 * i, np.float32),
+               "w2": (rng.standard_normal((2 * WIDTH, WIDTH)) * 0.3).astype(np.float32),
+               "b2": np.zeros((WIDTH,), np.float32)} for i in range(2)]
+    batch = {"x": rng.standard_normal((BATCH, WIDTH)).astype(np.float32),
+             "y": rng.standard_normal((BATCH, WIDTH)).astype(np.float32)}
+    return params, batch
+
+
+def tp_loss_fn(params: list, mb: dict) -> jax.Array:
+    h = mb["x"]
+    for i, blk in enumerate(params):
+        h = h + jnp.tanh(h @ blk["w1"] + blk["b1"]) @ blk["w2"] + blk["b2"]
+        if i < len(params) - 1:
+            h = jp.boundary(h)
+    return jnp.mean((h - mb["y"]) ** 2)
+
+
+def tp_optimizer() -> optax.GradientTransformation:
+    return optax.adamw(LR, weight_decay=0.1)
+
+
+def sharded(out: str) -> None:
+    pid, n = jax.process_index(), jax.process_count()
+    mesh = jax.make_mesh((2, 2), ("pipe", "model"), axis_types=(AxisType.Auto,) * 2)
+    # the pipe axis spans the processes; 'model' stays inside each
+    for stage in range(2):
+        assert {d.process_index for d in mesh.devices[stage]} == {stage}, mesh.devices
+    host_params, host_batch = make_tp_model()
+    specs = [dict(TP_SPECS) for _ in host_params]
+    params = jpd.replicate(host_params, mesh)
+    batch = jpd.global_batch(host_batch, mesh, data_axes=())
+    pipe = jp.pipeline(tp_loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                       cut="markers", param_specs=specs)
+    jpd.check_consistent(pipe)
+    loss, grads = pipe.value_and_grad(params, batch)
+    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(pipe.param_specs),
+                       strict=True):  # gradients come back sharded like their parameters
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, spec), g.ndim), g.sharding
+    loss, grads = jpd.fetch((loss, grads))
+
+    state = pipe.init(params, tp_optimizer())
+    for leaf in state.params:  # each device holds its shard of its own stage only
+        if leaf.ndim == 3 and "model" in leaf.sharding.spec:
+            assert leaf.addressable_shards[0].data.size == leaf.size // 4, leaf.sharding
+    losses = []
+    for _ in range(TRAIN_STEPS):
+        state, metrics = pipe.train_step(state, batch)
+        losses.append(jpd.fetch(metrics["loss"]))
+    trained = jpd.fetch(pipe.params(state))
+    ckpt = out + ".ckpt"
+    jpc.save(f"{ckpt}/state", state, pipe=pipe)
+    restored = jpc.restore(f"{ckpt}/state", pipe, like=state)
+    for a, b in zip(jax.tree.leaves((restored.params, restored.opt_state)),
+                    jax.tree.leaves((state.params, state.opt_state)), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+    state, m_orig = pipe.train_step(state, batch)
+    restored, m_rest = pipe.train_step(restored, batch)
+    resumed = [jpd.fetch(m_orig["loss"]), jpd.fetch(m_rest["loss"])]
+    if pid == 0:
+        flat = {"loss": loss, "train_losses": np.stack(losses), "resumed": np.stack(resumed)}
+        flat.update({f"grad_{i}": g for i, g in enumerate(jax.tree.leaves(grads))})
+        flat.update({f"trained_{i}": t for i, t in enumerate(jax.tree.leaves(trained))})
+        np.savez(out, **flat)
+    print(f"process {pid}/{n} done: loss={float(loss):.6f}", flush=True)
+
+
 if __name__ == "__main__":
     # Importing jax is fine; initialize must come before anything touches its backend.
     jpd.initialize(require=True)
-    main(sys.argv[1], sys.argv[2])
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "sharded":
+        sharded(out)
+    else:
+        main(mode, out)

@@ -90,6 +90,39 @@ def test_two_processes_match_unpipelined(tmp_path):
     assert (tmp_path / "result.npz.ckpt" / "state").is_dir()
 
 
+def test_two_processes_tensor_parallel_stages(tmp_path):
+    """pipe 2 (across the processes) x model 2 (inside each): exact, trained, restored."""
+    out = tmp_path / "sharded.npz"
+    rc, log, _ = _launch(str(WORKER), "sharded", str(out))
+    assert rc == 0, log
+    got = np.load(out)
+    w = _worker_module()
+    params, batch = w.make_tp_model()
+    m = w.M
+
+    def full_loss(p, b):
+        mbs = [jax.tree.map(lambda x, i=i: x.reshape(m, -1, *x.shape[1:])[i], b)
+               for i in range(m)]
+        return jnp.mean(jnp.stack([w.tp_loss_fn(p, mb) for mb in mbs]))
+
+    loss, grads = jax.value_and_grad(full_loss)(params, batch)
+    np.testing.assert_allclose(got["loss"], loss, rtol=1e-5)
+    for i, g in enumerate(jax.tree.leaves(grads)):
+        np.testing.assert_allclose(got[f"grad_{i}"], g, rtol=1e-5, atol=1e-7)
+    tx = w.tp_optimizer()
+    opt, p, losses = tx.init(params), params, []
+    for _ in range(w.TRAIN_STEPS):
+        val, g = jax.value_and_grad(full_loss)(p, batch)
+        upd, opt = tx.update(g, opt, p)
+        p = optax.apply_updates(p, upd)
+        losses.append(val)
+    np.testing.assert_allclose(got["train_losses"], np.stack(losses), rtol=1e-5)
+    for i, x in enumerate(jax.tree.leaves(p)):
+        np.testing.assert_allclose(got[f"trained_{i}"], x, rtol=1e-5, atol=1e-6)
+    original, resumed = got["resumed"]
+    assert np.isfinite(original) and original.tobytes() == resumed.tobytes()
+
+
 def test_mismatched_config_across_processes_fails_clearly(tmp_path):
     rc, log, elapsed = _launch(str(WORKER), "mismatch", str(tmp_path / "never.npz"))
     assert rc not in (0, jpl.TIMEOUT_EXIT), log

@@ -1,0 +1,177 @@
+"""Pipelines inside a bigger mesh: per-device memory and the composed program's overhead.
+
+    python benchmarks/sharded.py            # prints ratios, writes results/sharded.json
+    python benchmarks/sharded.py --quick    # a small model (the test suite's smoke run)
+
+The model is the benchmark GPT (``benchmarks.common``) with Megatron-style tensor-parallel
+specs over a ``model`` axis (:func:`tensor_parallel_specs`: QKV and the MLP's first
+matrix split by columns, the attention output and the MLP's second matrix by rows, the
+head by vocabulary). Two measurements:
+
+* **Memory** (``compiled.memory_analysis()`` of the resident ``train_step`` with AdamW,
+  per device): the same model and global batch pipelined over ``pipe=2`` alone and over
+  ``pipe=2 x model=2``. The parameter + optimizer bytes per device should halve (every
+  large matrix is split over ``model``); the analytic share is printed beside the
+  measured one.
+* **Overhead at p=1**: the public ``Pipeline.value_and_grad`` over a ``pipe=1 x data=2 x
+  model=2`` mesh against plain JAX (``jit(value_and_grad)`` scanned over the same
+  microbatches) with the same parameter and batch shardings. Target <= 1.10. CPU time
+  of single-threaded XLA (virtual devices run one after another, so time measures total
+  work), medians of interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+# block leaf -> its spec over the tensor-parallel axis (None: replicated)
+_TP = {"wqkv": (None, "model"), "wo": ("model", None), "w1": (None, "model"),
+       "b1": ("model",), "w2": ("model", None)}
+
+
+def tensor_parallel_specs(params: dict, axis: str = "model") -> dict:
+    """PartitionSpecs for the benchmark GPT's parameters, tensor parallel over ``axis``."""
+    from jax.sharding import PartitionSpec as P
+
+    def spec(name: str) -> Any:
+        dims = _TP.get(name)
+        return None if dims is None else P(*(axis if d == "model" else d for d in dims))
+
+    out: dict[str, Any] = {"blocks": [{k: spec(k) for k in b} for b in params["blocks"]]}
+    for k in params:
+        if k != "blocks":
+            out[k] = P(None, axis) if k == "head" else None
+    return out
+
+
+def _bytes(tree: Any) -> int:
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _state_share(state: Any, mesh: Any) -> int:
+    """Analytic bytes per device of a TrainState: each leaf over the axes it is split on."""
+    import jax
+
+    total = 0
+    for x in jax.tree.leaves((state.params, state.opt_state)):
+        axes = [a for e in x.sharding.spec if e for a in ((e,) if isinstance(e, str) else e)]
+        shards = 1
+        for a in axes:
+            shards *= mesh.shape[a]
+        total += x.size * x.dtype.itemsize // shards
+    return total
+
+
+def measure(quick: bool = False) -> dict[str, Any]:
+    import jax
+    import optax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxpipe as jp
+    from benchmarks import common as C
+
+    repeats, warmup = (2, 1) if quick else (9, 2)
+    cfg = (C.GPTConfig(vocab=32, d_model=16, n_heads=2, n_layers=2, seq=4) if quick
+           else C.GPTConfig(n_layers=8))
+    m, rows = 2 if quick else 8, 2 if quick else 8
+    loss_fn = C.gpt_loss(cfg)
+    params = C.init_params(cfg, jax.random.key(0))
+    specs = tensor_parallel_specs(params)
+    out: dict[str, Any] = {"model": cfg.asdict(), "microbatches": m, "rows_per_microbatch": rows}
+
+    def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+        n = 1
+        for s in shape:
+            n *= s
+        return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names),
+                             devices=jax.devices()[:n])
+
+    # --- memory: pipe=2 vs pipe=2 x model=2, resident train_step with AdamW
+    batch = C.make_gpt_batch(cfg, m * rows)
+    mem = {}
+    for name, (shape, names, kw) in {
+            "pipe": ((2,), ("pipe",), {}),
+            "pipe_x_model": ((2, 2), ("pipe", "model"), {"param_specs": specs})}.items():
+        mh = mesh(shape, names)
+        pipe = jp.pipeline(loss_fn, params, batch, mesh=mh, schedule=jp.OneFOneB(2, m),
+                           cut="markers", **kw)
+        state = pipe.init(params, optax.adamw(1e-3))
+        b = jax.device_put(batch, pipe.batch_sharding)
+        compiled = state.trainer.step_fn.lower(state, b).compile()
+        mem[name] = {**C.memory_stats(compiled), "state_share_bytes": _state_share(state, mh)}
+    out["memory"] = {
+        **mem,
+        "state_bytes_unsharded": 3 * _bytes(params),  # params + two AdamW moments
+        "argument_ratio": mem["pipe_x_model"]["argument_bytes"] / mem["pipe"]["argument_bytes"],
+        "temp_ratio": mem["pipe_x_model"]["temp_bytes"] / mem["pipe"]["temp_bytes"],
+        "total_ratio": mem["pipe_x_model"]["total_bytes"] / mem["pipe"]["total_bytes"],
+        "analytic_state_ratio": mem["pipe_x_model"]["state_share_bytes"]
+        / mem["pipe"]["state_share_bytes"]}
+
+    # --- overhead at p=1: pipe=1 x data=2 x model=2 against plain JAX, same shardings
+    batch = C.make_gpt_batch(cfg, m * rows * 2)  # rows per microbatch on each data shard
+    mh = mesh((1, 2, 2), ("pipe", "data", "model"))
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mh, s or P())),
+                          params, specs, is_leaf=lambda v: v is None)
+    placed_batch = jax.device_put(batch, NamedSharding(mh, P("data")))
+    pipe = jp.pipeline(loss_fn, placed, placed_batch, mesh=mh, schedule=jp.OneFOneB(1, m),
+                       cut="markers", param_specs=specs)
+    plain = jax.jit(C.plain_value_and_grad(loss_fn, m))
+    c_pipe, _, _ = C.compile_timed(pipe.value_and_grad_fn, placed, placed_batch)
+    c_plain, _, _ = C.compile_timed(plain, placed, placed_batch)
+    t = C.time_interleaved({"jaxpipe": (c_pipe, (placed, placed_batch)),
+                            "plain": (c_plain, (placed, placed_batch))},
+                           warmup=warmup, repeats=repeats)
+    out["p1_overhead"] = {
+        "mesh": "pipe=1 x data=2 x model=2",
+        "jaxpipe_cpu_s": t["jaxpipe"]["cpu_median_s"], "plain_cpu_s": t["plain"]["cpu_median_s"],
+        "ratio_cpu": t["jaxpipe"]["cpu_median_s"] / t["plain"]["cpu_median_s"],
+        "ratio_wall": t["jaxpipe"]["median_s"] / t["plain"]["median_s"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    res = measure(args.quick)
+    mem = res["memory"]
+    for name in ("pipe", "pipe_x_model"):
+        r = mem[name]
+        print(f"{name:>13}: argument {r['argument_bytes'] / 2**20:.2f} MiB (analytic state "
+              f"{r['state_share_bytes'] / 2**20:.2f} MiB), temp {r['temp_bytes'] / 2**20:.2f} "
+              f"MiB, total {r['total_bytes'] / 2**20:.2f} MiB per device")
+    print(f"pipe x model / pipe alone, per device: arguments {mem['argument_ratio']:.3f} "
+          f"(analytic state {mem['analytic_state_ratio']:.3f}), temp {mem['temp_ratio']:.3f}, "
+          f"total {mem['total_ratio']:.3f}")
+    o = res["p1_overhead"]
+    print(f"p=1 composed overhead ({o['mesh']}, public value_and_grad / plain JAX, same "
+          f"shardings, CPU time): {o['ratio_cpu']:.3f} (wall {o['ratio_wall']:.3f})")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sharded.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "device_count" not in flags:
+        flags += " --xla_force_host_platform_device_count=4"
+    if "multi_thread_eigen" not in flags:
+        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    os.environ["XLA_FLAGS"] = flags.strip()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    sys.path.insert(0, str(REPO))
+    main()
