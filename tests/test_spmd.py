@@ -1,5 +1,7 @@
 """Issue 4: the SPMD runtime (one jit(shard_map) program) against jax.value_and_grad."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,8 +56,18 @@ def test_split_backward_runtimes_match_value_and_grad(runtime):
     loss_fn, params, batch = MODELS["tiny_lm"](4, batch=12)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
                        schedule=schedule, cut="markers", runtime=runtime)
-    assert pipe.executor.lowering.split_backward
+    low = pipe.executor.lowering
+    assert low.split_backward
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 6))
+    # I reads residuals and writes the hand-off in one step: were they in one buffer, XLA
+    # would copy the whole storage on every I. No storage buffer is ever copied.
+    hlo = pipe.value_and_grad_fn.lower(params, batch).compile().as_text()
+    hlo_dtype = {"float32": "f32", "int32": "s32", "bool": "pred"}
+    stores = {f"{hlo_dtype[c.dtype]}[{','.join(map(str, (n, *c.shape)))}]"
+              for c, n in low.slots.items() if n > 1}
+    assert stores and any(c.buffer == "handoff" for c in low.slots)
+    copied = set(re.findall(r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(", hlo))
+    assert not copied & stores, copied & stores
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])

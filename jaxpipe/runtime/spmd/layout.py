@@ -19,6 +19,7 @@ and writes index the leading slot axis only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,11 +47,17 @@ class ValueClass:
     their sharding is JAX's to propagate) and, for a sharded parameter, its
     :data:`~jaxpipe.sharding.Dims`: two parameters share slots only if they are sharded
     alike.
+
+    ``buffer`` names a separate buffer for values of the same shape and dtype: the I -> W
+    hand-off (``"handoff"``) is kept apart from the residuals. I reads residuals and writes
+    the hand-off in one step; in one buffer, XLA cannot prove the dynamic rows disjoint and
+    copies the whole storage on every I (measured: +40% step time on the GPT blocks).
     """
 
     shape: tuple[int, ...]
     dtype: str
     dims: Dims = ()
+    buffer: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -81,9 +88,9 @@ class Packing:
       counts: rows per class (the size of the group).
     """
 
-    def __init__(self, avals: Sequence[Any]) -> None:
+    def __init__(self, avals: Sequence[Any], buffer: str = "") -> None:
         self.avals = list(avals)
-        self.classes = [value_class(a) for a in self.avals]
+        self.classes = [dataclasses.replace(value_class(a), buffer=buffer) for a in self.avals]
         self.counts: dict[ValueClass, int] = {}
         self.rows: list[int] = []
         for c in self.classes:
@@ -236,7 +243,7 @@ class StageLayouts:
                               for st in stages],
             Pool.RESIDUAL_B: [Packing([st.residual_avals[i] for i in st.w_res_ids])
                               for st in stages],
-            Pool.HANDOFF: [Packing(st.w_residual_avals) for st in stages],
+            Pool.HANDOFF: [Packing(st.w_residual_avals, buffer="handoff") for st in stages],
         }
         act_out = [Packing([] if st.is_last else st.out_avals) for st in stages]
         ct_in = [Packing(st.ct_in_avals()) for st in stages]

@@ -406,6 +406,7 @@ def allocate(ticks: Ticks, messages: Messages,
     ``pool_counts[pool][stage]`` gives, per class, the slots one microbatch of ``stage``
     keeps in ``pool``. All pools of a class share one buffer: parts freed early (I-only
     residuals) make room for others, so its size is the peak of what is live at once.
+    (The runtime gives the hand-off classes of their own, ``ValueClass.buffer``.)
     """
     from jaxpipe.schedule.liveness import peak_overlap
 
