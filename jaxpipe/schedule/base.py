@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 from .action import Action, ScheduleError
+from .graph import ScheduleGraph, build_graph
 from .simulate import Costs, Timeline, simulate_schedule
-from .validate import ScheduleGraph, build_graph
 
 
 def _positive_int(name: str, value: object) -> int:

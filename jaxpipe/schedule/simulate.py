@@ -123,6 +123,33 @@ class Timeline:
         title: str | None = None,
         split_units: Collection[tuple[int, int]] | None = None,
     ) -> None:
+        self._set_times(events, num_devices, title, split_units)
+        # Residual sets live from F to the last backward action, along each device's
+        # action order (positions, not times: what the buffers hold however times fall).
+        self.peak_in_flight: list[int] = []
+        stage_intervals: dict[int, list[tuple[int, int]]] = {e.action.stage: [] for e in events}
+        for evs in self._per_device:
+            lifetimes = unit_lifetimes((e.action, pos) for pos, e in enumerate(evs))
+            self.peak_in_flight.append(peak_overlap(lifetimes.values()))
+            for (stage, _), interval in lifetimes.items():
+                stage_intervals.setdefault(stage, []).append(interval)
+        self.stage_peak_in_flight: dict[int, int] = {
+            s: peak_overlap(stage_intervals[s]) for s in sorted(stage_intervals)}
+
+    @classmethod
+    def _simulated(cls, events: Sequence[TimelineEvent], num_devices: int, title: str,
+                   split_units: Collection[tuple[int, int]],
+                   peaks: tuple[list[int], dict[int, int]]) -> Timeline:
+        """A timeline whose peaks are already known (:attr:`ScheduleGraph.peaks`: they
+        depend only on each device's order, so the simulator computes them once)."""
+        self = cls.__new__(cls)
+        self._set_times(events, num_devices, title, split_units)
+        self.peak_in_flight = list(peaks[0])
+        self.stage_peak_in_flight = dict(peaks[1])
+        return self
+
+    def _set_times(self, events: Sequence[TimelineEvent], num_devices: int, title: str | None,
+                   split_units: Collection[tuple[int, int]] | None) -> None:
         self.num_devices = num_devices
         self.title = title
         # Stable sort: ties on one device keep execution order (zero-cost actions).
@@ -146,17 +173,6 @@ class Timeline:
             split_units = frozenset((e.action.stage, e.action.microbatch)
                                     for e in self.events if e.action.kind == "I")
         self.split_units: frozenset[tuple[int, int]] = frozenset(split_units)
-        # Residual sets live from F to the last backward action, along each device's
-        # action order (positions, not times: what the buffers hold however times fall).
-        self.peak_in_flight: list[int] = []
-        stage_intervals: dict[int, list[tuple[int, int]]] = {e.action.stage: [] for e in events}
-        for evs in per_device:
-            lifetimes = unit_lifetimes((e.action, pos) for pos, e in enumerate(evs))
-            self.peak_in_flight.append(peak_overlap(lifetimes.values()))
-            for (stage, _), interval in lifetimes.items():
-                stage_intervals.setdefault(stage, []).append(interval)
-        self.stage_peak_in_flight: dict[int, int] = {
-            s: peak_overlap(stage_intervals[s]) for s in sorted(stage_intervals)}
 
     def device_events(self, device: int) -> list[TimelineEvent]:
         """The events of one device, in its execution order."""
@@ -301,7 +317,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Timeline:
     """Validate ``schedule`` and run it with ``costs`` (see :func:`resolve_costs`)."""
     cost = resolve_costs(costs)
     graph = schedule.graph()
-    events = [TimelineEvent(d, a, s, e) for d, a, (s, e) in
-              zip(graph.device, graph.actions, graph.run(cost), strict=True)]
-    split = graph.split
-    return Timeline(events, schedule.num_devices, title=repr(schedule), split_units=split)
+    starts, ends = graph.run_costs([cost(a) for a in graph.actions])
+    events = list(map(TimelineEvent, graph.device, graph.actions, starts, ends))
+    return Timeline._simulated(events, schedule.num_devices, repr(schedule), graph.split,
+                               graph.peaks)
