@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxpipe.runtime.spmd.allocate import Allocation, Pool, allocate
 from jaxpipe.schedule import ACTION_KINDS, Action, Schedule
-from jaxpipe.schedule.graph import ScheduleGraph
+from jaxpipe.schedule.graph import ScheduleGraph, paused_gc
 
 __all__ = [
     "IDLE",
@@ -393,6 +393,13 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
       split_backward: run every B of the schedule as I then W (see :func:`expand`).
       iw_same_tick: a W right after its own I shares the I's tick (:func:`assign_ticks`).
     """
+    with paused_gc():
+        return _lower(schedule, pool_counts, body_of_stage, split_backward, iw_same_tick)
+
+
+def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
+           body_of_stage: Sequence[int] | None, split_backward: bool,
+           iw_same_tick: bool) -> Lowering:
     schedule.validate()
     S, D = schedule.num_stages, schedule.num_devices
     if body_of_stage is None:
