@@ -20,6 +20,7 @@ import numbers
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -197,9 +198,10 @@ def _compile_structure(schedule: Schedule) -> tuple[dict, np.ndarray, np.ndarray
         return None
     code_of_kind = {k: i for i, k in enumerate(ACTION_KINDS)}
     try:
-        kind = np.fromiter((code_of_kind[a.kind] for a in flat), np.int64, len(flat))
-        stage = np.fromiter((a.stage for a in flat), np.int64, len(flat))
-        mb = np.fromiter((a.microbatch for a in flat), np.int64, len(flat))
+        kind = np.fromiter(map(code_of_kind.__getitem__, map(attrgetter("kind"), flat)),
+                           np.int64, len(flat))
+        stage = np.fromiter(map(attrgetter("stage"), flat), np.int64, len(flat))
+        mb = np.fromiter(map(attrgetter("microbatch"), flat), np.int64, len(flat))
     except OverflowError:  # an index beyond int64 is out of range anyway
         return None
     lens = [len(lists[d]) for d in range(p)]

@@ -21,6 +21,7 @@ import math
 import numbers
 from collections.abc import Callable, Collection, Mapping, Sequence
 from fractions import Fraction
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Union
 
@@ -153,13 +154,13 @@ class Timeline:
         self.num_devices = num_devices
         self.title = title
         # Stable sort: ties on one device keep execution order (zero-cost actions).
-        self.events: list[TimelineEvent] = sorted(events, key=lambda e: (e.start, e.device))
+        self.events: list[TimelineEvent] = sorted(events, key=attrgetter("start", "device"))
         per_device: list[list[TimelineEvent]] = [[] for _ in range(num_devices)]
         for e in self.events:
             per_device[e.device].append(e)
         self._per_device = per_device
 
-        self.makespan: numbers.Real = max((e.end for e in self.events), default=0)
+        self.makespan: numbers.Real = max(map(attrgetter("end"), self.events), default=0)
         self.busy_time: list[numbers.Real] = [sum(e.duration for e in evs) for evs in per_device]
         self.idle_time: numbers.Real = self.makespan * num_devices - sum(self.busy_time)
         if self.makespan:
