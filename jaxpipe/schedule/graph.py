@@ -174,17 +174,25 @@ class ScheduleGraph:
         return first, last
 
     @functools.cached_property
-    def peaks(self) -> tuple[list[int], dict[int, int]]:
-        """Residual sets live at once along each device's action order: per device, and
-        per stage (what :class:`~.simulate.Timeline` reports; independent of costs)."""
+    def _peaks(self) -> tuple[list[int], dict[int, int]]:
         first, last = self.unit_ends
         start, end = self.positions[first], self.positions[last]
-        num_devices = len(self.lists)
-        per_device = grouped_peaks(self.devices[first], start, end, num_devices)
+        per_device = grouped_peaks(self.devices[first], start, end, len(self.lists))
         stages = self.stages[first]
         num_stages = int(stages.max()) + 1 if len(stages) else 0
-        per_stage = grouped_peaks(stages, start, end, num_stages)
-        return per_device, dict(enumerate(per_stage))
+        return per_device, dict(enumerate(grouped_peaks(stages, start, end, num_stages)))
+
+    @property
+    def peak_in_flight(self) -> list[int]:
+        """Per device, the most residual sets live at once along its action order (what
+        :attr:`Timeline.peak_in_flight` reports under any costs)."""
+        return list(self._peaks[0])
+
+    @property
+    def stage_peak_in_flight(self) -> dict[int, int]:
+        """Per stage, the most residual sets of that stage live at once (what
+        :attr:`Timeline.stage_peak_in_flight` reports under any costs)."""
+        return dict(self._peaks[1])
 
 
 def _compile_structure(schedule: Schedule) -> tuple[dict, np.ndarray, np.ndarray] | None:

@@ -30,6 +30,7 @@ from .liveness import peak_overlap, unit_lifetimes
 
 if TYPE_CHECKING:
     from .base import Schedule
+    from .graph import ScheduleGraph
 
 #: Default cost of each action kind (a full backward costs two forwards).
 DEFAULT_COSTS: dict[str, int] = {"F": 1, "B": 2, "I": 1, "W": 1}
@@ -138,15 +139,14 @@ class Timeline:
             s: peak_overlap(stage_intervals[s]) for s in sorted(stage_intervals)}
 
     @classmethod
-    def _simulated(cls, events: Sequence[TimelineEvent], num_devices: int, title: str,
-                   split_units: Collection[tuple[int, int]],
-                   peaks: tuple[list[int], dict[int, int]]) -> Timeline:
-        """A timeline whose peaks are already known (:attr:`ScheduleGraph.peaks`: they
-        depend only on each device's order, so the simulator computes them once)."""
+    def _simulated(cls, events: Sequence[TimelineEvent], graph: ScheduleGraph,
+                   title: str) -> Timeline:
+        """A timeline of ``graph``'s actions, whose peaks the graph already knows (they
+        depend only on each device's order, so they are counted once per schedule)."""
         self = cls.__new__(cls)
-        self._set_times(events, num_devices, title, split_units)
-        self.peak_in_flight = list(peaks[0])
-        self.stage_peak_in_flight = dict(peaks[1])
+        self._set_times(events, len(graph.lists), title, graph.split)
+        self.peak_in_flight = graph.peak_in_flight
+        self.stage_peak_in_flight = graph.stage_peak_in_flight
         return self
 
     def _set_times(self, events: Sequence[TimelineEvent], num_devices: int, title: str | None,
@@ -320,5 +320,4 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Timeline:
     graph = schedule.graph()
     starts, ends = graph.run_costs([cost(a) for a in graph.actions])
     events = list(map(TimelineEvent, graph.device, graph.actions, starts, ends))
-    return Timeline._simulated(events, schedule.num_devices, repr(schedule), graph.split,
-                               graph.peaks)
+    return Timeline._simulated(events, graph, repr(schedule))

@@ -400,7 +400,7 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
 def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
            body_of_stage: Sequence[int] | None, split_backward: bool,
            iw_same_tick: bool) -> Lowering:
-    schedule.validate()
+    schedule.graph()  # validates (once per schedule: the graph is cached)
     S, D = schedule.num_stages, schedule.num_devices
     if body_of_stage is None:
         body_of_stage = list(range(S))
