@@ -266,7 +266,7 @@ def choose_cuts(
       costs: one :class:`~jaxpipe.cost.SegmentCost` per segment, in program order
         (:func:`jaxpipe.cost.segment_costs`).
       schedule: a ``jp.Schedule``; supplies ``num_stages``, ``placement(stage)``,
-        and, through ``graph()``, every stage's peak in-flight microbatches.
+        and, through ``simulate()``, every stage's peak in-flight microbatches.
       cut: options (objective, memory budget, explicit indices); default
         ``Cut()`` balances compute.
       memory_model: how the runtime that will run the pipeline lays out memory
@@ -281,16 +281,15 @@ def choose_cuts(
     S = schedule.num_stages
     placement = [int(schedule.placement(s)) for s in range(S)]
     if in_flight is None:
-        # from each device's action order, the same under any costs: no simulation needed
-        peaks = schedule.graph().stage_peak_in_flight
+        peaks = schedule.simulate(costs=None).stage_peak_in_flight
         counts = [int(peaks[s]) for s in range(S)]
     else:
         counts = list(in_flight)
     result = partition(costs, placement, counts, cut, memory_model=memory_model)
     timeline = schedule.simulate(costs=result.action_cost)
     if in_flight is None:
-        # In-flight counts follow from each device's action order, not from timing, but
-        # a subclass's simulate() is free to differ: re-cut once if its counts do.
+        # In-flight counts follow from each device's action order, not from timing,
+        # but a simulator is free to differ: re-cut once if the chosen costs change them.
         peaks = timeline.stage_peak_in_flight
         if [int(peaks[s]) for s in range(S)] != counts:
             counts = [int(peaks[s]) for s in range(S)]

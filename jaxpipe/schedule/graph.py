@@ -106,6 +106,12 @@ class ScheduleGraph:
     prev: np.ndarray
     positions: np.ndarray
 
+    def __post_init__(self) -> None:
+        # cached on the schedule and shared with every lowering: nobody may write to them
+        for arr in (self.devices, self.kinds, self.stages, self.microbatches, self.data_deps,
+                    self.prev, self.positions):
+            arr.flags.writeable = False
+
     @functools.cached_property
     def device(self) -> tuple[int, ...]:
         """The device of each action."""
