@@ -87,20 +87,26 @@ def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: An
             )
         # Explicit cuts go through the cutter too: it reports their predicted costs.
         policies = cut.costed_policies()
+        # Per-stage peak in-flight microbatches follow from each device's action order
+        # alone: read them off the schedule's cached graph instead of having the cutter
+        # simulate for them (it simulates once, with the chosen stage costs).
+        peaks = schedule.graph().stage_peak_in_flight
+        in_flight = [peaks[s] for s in range(S)]
         costs = segment_costs(traced, profile=cut.profile, remat=policies[:1])
         if len(policies) > 1 and cut.remat == "auto" and cut.memory_budget is not None:
             # Recomputation only adds time: when placement alone reaches the fastest
             # cut within the budget, measuring the other policies buys nothing.
             try:
                 plain = cutmod.choose_cuts(costs, schedule, replace(cut, remat="none"),
-                                           memory_model=memory_model)
+                                           memory_model=memory_model, in_flight=in_flight)
                 if plain.max_stage_time <= plain.time_optimum:
                     return list(plain.cuts), plain
             except cutmod.CutError:
                 pass
         if len(policies) > 1:
             costs = segment_costs(traced, profile=cut.profile, remat=policies)
-        result = cutmod.choose_cuts(costs, schedule, cut, memory_model=memory_model)
+        result = cutmod.choose_cuts(costs, schedule, cut, memory_model=memory_model,
+                                    in_flight=in_flight)
         return list(result.cuts), result
     hint = (f" (for explicit cuts: jp.Cut(indices={list(cut)!r}))"
             if isinstance(cut, list | tuple) else "")

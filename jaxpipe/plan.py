@@ -85,7 +85,9 @@ class Plan:
                    float(res.bubble_fraction or 0.0), type(sched).__name__, res.objective,
                    int(report["buffer_bytes"]), float(res.padded_memory.total) + batch_bytes,
                    batch_bytes, res.memory_budget, res.budget_source,
-                   pipe.executor.timing_report(res.action_cost))
+                   # the cutter simulated the schedule under these costs already
+                   pipe.executor.timing_report(res.action_cost,
+                                               schedule_makespan=res.makespan))
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "

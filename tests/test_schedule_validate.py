@@ -163,3 +163,40 @@ def test_valid_split_and_v_placement_schedule():
     s.validate()
     t = s.simulate()
     assert len(t.events) == sum(len(v) for v in lists.values())
+
+
+def test_pipeline_validates_simulates_and_compiles_its_schedule_once(monkeypatch):
+    """A default ``jp.pipeline`` build checks, simulates and compiles the schedule once:
+    the cutter, the plan and the lowering share the results (at p=64, m=512 each pass
+    takes about a second)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxpipe as jp
+    from jaxpipe.schedule import base, graph
+
+    calls = {"validate": 0, "simulate": 0, "build_graph": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(Schedule, "validate", counted("validate", Schedule.validate))
+    monkeypatch.setattr(Schedule, "simulate", counted("simulate", Schedule.simulate))
+    monkeypatch.setattr(base, "build_graph", counted("build_graph", graph.build_graph))
+
+    def loss(params, batch):
+        h = batch
+        for w in params:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean(h**2)
+
+    params = [jnp.full((4, 4), 0.1 * (i + 1), jnp.float32) for i in range(4)]
+    batch = jnp.ones((8, 4), jnp.float32)
+    pipe = jp.pipeline(loss, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=jp.OneFOneB(2, 4))
+    pipe.value_and_grad(params, batch)
+    str(pipe.plan)
+    assert calls == {"validate": 1, "simulate": 1, "build_graph": 1}

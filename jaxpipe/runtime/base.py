@@ -175,9 +175,12 @@ class Executor(abc.ABC):
         """What this executor allocates per device: ``buffer_bytes`` (total) and
         ``device_rows`` (per device: ``residual_peak``, ``residual_bytes``)."""
 
-    def timing_report(self, cost: Callable[[Any], float]) -> str | None:
+    def timing_report(self, cost: Callable[[Any], float], *,
+                      schedule_makespan: float | None = None) -> str | None:
         """One line on how the executed program's time compares with the schedule's own
-        under per-action ``cost`` (``None``: nothing to say, e.g. a sequential runtime)."""
+        under per-action ``cost`` (``None``: nothing to say, e.g. a sequential runtime).
+        ``schedule_makespan``: ``schedule.simulate(cost).makespan`` if the caller has it
+        (the cutter does), so the schedule is not simulated again."""
         return None
 
     def compiled_check(self) -> Callable[[Any, str], None] | None:

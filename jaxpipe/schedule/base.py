@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 from .action import Action, ScheduleError
+from .graph import ScheduleGraph, build_graph, paused_gc
 from .simulate import Costs, Timeline, simulate_schedule
-from .validate import ScheduleGraph, build_graph
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -161,7 +161,8 @@ class Schedule(abc.ABC):
         """
         graph = self.__dict__.get("_jaxpipe_graph")
         if graph is None:
-            graph = build_graph(self)
+            with paused_gc():
+                graph = build_graph(self)
             self.__dict__["_jaxpipe_graph"] = graph
         return graph
 
@@ -171,7 +172,8 @@ class Schedule(abc.ABC):
         ``costs``: ``None`` (F=1, B=2, I=1, W=1), a dict ``{kind: cost}`` (missing kinds
         take the defaults), or a callable ``action -> cost`` (e.g. per-stage costs).
         """
-        return simulate_schedule(self, costs)
+        with paused_gc():
+            return simulate_schedule(self, costs)
 
     def __getattr__(self, name: str) -> object:
         # Only reached when normal lookup fails: a subclass __init__ that never called

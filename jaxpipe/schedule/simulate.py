@@ -21,6 +21,7 @@ import math
 import numbers
 from collections.abc import Callable, Collection, Mapping, Sequence
 from fractions import Fraction
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Union
 
@@ -29,6 +30,7 @@ from .liveness import peak_overlap, unit_lifetimes
 
 if TYPE_CHECKING:
     from .base import Schedule
+    from .graph import ScheduleGraph
 
 #: Default cost of each action kind (a full backward costs two forwards).
 DEFAULT_COSTS: dict[str, int] = {"F": 1, "B": 2, "I": 1, "W": 1}
@@ -123,16 +125,42 @@ class Timeline:
         title: str | None = None,
         split_units: Collection[tuple[int, int]] | None = None,
     ) -> None:
+        self._set_times(events, num_devices, title, split_units)
+        # Residual sets live from F to the last backward action, along each device's
+        # action order (positions, not times: what the buffers hold however times fall).
+        self.peak_in_flight: list[int] = []
+        stage_intervals: dict[int, list[tuple[int, int]]] = {e.action.stage: [] for e in events}
+        for evs in self._per_device:
+            lifetimes = unit_lifetimes((e.action, pos) for pos, e in enumerate(evs))
+            self.peak_in_flight.append(peak_overlap(lifetimes.values()))
+            for (stage, _), interval in lifetimes.items():
+                stage_intervals.setdefault(stage, []).append(interval)
+        self.stage_peak_in_flight: dict[int, int] = {
+            s: peak_overlap(stage_intervals[s]) for s in sorted(stage_intervals)}
+
+    @classmethod
+    def _simulated(cls, events: Sequence[TimelineEvent], graph: ScheduleGraph,
+                   title: str) -> Timeline:
+        """A timeline of ``graph``'s actions, whose peaks the graph already knows (they
+        depend only on each device's order, so they are counted once per schedule)."""
+        self = cls.__new__(cls)
+        self._set_times(events, len(graph.lists), title, graph.split)
+        self.peak_in_flight = graph.peak_in_flight
+        self.stage_peak_in_flight = graph.stage_peak_in_flight
+        return self
+
+    def _set_times(self, events: Sequence[TimelineEvent], num_devices: int, title: str | None,
+                   split_units: Collection[tuple[int, int]] | None) -> None:
         self.num_devices = num_devices
         self.title = title
         # Stable sort: ties on one device keep execution order (zero-cost actions).
-        self.events: list[TimelineEvent] = sorted(events, key=lambda e: (e.start, e.device))
+        self.events: list[TimelineEvent] = sorted(events, key=attrgetter("start", "device"))
         per_device: list[list[TimelineEvent]] = [[] for _ in range(num_devices)]
         for e in self.events:
             per_device[e.device].append(e)
         self._per_device = per_device
 
-        self.makespan: numbers.Real = max((e.end for e in self.events), default=0)
+        self.makespan: numbers.Real = max(map(attrgetter("end"), self.events), default=0)
         self.busy_time: list[numbers.Real] = [sum(e.duration for e in evs) for evs in per_device]
         self.idle_time: numbers.Real = self.makespan * num_devices - sum(self.busy_time)
         if self.makespan:
@@ -146,17 +174,6 @@ class Timeline:
             split_units = frozenset((e.action.stage, e.action.microbatch)
                                     for e in self.events if e.action.kind == "I")
         self.split_units: frozenset[tuple[int, int]] = frozenset(split_units)
-        # Residual sets live from F to the last backward action, along each device's
-        # action order (positions, not times: what the buffers hold however times fall).
-        self.peak_in_flight: list[int] = []
-        stage_intervals: dict[int, list[tuple[int, int]]] = {e.action.stage: [] for e in events}
-        for evs in per_device:
-            lifetimes = unit_lifetimes((e.action, pos) for pos, e in enumerate(evs))
-            self.peak_in_flight.append(peak_overlap(lifetimes.values()))
-            for (stage, _), interval in lifetimes.items():
-                stage_intervals.setdefault(stage, []).append(interval)
-        self.stage_peak_in_flight: dict[int, int] = {
-            s: peak_overlap(stage_intervals[s]) for s in sorted(stage_intervals)}
 
     def device_events(self, device: int) -> list[TimelineEvent]:
         """The events of one device, in its execution order."""
@@ -301,7 +318,6 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Timeline:
     """Validate ``schedule`` and run it with ``costs`` (see :func:`resolve_costs`)."""
     cost = resolve_costs(costs)
     graph = schedule.graph()
-    events = [TimelineEvent(d, a, s, e) for d, a, (s, e) in
-              zip(graph.device, graph.actions, graph.run(cost), strict=True)]
-    split = graph.split
-    return Timeline(events, schedule.num_devices, title=repr(schedule), split_units=split)
+    starts, ends = graph.run_costs([cost(a) for a in graph.actions])
+    events = list(map(TimelineEvent, graph.device, graph.actions, starts, ends))
+    return Timeline._simulated(events, graph, repr(schedule))

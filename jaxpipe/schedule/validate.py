@@ -7,7 +7,7 @@ the device, the action (``"2F0"`` form) and the rule:
    every action on the device its stage is placed on, exactly one ``F`` and one
    backward (``B``, or ``I`` + ``W``) per (stage, microbatch), no duplicates, no
    backward before its forward and no ``W`` before its ``I`` in device order.
-2. *Execution* (:func:`build_graph`): every device runs its list strictly in order and
+2. *Execution* (:func:`.graph.build_graph`): every device runs its list strictly in order and
    an action waits for its :func:`dependencies`. If at some point no device can
    make progress, the schedule deadlocks across devices. Otherwise the schedule is
    compiled to a :class:`ScheduleGraph` (integers, an execution order), which is the
@@ -18,9 +18,7 @@ the device, the action (``"2F0"`` form) and the rule:
 from __future__ import annotations
 
 import numbers
-from collections import defaultdict, deque
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from .action import Action, ScheduleError
@@ -94,49 +92,6 @@ def check_placement(schedule: Schedule) -> list[int]:
             )
         placement.append(device)
     return placement
-
-
-@dataclass(frozen=True)
-class ScheduleGraph:
-    """A valid schedule compiled to integers: what validation, simulation and lowering read.
-
-    Built once per schedule (:meth:`Schedule.graph`, cached), so a 64-device, 512-microbatch
-    schedule is checked once and every simulation afterwards is one pass over integers.
-
-    Attributes:
-      lists: every device's action list.
-      split: the (stage, microbatch) pairs whose backward is split into I + W.
-      actions: every action, in an execution order (each after its dependencies and after
-        its device's previous action): the order every simulation evaluates them in.
-      device: the device of each action (same order).
-      deps: indices (into ``actions``) of what each action waits for: its data
-        dependencies (:func:`dependencies`, in that order) and its device's previous
-        action.
-      data: the data dependencies alone (same order as :func:`dependencies`).
-    """
-
-    lists: dict[int, tuple[Action, ...]]
-    split: frozenset[Unit]
-    actions: tuple[Action, ...]
-    device: tuple[int, ...]
-    deps: tuple[tuple[int, ...], ...]
-    data: tuple[tuple[int, ...], ...]
-
-    def run(self, cost: Callable[[Action], numbers.Real]) -> list[tuple[numbers.Real,
-                                                                      numbers.Real]]:
-        """``(start, end)`` of every action (in :attr:`actions` order) when each starts as
-        soon as its dependencies and its device's previous action have finished."""
-        end: list = [0] * len(self.actions)
-        out = []
-        append = out.append
-        for k, (a, deps) in enumerate(zip(self.actions, self.deps, strict=True)):
-            start = 0
-            for j in deps:  # at most three: a hot loop at scale, so no generator
-                if end[j] > start:
-                    start = end[j]
-            end[k] = finish = start + cost(a)
-            append((start, finish))
-        return out
 
 
 def check_structure(schedule: Schedule) -> tuple[dict[int, list[Action]], frozenset[Unit]]:
@@ -230,91 +185,6 @@ def check_structure(schedule: Schedule) -> tuple[dict[int, list[Action]], frozen
                     )
                 split.add((stage, mb))
     return lists, frozenset(split)
-
-
-def build_graph(schedule: Schedule) -> ScheduleGraph:
-    """Check ``schedule`` (structure, then deadlock) and compile it to a :class:`ScheduleGraph`.
-
-    Raises :class:`ScheduleError` (rule: cross-device deadlock) when no device can make
-    progress, naming each stuck device, the action it is stuck at and the dependency it
-    waits for.
-    """
-    lists, split = check_structure(schedule)
-    S, m = schedule.num_stages, schedule.num_microbatches
-    devices = sorted(lists)
-    # Actions as integer codes (kind, stage, mb) -> (k * S + s) * m + mb: the loop below
-    # runs once per action, and int keys hash far faster than tuples or Actions.
-    K = {kind: i for i, kind in enumerate("FBIW")}
-    codes = {d: [(K[a.kind] * S + a.stage) * m + a.microbatch for a in lists[d]]
-             for d in devices}
-    split_codes = {s_ * m + mb for s_, mb in split}
-    F, B, I_, W = (K[k] * S * m for k in "FBIW")
-
-    def data_deps(code: int) -> tuple[int, ...]:
-        kind_base, rest = divmod(code, S * m)
-        s_, mb = divmod(rest, m)
-        if kind_base == 0:  # F
-            return (F + rest - m,) if s_ > 0 else ()
-        if kind_base == 3:  # W
-            return (I_ + rest,)
-        if s_ < S - 1:  # B or I: its forward, and the next stage's input cotangent
-            return (F + rest, (I_ if rest + m in split_codes else B) + rest + m)
-        return (F + rest,)
-
-    # Kahn's algorithm along each device's order (the order devices are visited in does
-    # not change any simulated time, only the order actions are listed in).
-    pos = dict.fromkeys(devices, 0)
-    index: dict[int, int] = {}
-    order: list[Action] = []
-    dev: list[int] = []
-    deps_out: list[tuple[int, ...]] = []
-    data_out: list[tuple[int, ...]] = []
-    last = dict.fromkeys(devices, -1)
-    waiting: dict[int, list[int]] = defaultdict(list)
-    stuck_on: dict[int, int] = {}
-    queue = deque(devices)
-    while queue:
-        d = queue.popleft()
-        acts, mine, p_ = lists[d], codes[d], pos[d]
-        while p_ < len(acts):
-            code = mine[p_]
-            need = data_deps(code)
-            missing = next((x for x in need if x not in index), None)
-            if missing is not None:
-                waiting[missing].append(d)
-                stuck_on[d] = missing
-                break
-            k = len(order)
-            index[code] = k
-            order.append(acts[p_])
-            dev.append(d)
-            data = tuple(index[x] for x in need)
-            data_out.append(data)
-            deps_out.append(data + (last[d],) if last[d] >= 0 else data)
-            last[d] = k
-            p_ += 1
-            stuck_on.pop(d, None)
-            if code in waiting:
-                queue.extend(waiting.pop(code))
-        pos[d] = p_
-
-    stuck = [d for d in devices if pos[d] < len(lists[d])]
-    if stuck:
-        parts = []
-        owner = {c: d for d in devices for c in codes[d]}
-        for d in stuck:
-            kind_i, rest = divmod(stuck_on[d], S * m)
-            dep = Action("FBIW"[kind_i], *divmod(rest, m))
-            src = (f"device {owner[stuck_on[d]]}" if stuck_on[d] in owner
-                   else "no device (never scheduled)")
-            parts.append(f"device {d} is stuck at action {lists[d][pos[d]]} waiting for {dep} "
-                         f"(on {src})")
-        raise ScheduleError(
-            "cross-device deadlock: no device can make progress: " + "; ".join(parts)
-            + " (rule: no dependency cycle between devices' action orders)"
-        )
-    return ScheduleGraph({d: tuple(lists[d]) for d in devices}, split, tuple(order),
-                         tuple(dev), tuple(deps_out), tuple(data_out))
 
 
 def validate_schedule(schedule: Schedule) -> None:

@@ -315,13 +315,14 @@ class SpmdExecutor(Executor):
             "stage_residual_bytes": [p.nbytes() for p in lay.residuals],
         }
 
-    def timing_report(self, cost: Any) -> str:
+    def timing_report(self, cost: Any, *, schedule_makespan: float | None = None) -> str:
         """The lowered program against the schedule under the sync model (see
         :mod:`.sync`), e.g. ``lowered efficiency 0.982 (...)``."""
         from jaxpipe.runtime.spmd.sync import sync_report
 
-        return "lowered program: " + sync_report(self.spec.schedule, self.lowering,
-                                                 cost).summary()
+        report = sync_report(self.spec.schedule, self.lowering, cost,
+                             async_makespan=schedule_makespan)
+        return "lowered program: " + report.summary()
 
     def fingerprint(self) -> dict[str, str]:
         digest = hashlib.sha256(self.lowering.table.digest_bytes()).hexdigest()[:16]

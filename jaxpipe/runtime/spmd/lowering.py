@@ -11,10 +11,11 @@ The lowering runs in small steps, each a function of its own:
    from an earlier tick, and its own device's outputs from any earlier step.
 3. :func:`list_messages` — every value that crosses from one action to another: the
    stage carry (F -> next stage's F) and the cotangent (B/I -> previous stage's B/I).
-4. :func:`allocate` — buffers sized by liveness, per value class (shape, dtype). A
-   stored value lives from the step that writes it to its last reader's step; a message
-   from its arrival to the step that reads it. Slots are assigned first-fit, so a
-   buffer has as many slots as are live at once on the busiest device.
+4. :func:`allocate` (:mod:`.allocate`) — buffers sized by liveness, per value class
+   (shape, dtype). A stored value lives from the step that writes it to its last
+   reader's step; a message from its arrival to the step that reads it. Slots are
+   assigned first-fit, so a buffer has as many slots as are live at once on the busiest
+   device.
 5. :func:`fill_table` — one row per (step, device) of the typed :class:`TickTable`.
 
 The result, :class:`Lowering`, is read by name by the program (:mod:`.program`).
@@ -22,7 +23,6 @@ The result, :class:`Lowering`, is read by name by the program (:mod:`.program`).
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,11 +30,13 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxpipe.runtime.spmd.allocate import Allocation, Pool, allocate
 from jaxpipe.schedule import ACTION_KINDS, Action, Schedule
-from jaxpipe.schedule.validate import ScheduleGraph
+from jaxpipe.schedule.graph import ScheduleGraph, paused_gc
 
 __all__ = [
     "IDLE",
+    "Allocation",
     "Lowering",
     "Message",
     "Pool",
@@ -54,31 +56,12 @@ __all__ = [
 #: Branch id of a step in which a device does nothing.
 IDLE = 0
 
+_KIND = {kind: i for i, kind in enumerate(ACTION_KINDS)}  # kind -> its index
+
 
 def branch_id(kind: str, body: int, num_bodies: int) -> int:
     """The program branch that runs ``kind`` for ``body`` (:data:`IDLE` is 0)."""
     return 1 + ACTION_KINDS.index(kind) * num_bodies + body
-
-
-class Pool(enum.IntEnum):
-    """The parts a stage's stored values are kept in, by who writes and who reads them.
-
-    Residuals are stored in two parts so that what only the input-gradient needs is
-    freed as soon as I has run; ``HANDOFF`` is what I hands to W.
-    """
-
-    RESIDUAL_A = 0  # written by F; read by B or I (freed there)
-    RESIDUAL_B = 1  # written by F; read by B, I and W (freed at B or W)
-    HANDOFF = 2  # written by I; read by W
-
-    @property
-    def writer(self) -> str:
-        return "I" if self is Pool.HANDOFF else "F"
-
-    @property
-    def readers(self) -> tuple[str, ...]:
-        return {Pool.RESIDUAL_A: ("B", "I"), Pool.RESIDUAL_B: ("B", "I", "W"),
-                Pool.HANDOFF: ("W",)}[self]
 
 
 @jax.tree_util.register_dataclass
@@ -247,7 +230,7 @@ class Ticks:
     """When every action of a schedule's graph runs (arrays indexed like ``graph.actions``).
 
     Attributes:
-      graph: the schedule's :class:`~jaxpipe.schedule.validate.ScheduleGraph`.
+      graph: the schedule's :class:`~jaxpipe.schedule.graph.ScheduleGraph`.
       device, tick, step: per action.
       tick_end: per tick, its last step (messages move at its end).
     """
@@ -281,24 +264,24 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False) -> Ticks:
     """
     graph = schedule.graph()
     n = len(graph.actions)
-    packed = np.zeros(n, bool)
     partner = np.arange(n)
+    packed = np.zeros(n, bool)
     if iw_same_tick:
-        for k, (a, deps, data) in enumerate(zip(graph.actions, graph.deps, graph.data,
-                                                strict=True)):
-            if a.kind == "W" and len(deps) > len(data):
-                prev = deps[-1]  # the device's previous action
-                if graph.actions[prev] == Action("I", a.stage, a.microbatch):
-                    packed[k], partner[k] = True, prev
-    zero = {graph.actions[k] for k in np.flatnonzero(packed)}
-    start = np.array([s for s, _ in graph.run(lambda a: 0 if a in zero else 1)], np.int64)
+        # a W whose device's previous action is its own I
+        prev = np.maximum(graph.prev, 0)
+        packed = ((graph.kinds == _KIND["W"]) & (graph.prev >= 0)
+                  & (graph.kinds[prev] == _KIND["I"]) & (graph.stages[prev] == graph.stages)
+                  & (graph.microbatches[prev] == graph.microbatches))
+        partner[packed] = graph.prev[packed]
+    starts, _ = graph.run_costs(np.where(packed, 0, 1).tolist())
+    start = np.array(starts, np.int64)
     tick = start[partner]
     sub = packed.astype(np.int64)
     n_ticks = int(tick.max()) + 1 if n else 0
     per_tick = np.ones(n_ticks, np.int64)
     np.maximum.at(per_tick, tick, sub + 1)
     first = np.concatenate([[0], np.cumsum(per_tick)[:-1]]).astype(np.int64)
-    return Ticks(graph, np.asarray(graph.device, np.int64), tick, first[tick] + sub,
+    return Ticks(graph, graph.devices, tick, first[tick] + sub,
                  first + per_tick - 1)
 
 
@@ -332,140 +315,16 @@ def list_messages(ticks: Ticks) -> Messages:
     """Every stage carry (F -> next stage's F) and cotangent (B/I -> previous stage's B/I),
     ordered by the producer's step and device."""
     graph = ticks.graph
-    prod, cons = [], []
-    for k, (a, data) in enumerate(zip(graph.actions, graph.data, strict=True)):
-        if a.kind == "F" and data:
-            prod.append(data[0])
-            cons.append(k)
-        elif a.kind in ("B", "I") and len(data) == 2:
-            prod.append(data[1])
-            cons.append(k)
-    p, c = np.asarray(prod, np.int64), np.asarray(cons, np.int64)
+    kind, data = graph.kinds, graph.data_deps
+    carry = (kind == _KIND["F"]) & (data[:, 0] >= 0)
+    cotangent = ((kind == _KIND["B"]) | (kind == _KIND["I"])) & (data[:, 1] >= 0)
+    c = np.flatnonzero(carry | cotangent)
+    p = np.where(carry[c], data[c, 0], data[c, 1])
     order = np.lexsort((c, ticks.device[p], ticks.step[p]))
     p, c = p[order], c[order]
     src, dst = ticks.device[p], ticks.device[c]
     sent = np.where(src == dst, ticks.step[p], ticks.tick_end[ticks.tick[p]])
     return Messages(p, c, src, dst, sent, ticks.step[c])
-
-
-# ----------------------------------------------------------------------------- step 4
-def _first_fit(intervals: Sequence[tuple[int, int, int, object]]) -> tuple[dict, int]:
-    """Offsets for ``(start, end, size, key)`` values live over steps ``(start, end]``.
-
-    A value is written by (or at the end of) step ``start`` and last read at step
-    ``end``, so two values may share slots when one is last read in the step whose action
-    writes the other: the program finishes an action's reads before its writes.
-    """
-    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size), still live
-    offsets = {}
-    top = 0
-    for start, end, size, key in sorted(intervals, key=lambda iv: (iv[0], -iv[2])):
-        if size == 0:
-            offsets[key] = 0
-            continue
-        # starts only grow: a value last read at or before this start never overlaps again
-        placed = [iv for iv in placed if iv[1] > start]
-        busy = sorted((o, o + s) for (a, b, o, s) in placed if a < end)
-        off = 0
-        for lo, hi in busy:
-            if off + size <= lo:
-                break
-            off = max(off, hi)
-        offsets[key] = off
-        placed.append((start, end, off, size))
-        top = max(top, off + size)
-    return offsets, top
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """Where stored values and messages live (output of :func:`allocate`).
-
-    Attributes:
-      base: per (pool, class), per action (``graph.actions`` order), the first slot the
-        action writes or reads that pool's part at (-1: the action does not touch it).
-      slots: per class, slots per device (the maximum over devices).
-      slots_per_device: per device, slots per class it needs.
-      message_slot: per message, its inbox slot.
-      num_inbox: inbox slots per device (the maximum over devices).
-      residual_peak: per device, the most residual sets live at once.
-    """
-
-    base: dict[tuple[Pool, Hashable], np.ndarray]
-    slots: dict[Hashable, int]
-    slots_per_device: tuple[dict[Hashable, int], ...]
-    message_slot: np.ndarray
-    num_inbox: int
-    residual_peak: tuple[int, ...]
-
-
-def allocate(ticks: Ticks, messages: Messages,
-             pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]]) -> Allocation:
-    """Liveness-sized slots for stored values (per class) and messages (per device).
-
-    ``pool_counts[pool][stage]`` gives, per class, the slots one microbatch of ``stage``
-    keeps in ``pool``. All pools of a class share one buffer: parts freed early (I-only
-    residuals) make room for others, so its size is the peak of what is live at once.
-    (The runtime gives the hand-off classes of their own, ``ValueClass.buffer``.)
-    """
-    from jaxpipe.schedule.liveness import peak_overlap
-
-    graph = ticks.graph
-    D = 1 + int(ticks.device.max()) if len(ticks.device) else 0
-    D = max(D, len(graph.lists))
-    # per unit (stage, mb): the action index of each kind
-    of_unit: dict[tuple[int, int], dict[str, int]] = {}
-    for k, a in enumerate(graph.actions):
-        of_unit.setdefault((a.stage, a.microbatch), {})[a.kind] = k
-    classes = sorted({c for counts in pool_counts.values() for row in counts for c in row},
-                     key=repr)
-    n = len(graph.actions)
-    base = {(pool, c): np.full(n, -1, np.int64) for pool in Pool for c in classes}
-    slots = dict.fromkeys(classes, 0)
-    units_of = [[] for _ in range(D)]
-    for unit, kinds in of_unit.items():
-        units_of[int(ticks.device[kinds["F"]])].append((unit, kinds))
-    per_device, peaks = [], []
-    access = [(pool, pool.writer, pool.readers) for pool in Pool]
-    step_of = ticks.step.tolist()
-    for d in range(D):
-        live = []  # (first step, last step, pool, unit, action indices)
-        lifetimes = []
-        for unit, kinds in units_of[d]:
-            steps = {kind: step_of[k] for kind, k in kinds.items()}
-            lifetimes.append((steps["F"], max(t for kind, t in steps.items() if kind != "F")))
-            for pool, writer, readers in access:
-                if writer in steps:
-                    mine = [r for r in readers if r in steps]
-                    last = max((steps[r] for r in mine), default=steps[writer])
-                    live.append((steps[writer], last, pool, unit,
-                                 [kinds[writer]] + [kinds[r] for r in mine]))
-        need = {}
-        for c in classes:
-            off, top = _first_fit([(a, b, pool_counts[pool][unit[0]].get(c, 0), i)
-                                   for i, (a, b, pool, unit, _) in enumerate(live)])
-            for i, (_, _, pool, _, acts) in enumerate(live):
-                if pool_counts[pool][live[i][3][0]].get(c, 0):
-                    base[(pool, c)][acts] = off[i]
-            slots[c] = max(slots[c], top)
-            need[c] = top
-        per_device.append(need)
-        # residual *sets* live from F to the last backward action (the simulator's count)
-        peaks.append(peak_overlap(lifetimes))
-    message_slot = np.zeros(len(messages), np.int64)
-    num_inbox = 0
-    local = (messages.src == messages.dst).astype(np.int64)
-    for d in range(D):
-        idx = np.flatnonzero(messages.dst == d)
-        # A message to another device arrives at the end of step `sent`; one from the same
-        # device is written *during* step `sent`, so it must not share with a message read
-        # in that step (start one step earlier).
-        off, top = _first_fit([(int(messages.sent[i] - local[i]), int(messages.read[i]), 1,
-                                int(i)) for i in idx])
-        for i in idx:
-            message_slot[i] = off[int(i)]
-        num_inbox = max(num_inbox, top)
-    return Allocation(base, slots, tuple(per_device), message_slot, num_inbox, tuple(peaks))
 
 
 # ----------------------------------------------------------------------------- step 5
@@ -479,9 +338,7 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
     T = ticks.num_steps
     dummy = alloc.num_inbox
     shape = (T, D)
-    kind = np.array([ACTION_KINDS.index(a.kind) for a in graph.actions], np.int64)
-    stage_of = np.array([a.stage for a in graph.actions], np.int64)
-    mb_of = np.array([a.microbatch for a in graph.actions], np.int64)
+    kind, stage_of, mb_of = graph.kinds, graph.stages, graph.microbatches
     t, d = ticks.step, ticks.device
     branch = np.full(shape, IDLE, np.int32)
     branch[t, d] = 1 + kind * num_bodies + np.asarray(body_of_stage, np.int64)[stage_of]
@@ -508,18 +365,16 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
     p_step, p_tick = ticks.step[messages.producer], ticks.tick[messages.producer]
     local = messages.src == messages.dst
     local_slot[p_step[local], messages.src[local]] = slot[local]
-    j_of = {off: j for j, off in enumerate(perm_offsets)}
-    used: dict[tuple[int, int, int], int] = {}
-    for i in np.flatnonzero(~local):
-        src, dst = int(messages.src[i]), int(messages.dst[i])
-        j = j_of[(dst - src) % D]
-        key = (int(p_tick[i]), src, j)
-        r = used.get(key, 0)
-        used[key] = r + 1
-        out_unit[p_step[i], src, j] = r
-        end = int(ticks.tick_end[p_tick[i]])
-        recv_slot[end, dst, j, r] = slot[i]
-        exchange[end, :, j] = True
+    # a message to another device goes out in unit r of its direction: the r-th message its
+    # device sends that way in the tick
+    remote = np.flatnonzero(~local)
+    src, dst = messages.src[remote], messages.dst[remote]
+    j = _offset_index(perm_offsets, (dst - src) % D)
+    r = _rank_in_group((p_tick[remote] * D + src) * len(perm_offsets) + j)
+    out_unit[p_step[remote], src, j] = r
+    end = ticks.tick_end[p_tick[remote]]
+    recv_slot[end, dst, j, r] = slot[remote]
+    exchange[end, :, j] = True
     return TickTable(branch, stage, microbatch, in_slot, local_slot, out_unit, recv_slot,
                      pool_base, exchange)
 
@@ -538,7 +393,14 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
       split_backward: run every B of the schedule as I then W (see :func:`expand`).
       iw_same_tick: a W right after its own I shares the I's tick (:func:`assign_ticks`).
     """
-    schedule.validate()
+    with paused_gc():
+        return _lower(schedule, pool_counts, body_of_stage, split_backward, iw_same_tick)
+
+
+def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
+           body_of_stage: Sequence[int] | None, split_backward: bool,
+           iw_same_tick: bool) -> Lowering:
+    schedule.graph()  # validates (once per schedule: the graph is cached)
     S, D = schedule.num_stages, schedule.num_devices
     if body_of_stage is None:
         body_of_stage = list(range(S))
@@ -548,12 +410,12 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
     messages = list_messages(ticks)
     remote = messages.src != messages.dst
     offsets = tuple(sorted({int(x) for x in (messages.dst - messages.src)[remote] % D}))
-    sends: dict[tuple[int, int, int], int] = {}
-    for p, a, b in zip(messages.producer[remote], messages.src[remote], messages.dst[remote],
-                       strict=True):
-        key = (int(ticks.tick[p]), int(a), offsets.index(int((b - a) % D)))
-        sends[key] = sends.get(key, 0) + 1
-    units = tuple(max((n for (_, _, j), n in sends.items() if j == jj), default=0)
+    src, dst = messages.src[remote], messages.dst[remote]
+    j = _offset_index(offsets, (dst - src) % D)
+    # per direction, the most messages one device sends that way in one tick
+    send = (ticks.tick[messages.producer[remote]] * D + src) * len(offsets) + j
+    sends, per_send = np.unique(send, return_counts=True)
+    units = tuple(int(per_send[sends % len(offsets) == jj].max(initial=0))
                   for jj in range(len(offsets)))
     alloc = allocate(ticks, messages, counts)
     pool_classes = {pool: sorted({c for row in counts[pool] for c in row}, key=repr)
@@ -579,6 +441,21 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
         slots_per_device=alloc.slots_per_device,
         split_backward=split,
     )
+
+
+def _offset_index(offsets: Sequence[int], offset: np.ndarray) -> np.ndarray:
+    """The index in ``offsets`` of every entry of ``offset`` (each one of them)."""
+    return np.searchsorted(np.asarray(offsets, np.int64), offset)
+
+
+def _rank_in_group(key: np.ndarray) -> np.ndarray:
+    """For every entry, how many earlier entries have the same key."""
+    order = np.argsort(key, kind="stable")
+    sorted_key = key[order]
+    first = np.searchsorted(sorted_key, sorted_key)  # the start of each entry's group
+    rank = np.empty(len(key), np.int64)
+    rank[order] = np.arange(len(key)) - first
+    return rank
 
 
 def _tick_of_step(ticks: Ticks) -> np.ndarray:

@@ -139,15 +139,18 @@ class SyncReport:
 
 
 def sync_report(schedule: Schedule, lowering: Lowering, cost: Cost | None = None,
-                transfer: float = 0.0) -> SyncReport:
+                transfer: float = 0.0, *, async_makespan: float | None = None) -> SyncReport:
     """Compare the lowered program with the schedule's asynchronous makespan.
 
-    ``cost``: per action; default F=1, B=2, I=W=1.
+    ``cost``: per action; default F=1, B=2, I=W=1. ``async_makespan``:
+    ``schedule.simulate(cost).makespan`` when the caller has already simulated it.
     """
     from jaxpipe.schedule.simulate import resolve_costs
 
     cost = resolve_costs(cost)
-    asyn = float(schedule.simulate(cost).makespan)
+    if async_makespan is None:
+        async_makespan = schedule.simulate(cost).makespan
+    asyn = float(async_makespan)
     low = lowered_makespan(lowering, cost, transfer)
     return SyncReport(asyn, low, asyn / low if low else 1.0, lowering.num_ticks,
                       lowering.num_steps, len(lowering.split_backward))
