@@ -190,11 +190,16 @@ def make_blocks_batch(cfg: GPTConfig, batch_size: int, seed: int = 0) -> dict[st
             "y": jnp.asarray(rng.standard_normal(shape), cfg.dtype)}
 
 
-def plain_value_and_grad(loss_fn: Callable, num_microbatches: int) -> Callable:
+def plain_value_and_grad(loss_fn: Callable, num_microbatches: int,
+                         microbatch_sharding: Any = None) -> Callable:
     """Plain JAX reference step: ``lax.scan`` over microbatches accumulating value and grad.
 
     Returns an (unjitted) ``f(params, batch) -> (mean loss, grads)``; the mean is over
-    microbatches, like :meth:`jaxpipe.Pipeline.value_and_grad`.
+    microbatches, like :meth:`jaxpipe.Pipeline.value_and_grad`. ``microbatch_sharding``
+    (e.g. ``NamedSharding(mesh, P(None, "data"))``) places the ``[m, rows, ...]``
+    microbatches so that every microbatch is split over the data axes, as a pipeline
+    splits them; without it, reshaping a batch sharded on its rows puts the sharding on
+    the microbatch axis and each scan step runs on one data shard's rows.
     """
     vg = jax.value_and_grad(loss_fn)
 
@@ -202,6 +207,8 @@ def plain_value_and_grad(loss_fn: Callable, num_microbatches: int) -> Callable:
         mbs = jax.tree.map(
             lambda x: x.reshape(num_microbatches, x.shape[0] // num_microbatches, *x.shape[1:]),
             batch)
+        if microbatch_sharding is not None:
+            mbs = jax.lax.with_sharding_constraint(mbs, microbatch_sharding)
 
         def body(carry, mb):
             loss, g = carry

@@ -126,7 +126,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
     placed_batch = jax.device_put(batch, NamedSharding(mh, P("data")))
     pipe = jp.pipeline(loss_fn, placed, placed_batch, mesh=mh, schedule=jp.OneFOneB(1, m),
                        cut="markers", param_specs=specs)
-    plain = jax.jit(C.plain_value_and_grad(loss_fn, m))
+    plain = jax.jit(C.plain_value_and_grad(loss_fn, m, NamedSharding(mh, P(None, "data"))))
     c_pipe, _, _ = C.compile_timed(pipe.value_and_grad_fn, placed, placed_batch)
     c_plain, _, _ = C.compile_timed(plain, placed, placed_batch)
     t = C.time_interleaved({"jaxpipe": (c_pipe, (placed, placed_batch)),
