@@ -55,6 +55,17 @@ def loss_fn(params: dict, mb: dict) -> jax.Array:
     return jnp.mean((h - mb["y"]) ** 2)
 
 
+def report(out: str, loss, grads, losses, trained, resumed) -> None:
+    """Process 0 writes what the test compares to ``<out>.npz``; every process says done."""
+    pid, n = jax.process_index(), jax.process_count()
+    if pid == 0:
+        flat = {"loss": loss, "train_losses": np.stack(losses), "resumed": np.stack(resumed)}
+        flat.update({f"grad_{i}": g for i, g in enumerate(jax.tree.leaves(grads))})
+        flat.update({f"trained_{i}": t for i, t in enumerate(jax.tree.leaves(trained))})
+        np.savez(out, **flat)
+    print(f"process {pid}/{n} done: loss={float(loss):.6f}", flush=True)
+
+
 def main(mode: str, out: str) -> None:
     pid, n = jax.process_index(), jax.process_count()
     assert n == 2 and jax.device_count() == 4 and jax.local_device_count() == 2, (
@@ -98,12 +109,7 @@ def main(mode: str, out: str) -> None:
     for a, b in zip(*map(jax.tree.leaves, after), strict=True):
         np.testing.assert_array_equal(a, b)
 
-    if pid == 0:
-        flat = {"loss": loss, "train_losses": np.stack(losses), "resumed": np.stack(resumed)}
-        flat.update({f"grad_{i}": g for i, g in enumerate(jax.tree.leaves(grads))})
-        flat.update({f"trained_{i}": t for i, t in enumerate(jax.tree.leaves(trained))})
-        np.savez(out, **flat)
-    print(f"process {pid}/{n} done: loss={float(loss):.6f}", flush=True)
+    report(out, loss, grads, losses, trained, resumed)
 
 
 # ------------------------------------------------------------- tensor parallel, sharded
@@ -136,7 +142,6 @@ def tp_optimizer() -> optax.GradientTransformation:
 
 
 def sharded(out: str) -> None:
-    pid, n = jax.process_index(), jax.process_count()
     mesh = jax.make_mesh((2, 2), ("pipe", "model"), axis_types=(AxisType.Auto,) * 2)
     # the pipe axis spans the processes; 'model' stays inside each
     for stage in range(2):
@@ -172,12 +177,7 @@ def sharded(out: str) -> None:
     state, m_orig = pipe.train_step(state, batch)
     restored, m_rest = pipe.train_step(restored, batch)
     resumed = [jpd.fetch(m_orig["loss"]), jpd.fetch(m_rest["loss"])]
-    if pid == 0:
-        flat = {"loss": loss, "train_losses": np.stack(losses), "resumed": np.stack(resumed)}
-        flat.update({f"grad_{i}": g for i, g in enumerate(jax.tree.leaves(grads))})
-        flat.update({f"trained_{i}": t for i, t in enumerate(jax.tree.leaves(trained))})
-        np.savez(out, **flat)
-    print(f"process {pid}/{n} done: loss={float(loss):.6f}", flush=True)
+    report(out, loss, grads, losses, trained, resumed)
 
 
 if __name__ == "__main__":

@@ -49,21 +49,15 @@ def _launch(*args: str, nproc: int = 2, devices: int = 2, timeout: float = LAUNC
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
 
 
-def test_two_processes_match_unpipelined(tmp_path):
-    out = tmp_path / "result.npz"
-    rc, log, _ = _launch(str(WORKER), "ok", str(out))
-    assert rc == 0, log
-    assert "[0] process 0/2 done" in log and "[1] process 1/2 done" in log, log
-    got = np.load(out)
-
-    w = _worker_module()
-    params, batch = w.make_model()
-    m = w.M
+def _check_against_unpipelined(got, loss_fn, params, batch, m, tx, steps) -> None:
+    """The workers' results (``report`` in mp_worker.py) against the unpipelined model in
+    this process: loss and gradients, ``steps`` train steps of ``tx``, and the resumed
+    checkpoint's next loss (bit-identical to the original's)."""
 
     def full_loss(p, b):  # the pipeline's loss: mean of per-microbatch losses
         mbs = [jax.tree.map(lambda x, i=i: x.reshape(m, -1, *x.shape[1:])[i], b)
                for i in range(m)]
-        return jnp.mean(jnp.stack([w.loss_fn(p, mb) for mb in mbs]))
+        return jnp.mean(jnp.stack([loss_fn(p, mb) for mb in mbs]))
 
     loss, grads = jax.value_and_grad(full_loss)(params, batch)
     np.testing.assert_allclose(got["loss"], loss, rtol=1e-5)
@@ -73,9 +67,8 @@ def test_two_processes_match_unpipelined(tmp_path):
         np.testing.assert_allclose(got[f"grad_{i}"], g, rtol=1e-5, atol=1e-7)
 
     # train_step across processes == optax on the unpipelined model
-    tx = optax.sgd(w.LR)
     opt, p, losses = tx.init(params), params, []
-    for _ in range(w.TRAIN_STEPS):
+    for _ in range(steps):
         val, g = jax.value_and_grad(full_loss)(p, batch)
         upd, opt = tx.update(g, opt, p)
         p = optax.apply_updates(p, upd)
@@ -87,6 +80,17 @@ def test_two_processes_match_unpipelined(tmp_path):
     # orbax checkpoint written by both processes, restored, one more step: bit-identical
     original, resumed = got["resumed"]
     assert np.isfinite(original) and original.tobytes() == resumed.tobytes()
+
+
+def test_two_processes_match_unpipelined(tmp_path):
+    out = tmp_path / "result.npz"
+    rc, log, _ = _launch(str(WORKER), "ok", str(out))
+    assert rc == 0, log
+    assert "[0] process 0/2 done" in log and "[1] process 1/2 done" in log, log
+    w = _worker_module()
+    params, batch = w.make_model()
+    _check_against_unpipelined(np.load(out), w.loss_fn, params, batch, w.M, optax.sgd(w.LR),
+                               w.TRAIN_STEPS)
     assert (tmp_path / "result.npz.ckpt" / "state").is_dir()
 
 
@@ -95,32 +99,11 @@ def test_two_processes_tensor_parallel_stages(tmp_path):
     out = tmp_path / "sharded.npz"
     rc, log, _ = _launch(str(WORKER), "sharded", str(out))
     assert rc == 0, log
-    got = np.load(out)
+    assert "[0] process 0/2 done" in log and "[1] process 1/2 done" in log, log
     w = _worker_module()
     params, batch = w.make_tp_model()
-    m = w.M
-
-    def full_loss(p, b):
-        mbs = [jax.tree.map(lambda x, i=i: x.reshape(m, -1, *x.shape[1:])[i], b)
-               for i in range(m)]
-        return jnp.mean(jnp.stack([w.tp_loss_fn(p, mb) for mb in mbs]))
-
-    loss, grads = jax.value_and_grad(full_loss)(params, batch)
-    np.testing.assert_allclose(got["loss"], loss, rtol=1e-5)
-    for i, g in enumerate(jax.tree.leaves(grads)):
-        np.testing.assert_allclose(got[f"grad_{i}"], g, rtol=1e-5, atol=1e-7)
-    tx = w.tp_optimizer()
-    opt, p, losses = tx.init(params), params, []
-    for _ in range(w.TRAIN_STEPS):
-        val, g = jax.value_and_grad(full_loss)(p, batch)
-        upd, opt = tx.update(g, opt, p)
-        p = optax.apply_updates(p, upd)
-        losses.append(val)
-    np.testing.assert_allclose(got["train_losses"], np.stack(losses), rtol=1e-5)
-    for i, x in enumerate(jax.tree.leaves(p)):
-        np.testing.assert_allclose(got[f"trained_{i}"], x, rtol=1e-5, atol=1e-6)
-    original, resumed = got["resumed"]
-    assert np.isfinite(original) and original.tobytes() == resumed.tobytes()
+    _check_against_unpipelined(np.load(out), w.tp_loss_fn, params, batch, w.M,
+                               w.tp_optimizer(), w.TRAIN_STEPS)
 
 
 def test_mismatched_config_across_processes_fails_clearly(tmp_path):
