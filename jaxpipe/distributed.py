@@ -259,7 +259,29 @@ def config_summary(pipe) -> dict[str, Any]:
     the executor's digests (for SPMD, of the lowered tick table: what the compiled
     program's collectives depend on).
     """
-    return pipe.fingerprint()
+    sched = pipe.schedule
+    actions = {str(d): [str(a) for a in acts] for d, acts in sched.actions().items()}
+    avals = pipe.traced.jaxpr.invars
+    n = pipe.traced.num_params
+    return {
+        "schedule": f"{type(sched).__module__}.{type(sched).__qualname__}",
+        "num_devices": sched.num_devices,
+        "num_microbatches": sched.num_microbatches,
+        "stages_per_device": sched.stages_per_device,
+        "actions_sha256": _sha(json.dumps(actions, sort_keys=True)),
+        "cuts": [int(c) for c in pipe.cuts],
+        "mesh": {str(k): int(v) for k, v in pipe.mesh.shape.items()},
+        "axis": pipe.axis,
+        "params": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[:n]],
+        "params_tree_sha256": _sha(str(pipe.traced.params_treedef)),
+        "microbatch": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[n:]],
+        "runtime": pipe.runtime.name,
+        # only when used, so pipelines without them keep their fingerprint
+        **({"batch_axes": list(pipe.batch_axes),
+            "param_specs": _sha(str(pipe.param_dims))}
+           if pipe.mesh_axes.param_axes else {}),
+        **pipe.executor.fingerprint(),
+    }
 
 
 def _sha(data: str | bytes) -> str:

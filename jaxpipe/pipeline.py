@@ -3,12 +3,11 @@
 :class:`Pipeline` is the frontend. It does the layers above the runtime seam, in order:
 
 1. trace ``loss_fn`` to a flat jaxpr with its candidate cuts (:mod:`jaxpipe.trace`);
-   a scanned layer stack is rewritten with a cut after every iteration
-   (:mod:`jaxpipe.stacks`);
-2. choose the cut (:mod:`jaxpipe.cut`, with the runtime's memory model);
-3. split the jaxpr into stage functions (:mod:`jaxpipe.stages`); a scanned stack is
-   first rewritten into one scan per stage over that stage's layers;
-4. build the runtime's executor from one :class:`~jaxpipe.runtime.RuntimeSpec`.
+2. choose the cut and split the jaxpr into stage functions (:mod:`jaxpipe.staging`:
+   the cutter of :mod:`jaxpipe.cut` with the runtime's memory model, then
+   :mod:`jaxpipe.stages`; a scanned layer stack is cut between its iterations and run as
+   one scan per stage, :mod:`jaxpipe.stacks`);
+3. build the runtime's executor from one :class:`~jaxpipe.runtime.RuntimeSpec`.
 
 Everything about where values live on devices and how the schedule runs is the
 executor's (``pipe.executor``); the frontend checks inputs, reshapes batches into
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import jax
@@ -45,74 +43,14 @@ from jaxpipe.inputs import (
 )
 from jaxpipe.runtime import Executor, Runtime, RuntimeSpec, resolve
 from jaxpipe.schedule import Schedule
-from jaxpipe.sharding import check_divisible, resolve_mesh_axes, to_spec
-from jaxpipe.stacks import Stack, find_stacks, for_stages, per_layer
-from jaxpipe.stages import StageFn, boundary_aval, param_owners, split, to_boundary
+from jaxpipe.sharding import resolve_mesh_axes, to_spec
+from jaxpipe.stacks import Stack
+from jaxpipe.stages import StageFn, boundary_aval, param_owners, to_boundary
+from jaxpipe.staging import stage
 from jaxpipe.trace import Traced, microbatch_like, trace
 from jaxpipe.views import ParamViews
 
 __all__ = ["Pipeline", "pipeline"]
-
-
-def _resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any,
-                  devices: tuple = ()) -> tuple[list[int], Any]:
-    """Marker positions after which a new stage starts, plus the cutter's report.
-
-    ``cut="auto"`` budgets the memory ``devices`` report (``jaxpipe.cut.auto_cut``).
-    """
-    from jaxpipe import cut as cutmod
-    from jaxpipe.avals import aval_bytes
-    from jaxpipe.cost import segment_costs
-
-    S = schedule.num_stages
-    n_seg = len(traced.markers) + 1
-    if S > n_seg:
-        raise PipelineError(
-            f"the schedule needs {S} stages but the loss has only {n_seg} cuttable segments "
-            f"({len(traced.markers)} markers); add jaxpipe.boundary / @jaxpipe.layer markers "
-            "or use fewer stages."
-        )
-    if isinstance(cut, str) and cut == "markers":
-        # Group segments evenly: segment boundaries at round(i * n_seg / S).
-        cut = cutmod.Cut(indices=[round(i * n_seg / S) - 1 for i in range(1, S)])
-    if isinstance(cut, str) and cut == "auto":
-        # every pipeline device also holds the whole batch (its data shard)
-        batch = sum(aval_bytes(v.aval) for v in traced.jaxpr.invars[traced.num_params:])
-        cut = cutmod.auto_cut(devices, held_bytes=batch * schedule.num_microbatches)
-    if isinstance(cut, cutmod.Cut):
-        if cut.indices is not None and len(cut.indices) != S - 1:
-            raise PipelineError(
-                f"Cut(indices={list(cut.indices)}) gives {len(cut.indices) + 1} stages but "
-                f"the schedule has {S}; pass {S - 1} marker indices."
-            )
-        # Explicit cuts go through the cutter too: it reports their predicted costs.
-        policies = cut.costed_policies()
-        # Per-stage peak in-flight microbatches follow from each device's action order
-        # alone: read them off the schedule's cached graph instead of having the cutter
-        # simulate for them (it simulates once, with the chosen stage costs).
-        peaks = schedule.graph().stage_peak_in_flight
-        in_flight = [peaks[s] for s in range(S)]
-        costs = segment_costs(traced, profile=cut.profile, remat=policies[:1])
-        if len(policies) > 1 and cut.remat == "auto" and cut.memory_budget is not None:
-            # Recomputation only adds time: when placement alone reaches the fastest
-            # cut within the budget, measuring the other policies buys nothing.
-            try:
-                plain = cutmod.choose_cuts(costs, schedule, replace(cut, remat="none"),
-                                           memory_model=memory_model, in_flight=in_flight)
-                if plain.max_stage_time <= plain.time_optimum:
-                    return list(plain.cuts), plain
-            except cutmod.CutError:
-                pass
-        if len(policies) > 1:
-            costs = segment_costs(traced, profile=cut.profile, remat=policies)
-        result = cutmod.choose_cuts(costs, schedule, cut, memory_model=memory_model,
-                                    in_flight=in_flight)
-        return list(result.cuts), result
-    hint = (f" (for explicit cuts: jp.Cut(indices={list(cut)!r}))"
-            if isinstance(cut, list | tuple) else "")
-    raise PipelineTypeError(
-        f"cut must be 'auto', 'markers' or a jaxpipe.Cut, got {cut!r}{hint}."
-    )
 
 
 class Pipeline:
@@ -215,28 +153,14 @@ class Pipeline:
         self.traced = trace(traced_loss, params, shard_mb)
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
-        # Scanned stacks: the cutter sees one segment per layer; the stages run one scan
-        # each over their own layers, reading their own rows of the stacked weights.
-        self.stacks: tuple[Stack, ...] = tuple(find_stacks(self.traced.jaxpr))
-        layers = per_layer(self.traced, self.stacks) if self.stacks else None
-        self.cut_traced: Traced = layers.traced if layers else self.traced
-        self.cuts, self.cut_report = _resolve_cuts(self.cut_traced, schedule, cut,
-                                                   self.runtime.memory_model,
-                                                   tuple(mesh.devices.flat))
-        if layers is not None:
-            staged, stage_cuts = for_stages(self.traced, self.stacks, layers, self.cuts)
-            stage_traced, self.views = staged.traced, staged.views
-        else:
-            stage_traced, stage_cuts = self.traced, self.cuts
-            self.views = ParamViews.whole(self.param_avals)
-        for v in self.views.views:  # a stage's rows of a stacked leaf must split too
-            if v.start is not None:
-                check_divisible(v.aval(self.param_avals[v.leaf]).shape,
-                                self.param_dims[v.leaf], mesh,
-                                f"param_specs{self._leaf_path(v.leaf)}",
-                                f" rows {v.start}:{v.stop} (one stage's layers)")
-        self.stages: list[StageFn] = split(stage_traced, stage_cuts,
-                                           remat=self.cut_report.remat)
+        st = stage(self.traced, schedule, cut, self.runtime.memory_model, mesh,
+                   self.param_dims)
+        self.stacks: tuple[Stack, ...] = st.stacks
+        self.cut_traced: Traced = st.cut_traced
+        self.cuts, self.cut_report = st.cuts, st.cut_report
+        self.views: ParamViews = st.views
+        self.stages: list[StageFn] = st.stages
+        stage_traced = st.stage_traced
         self.executor: Executor = self.runtime.build(RuntimeSpec(
             stages=tuple(self.stages),
             schedule=schedule,
@@ -495,18 +419,9 @@ class Pipeline:
         """
         from jaxpipe.train import Trainer, TrainOptions, TrainState
 
-        if isinstance(optimizer, type) or not (callable(getattr(optimizer, "init", None))
-                                               and callable(getattr(optimizer, "update", None))):
-            what = (f"the function {optimizer.__name__} (call it to make one)"
-                    if callable(optimizer) and hasattr(optimizer, "__name__")
-                    else type(optimizer).__name__)
-            raise PipelineTypeError(
-                f"optimizer must be an optax.GradientTransformation, got {what}; e.g. "
-                "optax.adamw(1e-3)."
-            )
         options = TrainOptions(skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
-        params = self._place_params(params, "pipe.init(params, ...)")
         trainer = Trainer(self.executor, optimizer, options, self.microbatches)
+        params = self._place_params(params, "pipe.init(params, ...)")
         # Replicated over the mesh, as train_step returns it (else the 2nd step recompiles).
         step = self.placement.put(np.zeros((), np.int32), self.placement.replicated, "step")
         return TrainState(self._shard_jit(jax.tree.leaves(params)),
@@ -566,37 +481,12 @@ class Pipeline:
 
         Schedule (class, p, m, v, a digest of every device's action list), cut, mesh,
         parameter and microbatch shapes, and the executor's own digests (e.g. of the
-        lowered tick table). Processes compare it before running collectives.
+        lowered tick table). Processes compare it before running collectives
+        (:func:`jaxpipe.distributed.config_summary`).
         """
-        import hashlib
-        import json
+        from jaxpipe.distributed import config_summary
 
-        def sha(data: str) -> str:
-            return hashlib.sha256(data.encode()).hexdigest()[:16]
-
-        sched = self.schedule
-        actions = {str(d): [str(a) for a in acts] for d, acts in sched.actions().items()}
-        avals = self.traced.jaxpr.invars
-        n = self.traced.num_params
-        return {
-            "schedule": f"{type(sched).__module__}.{type(sched).__qualname__}",
-            "num_devices": sched.num_devices,
-            "num_microbatches": sched.num_microbatches,
-            "stages_per_device": sched.stages_per_device,
-            "actions_sha256": sha(json.dumps(actions, sort_keys=True)),
-            "cuts": [int(c) for c in self.cuts],
-            "mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
-            "axis": self.axis,
-            "params": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[:n]],
-            "params_tree_sha256": sha(str(self.traced.params_treedef)),
-            "microbatch": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[n:]],
-            "runtime": self.runtime.name,
-            # only when used, so pipelines without them keep their fingerprint
-            **({"batch_axes": list(self.batch_axes),
-                "param_specs": sha(str(self.param_dims))}
-               if self.mesh_axes.param_axes else {}),
-            **self.executor.fingerprint(),
-        }
+        return config_summary(self)
 
 
 def pipeline(

@@ -39,7 +39,7 @@ import numpy as np
 import optax
 
 from jaxpipe.avals import is_differentiable
-from jaxpipe.errors import PipelineError
+from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.inputs import CompileWatch
 
 if TYPE_CHECKING:
@@ -165,6 +165,18 @@ def _output_inputs(closed: Any) -> list[list[int]]:
         _, used = pe.dce_jaxpr(jaxpr, [i == j for i in range(n)], instantiate=False)
         out.append([i for i, u in enumerate(used) if u])
     return out
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuse anything but an optax ``GradientTransformation`` (or a look-alike)."""
+    if isinstance(optimizer, type) or not (callable(getattr(optimizer, "init", None))
+                                           and callable(getattr(optimizer, "update", None))):
+        what = (f"the function {optimizer.__name__} (call it to make one)"
+                if callable(optimizer) and hasattr(optimizer, "__name__")
+                else type(optimizer).__name__)
+        raise PipelineTypeError(
+            f"optimizer must be an optax.GradientTransformation, got {what}; e.g. "
+            "optax.adamw(1e-3).")
 
 
 def check_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) -> None:
@@ -334,6 +346,7 @@ class Trainer:
 
     def __init__(self, executor: Executor, optimizer: optax.GradientTransformation,
                  options: TrainOptions, microbatches: Callable[[Any, Any], list]) -> None:
+        check_optimizer(optimizer)
         self.executor = executor
         self.optimizer = optimizer
         self.options = options
