@@ -106,7 +106,8 @@ class Packing:
     def read(self, bufs: Mapping[ValueClass, jax.Array], base: Mapping[ValueClass, Any]
              ) -> list[jax.Array]:
         """Leaf ``i`` = ``bufs[class][base[class] + rows[i]]`` (base may be traced)."""
-        return [jax.lax.dynamic_index_in_dim(bufs[c], base[c] + r, 0, keepdims=False)
+        return [jax.lax.dynamic_index_in_dim(bufs[c], base[c] + r, 0, keepdims=False,
+                                             allow_negative_indices=False)
                 for c, r in zip(self.classes, self.rows, strict=True)]
 
     def write(self, bufs: dict[ValueClass, jax.Array], base: Mapping[ValueClass, Any],
@@ -115,7 +116,7 @@ class Packing:
         bufs = dict(bufs)
         for c, r, x in zip(self.classes, self.rows, leaves, strict=True):
             bufs[c] = jax.lax.dynamic_update_index_in_dim(
-                bufs[c], jnp.asarray(x, c.dtype), base[c] + r, 0)
+                bufs[c], jnp.asarray(x, c.dtype), base[c] + r, 0, allow_negative_indices=False)
         return bufs
 
 

@@ -78,9 +78,10 @@ class TickTable:
       microbatch: the action's microbatch.
       in_slot: inbox slot holding the action's input message (stage carry or cotangent).
       local_slot: inbox slot for the action's output message when it stays on the
-        device (the turn of a V); the dummy slot otherwise.
+        device (the turn of a V); the dummy slot otherwise (not written).
       out_unit: ``[steps, devices, offsets]``: the unit of the outbox of each direction
-        the action's output message goes to (the dummy unit ``units[j]`` otherwise).
+        the action's output message goes to (``units[j]``, one past the last unit, when
+        it sends nothing that way: the program writes no outbox then).
       recv_slot: ``[steps, devices, offsets, units]``: inbox slot for each unit arriving
         over each permutation offset at the end of the step (the dummy slot if none).
       pool_base: per (pool, class), the first slot of that class where the action writes
