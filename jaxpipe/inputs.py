@@ -19,7 +19,7 @@ Four jobs, each a small class or function used by :class:`jaxpipe.Pipeline`:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -330,6 +330,40 @@ class CompileWatch:
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn.lower(*args, **kwargs)
+
+
+def check_pipeline_args(loss_fn: Any, schedule: Any, axis: Any, rng: Any) -> None:
+    """The types of ``jp.pipeline``'s plain arguments, each with the fix in its error."""
+    from jaxpipe.schedule import Schedule
+
+    if not isinstance(schedule, Schedule):
+        raise PipelineTypeError(
+            f"schedule must be a jaxpipe.Schedule instance, got {type(schedule).__name__};"
+            " e.g. jp.OneFOneB(num_devices=4, num_microbatches=8).")
+    if not callable(loss_fn):
+        raise PipelineTypeError(
+            f"loss_fn must be a function loss_fn(params, microbatch) -> scalar, got "
+            f"{type(loss_fn).__name__}; jp.pipeline(loss_fn, params, batch, ...).")
+    if not isinstance(axis, str):
+        raise PipelineTypeError(f"axis must be the name (str) of the pipeline mesh axis, "
+                                f"got {axis!r}.")
+    if not isinstance(rng, bool):
+        raise PipelineTypeError(f"rng must be True or False, got {rng!r}.")
+
+
+def check_microbatch_rows(mb_shapes: Sequence[tuple[int, ...]], num_microbatches: int,
+                          batch_shards: int, batch_axes: tuple[str, ...]) -> None:
+    """Every microbatch leaf has rows, and as many as split evenly over the batch axes."""
+    if any(shape[0] == 0 for shape in mb_shapes):
+        raise PipelineError(
+            "the batch is empty (batch size 0); pass at least num_microbatches="
+            f"{num_microbatches} rows.")
+    for shape in mb_shapes:
+        if shape[0] % batch_shards:
+            raise PipelineError(
+                f"microbatch size {shape[0]} is not divisible by the {batch_shards} devices "
+                f"of the data axes {batch_axes}; use a batch size divisible by "
+                f"{batch_shards * num_microbatches}.")
 
 
 def check_mesh(mesh: Mesh, axis: str, schedule: Schedule) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.errors import PipelineTypeError
 from jaxpipe.inputs import (
     CompileWatch,
     Placement,
@@ -35,8 +35,10 @@ from jaxpipe.inputs import (
     check_batch,
     check_key,
     check_mesh,
+    check_microbatch_rows,
     check_no_keys,
     check_params,
+    check_pipeline_args,
     leaf_paths,
     live_state,
     with_key,
@@ -88,20 +90,7 @@ class Pipeline:
                  mesh: Mesh, schedule: Schedule, cut: Any = "auto", axis: str = "pipe",
                  runtime: str | Runtime = "spmd", rng: bool = False,
                  batch_axes: Any = None, param_specs: Any = None) -> None:
-        if not isinstance(schedule, Schedule):
-            raise PipelineTypeError(
-                f"schedule must be a jaxpipe.Schedule instance, got {type(schedule).__name__};"
-                " e.g. jp.OneFOneB(num_devices=4, num_microbatches=8)."
-            )
-        if not callable(loss_fn):
-            raise PipelineTypeError(
-                f"loss_fn must be a function loss_fn(params, microbatch) -> scalar, got "
-                f"{type(loss_fn).__name__}; jp.pipeline(loss_fn, params, batch, ...).")
-        if not isinstance(axis, str):
-            raise PipelineTypeError(f"axis must be the name (str) of the pipeline mesh axis, "
-                                    f"got {axis!r}.")
-        if not isinstance(rng, bool):
-            raise PipelineTypeError(f"rng must be True or False, got {rng!r}.")
+        check_pipeline_args(loss_fn, schedule, axis, rng)
         self.runtime: Runtime = resolve(runtime)
         schedule.validate()
         self.loss_fn = loss_fn
@@ -122,19 +111,8 @@ class Pipeline:
         self._mb_shapes = [a.shape for a in jax.tree.leaves(mb)]
         self._batch_treedef = jax.tree.structure(batch)
         self._batch_dtypes = [a.dtype for a in jax.tree.leaves(mb)]
-        if any(shape[0] == 0 for shape in self._mb_shapes):
-            raise PipelineError(
-                "the batch is empty (batch size 0); pass at least num_microbatches="
-                f"{self.num_microbatches} rows.")
-        n = self.batch_shards
-        for leaf in jax.tree.leaves(mb):
-            if leaf.shape[0] % n:
-                raise PipelineError(
-                    f"microbatch size {leaf.shape[0]} is not divisible by the {n} devices of "
-                    f"the data axes {self.batch_axes}; use a batch size divisible by "
-                    f"{n * self.num_microbatches}."
-                )
-        check_no_keys(params)
+        check_microbatch_rows(self._mb_shapes, self.num_microbatches, self.batch_shards,
+                              self.batch_axes)
         # Stage functions run on one manual batch shard of a microbatch (the global view
         # of the batch axes left to JAX's sharding): trace at that size.
         n_manual = self._shards(self.mesh_axes.manual_batch_axes)
