@@ -207,8 +207,9 @@ def build_step(
     def gated(pred: Any, fn: Callable, x: Any, *args: Any) -> Any:
         """``fn(x, *args)`` if ``pred`` else ``x``: a zero-or-one-trip while loop, which
         updates ``x`` in place where ``lax.cond`` would copy it. ``args`` pass through an
-        optimization barrier tied to the trip counter, so XLA cannot hoist work on them
-        (a ``ppermute``) out of the loop and run it on every step."""
+        optimization barrier tied to the trip counter, so XLA's loop-invariant code motion
+        cannot hoist work on them (a stage's compute, a ``ppermute``) out of the loop and
+        run it on every step."""
         def body(c):
             i, x = c
             i, a = lax.optimization_barrier((i, args))
@@ -238,26 +239,15 @@ def build_step(
             mbd = [lax.dynamic_index_in_dim(x, row.microbatch, 0, keepdims=False,
                                             allow_negative_indices=False)
                    for x in batch]
-            # One zero-or-one-trip while loop per branch instead of lax.switch: a
-            # conditional copies every buffer its untaken branches pass through, while a
-            # while loop updates its carry in place.
+            # One gated loop per branch instead of lax.switch: a conditional copies every
+            # buffer its untaken branches pass through, while a loop updates its carry in
+            # place.
             state = (store, gbuf, empty_msg(), loss)
             for b in sorted(branches):
-                def body(c, b=b):
-                    # The barrier ties the loop-invariant inputs to the trip counter, or
-                    # XLA's loop-invariant code motion hoists the stage's compute out of
-                    # the zero-trip loop and runs it on every step.
-                    i, st = c
-                    if b in reads_inbox:
-                        i, (rw, pb, mb, ib) = lax.optimization_barrier(
-                            (i, (row, pbuf, mbd, inbox)))
-                    else:
-                        i, (rw, pb, mb) = lax.optimization_barrier((i, (row, pbuf, mbd)))
-                        ib = None
-                    return i + 1, branches[b](rw, pb, mb, ib, st)
-                state = lax.while_loop(
-                    lambda c, b=b: c[0] < (row.branch == b).astype(jnp.int32),
-                    body, (jnp.int32(0), state))[1]
+                ins = (row, pbuf, mbd, inbox) if b in reads_inbox else (row, pbuf, mbd)
+                state = gated(row.branch == b,
+                              lambda st, rw, pb, mb, ib=None, b=b: branches[b](rw, pb, mb, ib, st),
+                              state, *ins)
             store, gbuf, msg, loss = state
             # The message goes to its inbox slot (it stays here, the turn of a V) or to
             # its outbox unit. Each write is gated: most steps send nothing in a given
