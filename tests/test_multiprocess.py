@@ -82,28 +82,30 @@ def _check_against_unpipelined(got, loss_fn, params, batch, m, tx, steps) -> Non
     assert np.isfinite(original) and original.tobytes() == resumed.tobytes()
 
 
-def test_two_processes_match_unpipelined(tmp_path):
-    out = tmp_path / "result.npz"
-    rc, log, _ = _launch(str(WORKER), "ok", str(out))
+def _run_worker(mode: str, out: Path) -> dict:
+    """Run ``mp_worker.py mode`` on 2 processes; both must finish; its saved results."""
+    rc, log, _ = _launch(str(WORKER), mode, str(out))
     assert rc == 0, log
     assert "[0] process 0/2 done" in log and "[1] process 1/2 done" in log, log
+    return np.load(out)
+
+
+def test_two_processes_match_unpipelined(tmp_path):
+    got = _run_worker("ok", tmp_path / "result.npz")
     w = _worker_module()
     params, batch = w.make_model()
-    _check_against_unpipelined(np.load(out), w.loss_fn, params, batch, w.M, optax.sgd(w.LR),
+    _check_against_unpipelined(got, w.loss_fn, params, batch, w.M, optax.sgd(w.LR),
                                w.TRAIN_STEPS)
     assert (tmp_path / "result.npz.ckpt" / "state").is_dir()
 
 
 def test_two_processes_tensor_parallel_stages(tmp_path):
     """pipe 2 (across the processes) x model 2 (inside each): exact, trained, restored."""
-    out = tmp_path / "sharded.npz"
-    rc, log, _ = _launch(str(WORKER), "sharded", str(out))
-    assert rc == 0, log
-    assert "[0] process 0/2 done" in log and "[1] process 1/2 done" in log, log
+    got = _run_worker("sharded", tmp_path / "sharded.npz")
     w = _worker_module()
     params, batch = w.make_tp_model()
-    _check_against_unpipelined(np.load(out), w.tp_loss_fn, params, batch, w.M,
-                               w.tp_optimizer(), w.TRAIN_STEPS)
+    _check_against_unpipelined(got, w.tp_loss_fn, params, batch, w.M, w.tp_optimizer(),
+                               w.TRAIN_STEPS)
 
 
 def test_mismatched_config_across_processes_fails_clearly(tmp_path):
