@@ -47,6 +47,7 @@ from jaxpipe.avals import is_differentiable
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import eval_eqns, read
 from jaxpipe.remat import Remat, parse_remat
+from jaxpipe.structure import fragment_key
 from jaxpipe.trace import Traced, segments
 
 __all__ = ["StageFn", "boundary_aval", "has_user_remat", "is_key", "param_owners", "split"]
@@ -154,7 +155,8 @@ def split(traced: Traced, cuts: Sequence[int],
     unread = [v for v in jaxpr.invars[:n_p] if v not in read_anywhere]
 
     names = [n for n in traced.marker_names]
-    stages = []
+    stages: list[StageFn] = []
+    built: dict = {}
     for s, (a, b) in enumerate(ranges):
         carry_in = carry_after(s - 1) if s > 0 else []
         is_last = s == n_stages - 1
@@ -171,13 +173,23 @@ def split(traced: Traced, cuts: Sequence[int],
             if a <= m < b
         )
         groups = _remat_groups(eqns, [(x, y) for x, y in segs if a <= x < b], policies[s])
-        stages.append(
-            _build_stage(
-                s, (a, b), eqns[a:b], jaxpr, n_p, p_ids, b_ids, carry_in, carry_out,
-                const_vals, is_last, seg_names, groups, policies[s],
-            )
-        )
-    return [_keys_as_data(st) for st in stages]
+        # Stages computing the same function of their inputs (the blocks of a deep model)
+        # are traced once; the others take its jaxprs with their own bookkeeping.
+        p_vars = [jaxpr.invars[i] for i in p_ids]
+        b_vars = [jaxpr.invars[n_p + i] for i in b_ids]
+        key = (fragment_key(jaxpr, eqns[a:b], p_vars + b_vars + carry_in, carry_out, const_vals),
+               len(p_vars), len(b_vars), tuple((x - a, y - a, pol) for x, y, pol in groups),
+               policies[s], is_last)
+        if key in built:
+            stages.append(dataclasses.replace(
+                built[key], index=s, eqn_range=(a, b), param_ids=p_ids, batch_ids=b_ids,
+                names=seg_names))
+            continue
+        built[key] = _keys_as_data(_build_stage(
+            s, (a, b), eqns[a:b], jaxpr, n_p, p_ids, b_ids, carry_in, carry_out,
+            const_vals, is_last, seg_names, groups, policies[s]))
+        stages.append(built[key])
+    return stages
 
 
 def _stage_policies(remat: Sequence[Remat | str] | None, n_stages: int) -> list[Remat]:

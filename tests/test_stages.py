@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxpr_as_fun
 from models import MODELS, assert_matches, reference
 from split_schedule import DeferredW1F1B
 
@@ -78,6 +79,76 @@ def test_stages_do_not_duplicate_compute(model):
     for prim in ("dot_general", "tanh", "exp"):
         orig = count(t.jaxpr, prim)
         assert sum(count(st.fwd.jaxpr, prim) for st in stages) == orig, prim
+
+
+def test_identical_blocks_are_traced_once(monkeypatch):
+    """Stages computing the same function (the blocks of a deep model) share one trace;
+    the roles of their inputs (a batch leaf vs a carry), constants and custom rules keep
+    otherwise equal fragments apart."""
+    import jaxpipe.stages as stages_mod
+
+    built = []
+    real = stages_mod._build_stage
+    monkeypatch.setattr(stages_mod, "_build_stage",
+                        lambda s, *a: built.append(s) or real(s, *a))
+    loss_fn, params, batch = MODELS["mlp"](8)
+    t = trace(loss_fn, params, jax.tree.map(lambda x: x[:4], batch))
+    stages = split(t, list(range(7)))
+    # stage 0 reads x (a batch leaf), 1..6 a carry, the last one also y and the loss
+    assert built == [0, 1, 7]
+    assert [st.index for st in stages] == list(range(8))
+    assert [st.param_ids for st in stages] == [(2 * i, 2 * i + 1) for i in range(8)]
+
+    w = jnp.ones((4, 4))
+
+    @jax.custom_vjp
+    def double(x):
+        return 2 * x
+
+    double.defvjp(lambda x: (2 * x, None), lambda _, g: (2 * g,))
+
+    @jax.custom_vjp
+    def double_other_rule(x):
+        return 2 * x
+
+    double_other_rule.defvjp(lambda x: (2 * x, None), lambda _, g: (3 * g,))
+
+    def loss(p, b):
+        h = jp.boundary(jnp.tanh(b["x"] @ p[0]))
+        h = jp.boundary(jnp.tanh(h @ p[1]) * np.arange(4, dtype=np.float32))
+        h = jp.boundary(jnp.tanh(h @ p[2]) * np.arange(1, 5, dtype=np.float32))  # other values
+        h = jp.boundary(double(h @ p[3]))
+        h = jp.boundary(double_other_rule(h @ p[4]))            # another backward rule
+        return jnp.mean(h ** 2)
+
+    built.clear()
+    p5, b = [w] * 5, {"x": jnp.ones((4, 4))}
+    t = trace(loss, p5, b)
+    stages = split(t, [0, 1, 2, 3])
+    assert built == [0, 1, 2, 3, 4]
+    got = _run_stages(stages, p5, b)
+    want = jax.value_and_grad(loss)(p5, b)
+    assert_matches(got, want)
+
+
+def _run_stages(stages, params, batch):
+    """Loss and parameter gradients of ``stages`` run one after the other: every forward,
+    then every backward in reverse (what a pipeline does for one microbatch)."""
+    flat_p, flat_b = jax.tree.leaves(params), jax.tree.leaves(batch)
+    carry, saved = [], []
+    for st in stages:
+        ps, bs = [flat_p[i] for i in st.param_ids], [flat_b[i] for i in st.batch_ids]
+        outs = jaxpr_as_fun(st.fwd)(*ps, *bs, *carry)
+        carry, res = outs[:len(st.out_avals)], outs[len(st.out_avals):]
+        saved.append((ps, bs, res))
+    loss, grads, ct = carry[0], [jnp.zeros_like(x) for x in flat_p], [jnp.ones(())]
+    for st, (ps, bs, res) in zip(stages[::-1], saved[::-1], strict=True):
+        outs = jaxpr_as_fun(st.bwd)(*ps, *bs, *res, *ct)
+        n = sum(st.diff_param_mask)
+        for i, g in zip(st.param_ids, outs[:n], strict=True):
+            grads[i] = grads[i] + g
+        ct = outs[n:]
+    return loss, jax.tree.unflatten(jax.tree.structure(params), grads)
 
 
 def test_skip_connection_is_carried_through_middle_stage():
