@@ -493,7 +493,7 @@ def pipeline(
         split the batch (``batch_axes``) or shard parameters (``param_specs``), or both.
       schedule: any validated :class:`jaxpipe.Schedule`.
       cut: ``"auto"`` (memory-aware cutter), ``"markers"`` (markers grouped evenly into
-        ``num_stages`` stages), or a :class:`jaxpipe.Cut`.
+        ``num_stages`` stages, the outer ones taking any extra), or a :class:`jaxpipe.Cut`.
       axis: name of the pipeline mesh axis.
       runtime: ``"spmd"`` (one jit(shard_map) program), ``"reference"`` (sequential), or
         a :class:`jaxpipe.runtime.Runtime` instance.

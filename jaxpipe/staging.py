@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
@@ -28,7 +29,7 @@ from jaxpipe.stages import StageFn, split
 from jaxpipe.trace import Traced
 from jaxpipe.views import ParamViews
 
-__all__ = ["Staging", "resolve_cuts", "stage"]
+__all__ = ["Staging", "even_cuts", "resolve_cuts", "stage"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,22 @@ class Staging:
     stages: list[StageFn]
 
 
+def even_cuts(n_seg: int, num_stages: int) -> list[int]:
+    """Marker indices grouping ``n_seg`` segments into ``num_stages`` of sizes differing by
+    at most one (``cut="markers"``).
+
+    The larger stages are the outer ones (last, first, second to last, ...): the middle
+    stages of a model with an embedding before its blocks and a head after them then
+    hold equally many blocks, compute the same function and compile as one body.
+    """
+    size = [n_seg // num_stages] * num_stages
+    ends = [s for k in range((num_stages + 1) // 2)
+            for s in dict.fromkeys((num_stages - 1 - k, k))]
+    for s in ends[: n_seg % num_stages]:
+        size[s] += 1
+    return [int(x) - 1 for x in np.cumsum(size)[:-1]]
+
+
 def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any,
                   devices: tuple = ()) -> tuple[list[int], Any]:
     """Marker positions after which a new stage starts, plus the cutter's report.
@@ -74,8 +91,7 @@ def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any
             "or use fewer stages."
         )
     if isinstance(cut, str) and cut == "markers":
-        # Group segments evenly: segment boundaries at round(i * n_seg / S).
-        cut = cutmod.Cut(indices=[round(i * n_seg / S) - 1 for i in range(1, S)])
+        cut = cutmod.Cut(indices=even_cuts(n_seg, S))
     if isinstance(cut, str) and cut == "auto":
         # every pipeline device also holds the whole batch (its data shard)
         batch = sum(aval_bytes(v.aval) for v in traced.jaxpr.invars[traced.num_params:])

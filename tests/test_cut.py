@@ -569,3 +569,25 @@ def test_bad_memory_models():
         partition(_uniform(4), range(2), [1, 1], memory_model="spmd")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="workspace_residual_sets"):
         MemoryModel("x", False, None, -1.0)
+
+
+@given(n=st.integers(1, 200), S=st.integers(1, 16))
+def test_markers_cut_groups_evenly_with_the_larger_stages_outside(n, S):
+    """cut="markers": sizes differ by at most one and the extra segments go to the outer
+    stages, so with up to two extra (an embedding before the blocks, a head after them)
+    every middle stage holds as many segments as the others and they share one body."""
+    from jaxpipe.staging import even_cuts
+
+    if S > n:
+        return
+    cuts = even_cuts(n, S)
+    sizes = np.diff([-1, *cuts, n - 1])
+    assert len(cuts) == S - 1 and sizes.sum() == n and sizes.min() >= 1
+    assert sizes.max() - sizes.min() <= (1 if n % S else 0)
+    big = [s for s in range(S) if sizes[s] > n // S]
+    assert len(big) == n % S
+    # outermost first: the larger stages are the r stages closest to either end
+    dist = sorted(min(s, S - 1 - s) for s in range(S))
+    assert sorted(min(s, S - 1 - s) for s in big) == dist[: n % S]
+    if n % S <= 2 and S > 2:
+        assert len(set(sizes[1:-1].tolist())) == 1
