@@ -12,6 +12,8 @@ layer of the package can be used on its own.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -56,3 +58,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+class _Package(types.ModuleType):
+    """The package module. Importing a submodule binds it as an attribute of its package,
+    so once anything imported ``jaxpipe.pipeline`` (the module), ``jaxpipe.pipeline``
+    would be that module instead of the function; a public name keeps its value."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

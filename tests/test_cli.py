@@ -108,3 +108,14 @@ def test_directory_as_schedule_file_and_bad_sizes(tmp_path, capsys):
     assert "is a directory" in capsys.readouterr().err
     assert main(["simulate", "1f1b", "-p", "2", "-m", "2", "--width", "0"]) == 2
     assert "must be a positive int" in capsys.readouterr().err
+
+
+def test_public_function_survives_importing_its_module_first():
+    """``from jaxpipe.pipeline import Pipeline`` (the module) before ``jp.pipeline`` (the
+    function) used to leave ``jp.pipeline`` bound to the module: not callable."""
+    code = ("import jaxpipe.pipeline\nfrom jaxpipe.pipeline import Pipeline\n"
+            "import jaxpipe as jp\nassert callable(jp.pipeline), jp.pipeline\n"
+            "assert jp.Pipeline is Pipeline\n"
+            "import jaxpipe.schedule\nassert jp.schedule is jaxpipe.schedule\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
