@@ -18,6 +18,7 @@ Four jobs, each a small class or function used by :class:`jaxpipe.Pipeline`:
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -49,11 +50,10 @@ def _kind(x: Any) -> str:
 
     if isinstance(x, TrainState):
         return "state"
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return ""
-    if isinstance(x, nnx.Module | nnx.State):
+    # An nnx object exists only once its module is imported; importing flax.nnx here
+    # would add half a second to every pipeline's first call.
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(x, nnx.Module | nnx.State):
         return "flax"
     return ""
 
