@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CompileWatch", "Placement", "RecompileWarning", "check_alive", "check_batch",
            "check_key", "check_mesh", "check_no_keys", "check_params", "leaf_paths",
-           "live_state", "with_key"]
+           "live_state"]
 
 
 def leaf_paths(treedef: Any) -> list[str]:
@@ -385,15 +385,6 @@ def check_mesh(mesh: Mesh, axis: str, schedule: Schedule) -> tuple[str, ...]:
             f"num_devices={schedule.num_devices}; make them equal."
         )
     return tuple(a for a in mesh.axis_names if a != axis)
-
-
-def with_key(loss_fn: Callable[..., jax.Array]) -> Callable[[Any, Any], jax.Array]:
-    """``loss_fn(params, mb, key)`` as a two-argument loss over ``(mb, keys)``."""
-    def traced(params: Any, batch: Any) -> jax.Array:
-        microbatch, keys = batch
-        return loss_fn(params, microbatch, keys[0])
-
-    return traced
 
 
 def check_no_keys(params: Any) -> None:

@@ -41,15 +41,14 @@ from jaxpipe.inputs import (
     check_pipeline_args,
     leaf_paths,
     live_state,
-    with_key,
 )
-from jaxpipe.runtime import Executor, Runtime, RuntimeSpec, resolve
+from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
 from jaxpipe.sharding import resolve_mesh_axes, to_spec
 from jaxpipe.stacks import Stack
-from jaxpipe.stages import StageFn, boundary_aval, param_owners, to_boundary
+from jaxpipe.stages import StageFn, to_boundary
 from jaxpipe.staging import stage
-from jaxpipe.trace import Traced, microbatch_like, trace
+from jaxpipe.trace import Traced, microbatch_like, trace_shard
 from jaxpipe.views import ParamViews
 
 __all__ = ["Pipeline", "pipeline"]
@@ -113,22 +112,10 @@ class Pipeline:
         self._batch_dtypes = [a.dtype for a in jax.tree.leaves(mb)]
         check_microbatch_rows(self._mb_shapes, self.num_microbatches, self.batch_shards,
                               self.batch_axes)
-        # Stage functions run on one manual batch shard of a microbatch (the global view
-        # of the batch axes left to JAX's sharding): trace at that size.
-        n_manual = self._shards(self.mesh_axes.manual_batch_axes)
-        shard_mb = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((a.shape[0] // n_manual, *a.shape[1:]), a.dtype),
-            mb)
         self.key_dtype = jax.random.key(0).dtype if rng else None
-        if rng:
-            # One key per microbatch piece rides along as a hidden batch leaf (a stage
-            # sees those of its automatic batch axes and draws with the first).
-            traced_loss = with_key(loss_fn)
-            shard_mb = (shard_mb, jax.ShapeDtypeStruct(
-                (self._shards(self.mesh_axes.auto_batch_axes),), self.key_dtype))
-        else:
-            traced_loss = loss_fn
-        self.traced = trace(traced_loss, params, shard_mb)
+        self.traced = trace_shard(
+            loss_fn, params, mb, self._shards(self.mesh_axes.manual_batch_axes),
+            self._shards(self.mesh_axes.auto_batch_axes) if rng else 0, self.key_dtype)
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
         st = stage(self.traced, schedule, cut, self.runtime.memory_model, mesh,
@@ -138,25 +125,8 @@ class Pipeline:
         self.cuts, self.cut_report = st.cuts, st.cut_report
         self.views: ParamViews = st.views
         self.stages: list[StageFn] = st.stages
-        stage_traced = st.stage_traced
-        self.executor: Executor = self.runtime.build(RuntimeSpec(
-            stages=tuple(self.stages),
-            schedule=schedule,
-            mesh=mesh,
-            axis=axis,
-            batch_axes=self.batch_axes,
-            param_avals=tuple(v.aval for v in stage_traced.jaxpr.invars[
-                : stage_traced.num_params]),
-            params_treedef=self.traced.params_treedef,
-            # key-typed batch leaves reach a runtime as key data (see jaxpipe.stages)
-            microbatch_avals=tuple(boundary_aval(v.aval) for v in self.traced.jaxpr.invars[
-                self.traced.num_params:]),
-            param_owners=param_owners(self.stages),
-            param_tree_leaves=() if self.views.is_whole else self.views.leaf_of,
-            param_dims=(tuple(self.param_dims[v.leaf] for v in self.views.views)
-                        if any(any(d) for d in self.param_dims) else ()),
-            param_axes=self.mesh_axes.param_axes,
-        ))
+        self.executor: Executor = self.runtime.build(st.runtime_spec(
+            self.traced, schedule, mesh, axis, self.mesh_axes, self.param_dims))
         self._param_paths = leaf_paths(self.traced.params_treedef)
         self._vg = jax.jit(self._value_and_grad)
         self._staged_vg = jax.jit(self._staged_value_and_grad)

@@ -22,10 +22,11 @@ from jax.sharding import Mesh
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.inputs import leaf_paths
+from jaxpipe.runtime import RuntimeSpec
 from jaxpipe.schedule import Schedule
-from jaxpipe.sharding import Dims, check_divisible
+from jaxpipe.sharding import Dims, MeshAxes, check_divisible
 from jaxpipe.stacks import Stack, find_stacks, for_stages, per_layer
-from jaxpipe.stages import StageFn, split
+from jaxpipe.stages import StageFn, boundary_aval, param_owners, split
 from jaxpipe.trace import Traced
 from jaxpipe.views import ParamViews
 
@@ -54,6 +55,29 @@ class Staging:
     views: ParamViews
     stage_traced: Traced
     stages: list[StageFn]
+
+    def runtime_spec(self, traced: Traced, schedule: Schedule, mesh: Mesh, axis: str,
+                     mesh_axes: MeshAxes, param_dims: Sequence[Dims]) -> RuntimeSpec:
+        """What a runtime needs to run these stages (``traced``: the user's loss as
+        traced, whose parameters are the user's leaves)."""
+        inner = self.stage_traced
+        return RuntimeSpec(
+            stages=tuple(self.stages),
+            schedule=schedule,
+            mesh=mesh,
+            axis=axis,
+            batch_axes=mesh_axes.batch_axes,
+            param_avals=tuple(v.aval for v in inner.jaxpr.invars[: inner.num_params]),
+            params_treedef=traced.params_treedef,
+            # key-typed batch leaves reach a runtime as key data (see jaxpipe.stages)
+            microbatch_avals=tuple(boundary_aval(v.aval)
+                                   for v in traced.jaxpr.invars[traced.num_params:]),
+            param_owners=param_owners(self.stages),
+            param_tree_leaves=() if self.views.is_whole else self.views.leaf_of,
+            param_dims=(tuple(param_dims[v.leaf] for v in self.views.views)
+                        if any(any(d) for d in param_dims) else ()),
+            param_axes=mesh_axes.param_axes,
+        )
 
 
 def even_cuts(n_seg: int, num_stages: int) -> list[int]:

@@ -23,7 +23,7 @@ from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import eval_eqns, read
 from jaxpipe.markers import boundary_p
 
-__all__ = ["Traced", "trace", "segments", "microbatch_like"]
+__all__ = ["Traced", "trace", "trace_shard", "segments", "microbatch_like", "with_key"]
 
 # Call-like primitives whose bodies we may inline so markers inside them become cuttable.
 _INLINE = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"}
@@ -182,3 +182,31 @@ def segments(traced: Traced) -> list[tuple[int, int]]:
     """
     bounds = [0, *(i + 1 for i in traced.markers), len(traced.jaxpr.eqns)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def with_key(loss_fn: Callable[..., jax.Array]) -> Callable[[Any, Any], jax.Array]:
+    """``loss_fn(params, mb, key)`` as a two-argument loss over ``(mb, keys)``."""
+    def traced(params: Any, batch: Any) -> jax.Array:
+        microbatch, keys = batch
+        return loss_fn(params, microbatch, keys[0])
+
+    return traced
+
+
+def trace_shard(loss_fn: Callable[..., jax.Array], params: Any, microbatch: Any,
+                manual_shards: int, key_shards: int = 0, key_dtype: Any = None) -> Traced:
+    """Trace ``loss_fn`` on what one stage call sees: one manual batch shard of a microbatch.
+
+    Stage functions run on one manual batch shard (the global view of the automatic batch
+    axes is left to JAX's sharding), so the leading axis of every ``microbatch`` leaf is
+    divided by ``manual_shards``. With ``key_shards`` (a loss that draws random numbers),
+    one key per automatic batch shard rides along as a hidden batch leaf, and the stage
+    draws with the first (:func:`with_key`).
+    """
+    shard = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((a.shape[0] // manual_shards, *a.shape[1:]), a.dtype),
+        microbatch)
+    if not key_shards:
+        return trace(loss_fn, params, shard)
+    keys = jax.ShapeDtypeStruct((key_shards,), key_dtype)
+    return trace(with_key(loss_fn), params, (shard, keys))
