@@ -1,4 +1,5 @@
-"""Facts about abstract values used by every layer: size in bytes, differentiability.
+"""Facts about abstract values used by every layer: size in bytes, differentiability, and
+how a value crosses a stage boundary (PRNG keys as their key data).
 
 One definition each, so that the cost model, the stage splitter, the runtimes and the
 plan agree on what "differentiable" means and how big a value is.
@@ -9,10 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["aval_bytes", "format_bytes", "is_differentiable"]
+__all__ = ["aval_bytes", "boundary_aval", "format_bytes", "from_boundary",
+           "is_differentiable", "is_key", "to_boundary"]
 
 
 def is_differentiable(aval: Any) -> bool:
@@ -45,3 +48,33 @@ def format_bytes(nbytes: float) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{int(nbytes)} B"
+
+
+def is_key(aval: Any) -> bool:
+    """True for PRNG key values (``jax.random.key``): an extended dtype."""
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def boundary_aval(aval: Any) -> Any:
+    """How a value of abstract type ``aval`` crosses a stage boundary.
+
+    Keys cross as their raw key data (shape ``aval.shape + impl key shape``, ``uint32``);
+    every other value as itself.
+    """
+    if not is_key(aval):
+        return aval
+    sds = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    return jax.make_jaxpr(jax.random.key_data)(sds).out_avals[0]
+
+
+def to_boundary(x: Any) -> Any:
+    """A concrete or traced value in its boundary form (key data for keys)."""
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def from_boundary(x: Any, aval: Any) -> Any:
+    """Inverse of :func:`to_boundary` for a value whose traced type is ``aval``."""
+    if not is_key(aval):
+        return x
+    return jax.random.wrap_key_data(x, impl=aval.dtype._impl)

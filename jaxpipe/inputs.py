@@ -389,7 +389,7 @@ def check_mesh(mesh: Mesh, axis: str, schedule: Schedule) -> tuple[str, ...]:
 
 def check_no_keys(params: Any) -> None:
     """Refuse PRNG keys among the parameter leaves (they are not parameters)."""
-    from jaxpipe.stages import is_key
+    from jaxpipe.avals import is_key
 
     for path, x in jax.tree.flatten_with_path(params)[0]:
         if is_key(x):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpipe.avals import to_boundary
 from jaxpipe.errors import PipelineTypeError
 from jaxpipe.inputs import (
     CompileWatch,
@@ -46,7 +47,7 @@ from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
 from jaxpipe.sharding import resolve_mesh_axes, to_spec
 from jaxpipe.stacks import Stack
-from jaxpipe.stages import StageFn, to_boundary
+from jaxpipe.stages import StageFn
 from jaxpipe.staging import stage
 from jaxpipe.trace import Traced, microbatch_like, trace_shard
 from jaxpipe.views import ParamViews

@@ -21,7 +21,7 @@ through as non-differentiable inputs.
 PRNG keys (``jax.random.key`` values, an extended dtype) never appear at a stage's
 boundary: every key-typed input, output, residual or hand-off of a stage function is
 passed as its raw key data (``jax.random.key_data``, ``uint32``) and re-wrapped with
-its own implementation inside the stage (:func:`boundary_aval`). Runtimes keep
+its own implementation inside the stage (:func:`jaxpipe.avals.boundary_aval`). Runtimes keep
 messages and residuals in numeric buffers, so they only ever see plain dtypes; the
 batch and parameter leaves a runtime feeds in follow the same rule.
 
@@ -43,14 +43,14 @@ import jax
 from jax.extend import core as jcore
 from jax.extend.core import jaxpr_as_fun
 
-from jaxpipe.avals import is_differentiable
+from jaxpipe.avals import boundary_aval, from_boundary, is_differentiable, is_key, to_boundary
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import eval_eqns, read
 from jaxpipe.remat import Remat, parse_remat
 from jaxpipe.structure import fragment_key
 from jaxpipe.trace import Traced, segments
 
-__all__ = ["StageFn", "boundary_aval", "has_user_remat", "is_key", "param_owners", "split"]
+__all__ = ["StageFn", "has_user_remat", "param_owners", "split"]
 
 
 @dataclass
@@ -443,35 +443,6 @@ def _split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_pb: int, n_ct_out: int
         [v.aval for v in handoff],
         w_res_ids,
     )
-
-
-def is_key(aval) -> bool:
-    """True for PRNG key values (``jax.random.key``): an extended dtype."""
-    dtype = getattr(aval, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def boundary_aval(aval):
-    """How a value of abstract type ``aval`` crosses a stage boundary.
-
-    Keys cross as their raw key data (shape ``aval.shape + impl key shape``, ``uint32``);
-    every other value as itself.
-    """
-    if not is_key(aval):
-        return aval
-    return jax.make_jaxpr(jax.random.key_data)(_sds(aval)).out_avals[0]
-
-
-def to_boundary(x):
-    """A concrete or traced value in its boundary form (key data for keys)."""
-    return jax.random.key_data(x) if is_key(x) else x
-
-
-def from_boundary(x, aval):
-    """Inverse of :func:`to_boundary` for a value whose traced type is ``aval``."""
-    if not is_key(aval):
-        return x
-    return jax.random.wrap_key_data(x, impl=aval.dtype._impl)
 
 
 def _keys_as_data(st: StageFn) -> StageFn:

@@ -20,13 +20,14 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpipe.avals import boundary_aval
 from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.inputs import leaf_paths
 from jaxpipe.runtime import RuntimeSpec
 from jaxpipe.schedule import Schedule
 from jaxpipe.sharding import Dims, MeshAxes, check_divisible
 from jaxpipe.stacks import Stack, find_stacks, for_stages, per_layer
-from jaxpipe.stages import StageFn, boundary_aval, param_owners, split
+from jaxpipe.stages import StageFn, param_owners, split
 from jaxpipe.trace import Traced
 from jaxpipe.views import ParamViews
 
