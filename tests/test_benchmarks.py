@@ -133,3 +133,15 @@ def test_run_quick_completes_with_every_field(tmp_path: Path) -> None:
     assert auto["predicted_fits"] and auto["step_vs_auto_cpu"] == 1.0
     assert res["headline"]["memory_1f1b_vs_baseline_m4p"] is not None
     assert set(res["meta"]["plots"]) >= {"overhead.png", "baseline.png", "scaling.png"}
+
+
+def test_remat_tradeoff_measures_every_policy() -> None:
+    """benchmarks/remat_tradeoff.py: one row per (p, policy), ratios to the first policy;
+    saving only matmul outputs stores fewer residual leaves than saving all."""
+    from benchmarks import remat_tradeoff as RT
+
+    res = RT.measure([2], ["none", "dots"], layers=2, d_model=32)
+    none, dots = res["rows"]
+    assert (none["remat"], dots["remat"]) == ("none", "dots")
+    assert none["xla_s_ratio"] == 1.0 and dots["step_s"] > 0 and dots["temp_bytes"] > 0
+    assert sum(dots["residual_leaves"]) < sum(none["residual_leaves"])
