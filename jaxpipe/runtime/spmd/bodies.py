@@ -75,17 +75,35 @@ def _same_consts(a: list, b: list) -> bool:
     return True
 
 
+_JAXPRS = ("fwd", "bwd", "bwd_i", "bwd_w")
+
+
 def _signature(st: StageFn, slots: SlotLayout, sched: Schedule) -> tuple:
+    """Everything but the jaxprs two stages of one body must share (cheap to compare)."""
     D = sched.num_devices
     here = sched.placement(st.index)
     send = None if st.is_last else (sched.placement(st.index + 1) - here) % D
     back = None if st.index == 0 else (sched.placement(st.index - 1) - here) % D
     return (
-        tuple(str(f.jaxpr) for f in (st.fwd, st.bwd, st.bwd_i, st.bwd_w)),
         tuple(slots.slots[k][0] for k in slots.where[st.index]),
         st.batch_ids, st.is_last, st.index == 0, st.diff_param_mask, st.diff_in_mask,
         st.diff_out_mask, st.w_res_ids, send, back,
     )
+
+
+def _same_jaxprs(a: StageFn, b: StageFn, text: dict[int, str]) -> bool:
+    """The four jaxprs of ``a`` and ``b`` are equal. Stages that ``split`` traced once
+    share the objects; others are compared by their printed form (printed once each)."""
+    for k in _JAXPRS:
+        x, y = getattr(a, k), getattr(b, k)
+        if x is y:
+            continue
+        for f in (x, y):
+            if id(f) not in text:
+                text[id(f)] = str(f.jaxpr)
+        if text[id(x)] != text[id(y)] or not _same_consts(list(x.consts), list(y.consts)):
+            return False
+    return True
 
 
 def group_bodies(stages: Sequence[StageFn], slots: SlotLayout, schedule: Schedule,
@@ -96,13 +114,11 @@ def group_bodies(stages: Sequence[StageFn], slots: SlotLayout, schedule: Schedul
     """
     groups: list[list[int]] = []
     sigs: list[tuple] = []
+    text: dict[int, str] = {}  # id(jaxpr) -> printed, while the stages keep them alive
     for st in stages:
         sig = _signature(st, slots, schedule) if share else None
         for g, gsig in zip(groups, sigs, strict=True):
-            rep = stages[g[0]]
-            if share and sig == gsig and all(
-                    _same_consts(list(getattr(rep, k).consts), list(getattr(st, k).consts))
-                    for k in ("fwd", "bwd", "bwd_i", "bwd_w")):
+            if share and sig == gsig and _same_jaxprs(stages[g[0]], st, text):
                 g.append(st.index)
                 break
         else:
