@@ -216,6 +216,20 @@ def test_four_devices_auto_cut(model, expected):
     assert_matches(pipe.value_and_grad(params, batch), expected)
 
 
+def test_middle_stages_of_a_stack_share_one_body():
+    """6 scanned layers after an embedding, on 4 stages cut at the markers: the two
+    middle stages scan 2 layers each and compute the same function (their cut markers'
+    names differ, ``scan[2]`` vs ``scan[4]``), so they run through one compiled body with
+    their own rows of the stacked weights; the result stays exact."""
+    loss_fn, params, batch = scan_model(6)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(4), schedule=jp.OneFOneB(4, M),
+                       cut="markers")
+    assert [_layer_scans(st.fwd) for st in pipe.stages] == [[1], [2], [2], [1]]
+    assert pipe.executor.body_of_stage[1] == pipe.executor.body_of_stage[2]
+    assert len(pipe.executor.bodies) == 3
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
+
+
 # ------------------------------------------------------------------- model variants
 
 
