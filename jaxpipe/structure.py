@@ -5,14 +5,22 @@ leaves they read: the blocks of an unrolled transformer, the one-layer pieces of
 scanned stack the cutter costs. Turning a fragment into a stage (a ``jax.vjp`` trace
 of its forward and one of its backward) costs tens of milliseconds, so
 :func:`jaxpipe.stages.split` builds one stage per *structure* and reuses it for every
-fragment with the same key.
+fragment with the same key; the SPMD runtime compiles one body for stages whose jaxprs
+match the same way.
 
-The key is conservative: equal keys mean the fragments compute the same function of
-their inputs (cut markers' names aside: they label plans and compute nothing), so
-anything the printed jaxpr does not show (constant values, Python
-callables in equation parameters such as a ``custom_vjp``'s rules) enters the key by
-identity. Two fragments that are equal but hold such objects anew get different keys
-and are simply built twice.
+A key is the printed jaxpr (which fixes how values flow) plus everything printing does
+not show, compared by value where the object's type defines value equality and by
+identity otherwise:
+
+- every equation parameter, at every depth (a ``custom_jvp``'s rule, a sharding, a
+  dtype), sub-jaxprs walked the same way;
+- constants, and array literals (printed as ``[...]``), by identity;
+- every equation's context (``eqn.ctx``: compute type, PRNG partitioning, XLA metadata;
+  interned, so equal contexts are one object).
+
+Cut markers' names are left out: they label plans and compute nothing. Equal keys mean
+the fragments compute the same function of their inputs; two equal fragments that hold
+such objects anew get different keys and are simply built twice.
 """
 
 from __future__ import annotations
@@ -20,40 +28,51 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from jax.extend import core as jcore
 
 from jaxpipe.markers import boundary_p
 
-__all__ = ["fragment_key"]
-
-# Parameter values whose printed form says everything about them.
-_PLAIN = (int, float, bool, str, bytes, type(None), complex)
+__all__ = ["fragment_key", "unprinted"]
 
 
-def _opaque(value: Any, out: list[int]) -> None:
-    """Append ``id`` of every object inside ``value`` the printed jaxpr does not show."""
-    if isinstance(value, _PLAIN):
-        return
+def _param(value: Any, out: list) -> None:
     if isinstance(value, jcore.ClosedJaxpr):
         out.extend(id(c) for c in value.consts)
-        _opaque(value.jaxpr, out)
-        return
-    if isinstance(value, jcore.Jaxpr):
-        for eqn in value.eqns:
-            for v in eqn.params.values():
-                _opaque(v, out)
-        return
-    if isinstance(value, (tuple, list)):
+        _eqns(value.jaxpr.eqns, out)
+    elif isinstance(value, jcore.Jaxpr):
+        _eqns(value.eqns, out)
+    elif isinstance(value, (tuple, list)):
+        out.append(len(value))
         for v in value:
-            _opaque(v, out)
-        return
-    try:  # dtypes, enums, shardings, frozen dataclasses: printed from their value
-        hash(value)
-    except TypeError:
-        out.append(id(value))
-        return
-    if callable(value) and not isinstance(value, type):
-        out.append(id(value))
+            _param(v, out)
+    else:
+        try:
+            hash(value)
+        except TypeError:  # no value equality to rely on (arrays, dicts)
+            out.append(id(value))
+        else:  # compared with its own __eq__: by value or, for most objects, identity
+            out.append(value)
+
+
+def _eqns(eqns: Sequence[jcore.JaxprEqn], out: list) -> None:
+    for eqn in eqns:
+        out.append(eqn.ctx)
+        out.extend(id(v.val) for v in eqn.invars
+                   if isinstance(v, jcore.Literal) and np.ndim(v.val) > 0)
+        for name, value in eqn.params.items():
+            if eqn.primitive is boundary_p and name == "name":
+                continue
+            out.append(name)
+            _param(value, out)
+
+
+def unprinted(jaxpr: jcore.Jaxpr | jcore.ClosedJaxpr) -> tuple:
+    """What two jaxprs printing alike must also share to compute the same function (see
+    the module docstring); a closed jaxpr's own constants are left to the caller."""
+    out: list = []
+    _eqns(getattr(jaxpr, "jaxpr", jaxpr).eqns, out)
+    return tuple(out)
 
 
 def fragment_key(jaxpr: jcore.Jaxpr, eqns: Sequence[jcore.JaxprEqn],
@@ -70,13 +89,10 @@ def fragment_key(jaxpr: jcore.Jaxpr, eqns: Sequence[jcore.JaxprEqn],
         for v in eqn.invars:
             if isinstance(v, jcore.Var) and v in const_vals and v not in consts:
                 consts.append(v)
-    # A cut marker's name labels plans; it is not part of what the fragment computes.
     unnamed = [e.replace(params={**e.params, "name": None}) if e.primitive is boundary_p
                else e for e in eqns]
     text = str(jaxpr.replace(constvars=consts, invars=list(invars), outvars=list(outvars),
                              eqns=unnamed, debug_info=jaxpr.debug_info.with_unknown_names()))
-    opaque = [id(const_vals[v]) for v in consts]
-    for eqn in eqns:
-        for v in eqn.params.values():
-            _opaque(v, opaque)
+    opaque: list = [id(const_vals[v]) for v in consts]
+    _eqns(eqns, opaque)
     return text, tuple(opaque)

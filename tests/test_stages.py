@@ -131,6 +131,70 @@ def test_identical_blocks_are_traced_once(monkeypatch):
     assert_matches(got, want)
 
 
+def _act(scale):
+    """tanh with a custom derivative scaled by ``scale`` (a rule printing cannot show)."""
+    @jax.custom_jvp
+    def f(x):
+        return jnp.tanh(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return f(x), scale * (1 - jnp.tanh(x) ** 2) * t
+
+    return f
+
+
+@pytest.mark.parametrize("case", ["custom_jvp_rule", "array_literal"])
+def test_fragments_differing_only_where_printing_is_blind_are_not_merged(case):
+    """Two middle stages print alike but compute different things: a custom_jvp rule
+    closed over another scale, or (with simplified jaxpr constants) an array literal of
+    other values, printed as ``[...]``. Each must be traced on its own; gradients exact."""
+    w = [jnp.full((4, 4), 0.1 * (i + 1)) for i in range(4)]
+    b = {"x": jnp.ones((4, 4))}
+    acts = [_act(1.0), _act(5.0)]
+    scales = [np.full(4, 1.0, np.float32), np.full(4, 3.0, np.float32)]
+
+    def loss(p, b):
+        h = jp.boundary(jnp.tanh(b["x"] @ p[0]))
+        for i in range(2):
+            h = h @ p[i + 1]
+            h = jp.boundary(acts[i](h) if case == "custom_jvp_rule" else jnp.tanh(h) * scales[i])
+        return jnp.mean(jnp.tanh(h @ p[3]) ** 2)
+
+    before = jax.config.jax_use_simplified_jaxpr_constants
+    jax.config.update("jax_use_simplified_jaxpr_constants", case == "array_literal")
+    try:
+        t = trace(loss, w, b)
+        stages = split(t, [0, 1, 2])
+        assert stages[1].fwd is not stages[2].fwd
+        assert_matches(_run_stages(stages, w, b), jax.value_and_grad(loss)(w, b))
+    finally:
+        jax.config.update("jax_use_simplified_jaxpr_constants", before)
+
+
+def test_equation_context_enters_the_key():
+    """The same random draw under another PRNG partitioning (an equation context, which
+    the printed jaxpr does not show) computes other bits: other key."""
+    from jaxpipe.structure import fragment_key
+
+    def key_of(fn):
+        cj = jax.make_jaxpr(fn)(jax.random.key_data(jax.random.key(0)))
+        j = cj.jaxpr
+        consts = dict(zip(j.constvars, cj.consts, strict=True))
+        return fragment_key(j, j.eqns, j.invars, j.outvars, consts)
+
+    def draw(kd):
+        return jax.random.bits(jax.random.wrap_key_data(kd), (8,))
+
+    def other(kd):
+        with jax.threefry_partitionable(not jax.config.jax_threefry_partitionable):
+            return draw(kd)
+
+    assert key_of(draw) == key_of(draw)
+    assert key_of(draw) != key_of(other)
+
+
 def _run_stages(stages, params, batch):
     """Loss and parameter gradients of ``stages`` run one after the other: every forward,
     then every backward in reverse (what a pipeline does for one microbatch)."""

@@ -18,6 +18,7 @@ import numpy as np
 from jaxpipe.runtime.spmd.layout import SlotLayout, ValueClass
 from jaxpipe.schedule import Schedule
 from jaxpipe.stages import StageFn
+from jaxpipe.structure import unprinted
 
 __all__ = ["Body", "group_bodies"]
 
@@ -93,7 +94,8 @@ def _signature(st: StageFn, slots: SlotLayout, sched: Schedule) -> tuple:
 
 def _same_jaxprs(a: StageFn, b: StageFn, text: dict[int, str]) -> bool:
     """The four jaxprs of ``a`` and ``b`` are equal. Stages that ``split`` traced once
-    share the objects; others are compared by their printed form (printed once each)."""
+    share the objects; others are compared by their printed form (printed once each) and
+    what printing does not show (:func:`jaxpipe.structure.unprinted`)."""
     for k in _JAXPRS:
         x, y = getattr(a, k), getattr(b, k)
         if x is y:
@@ -101,7 +103,8 @@ def _same_jaxprs(a: StageFn, b: StageFn, text: dict[int, str]) -> bool:
         for f in (x, y):
             if id(f) not in text:
                 text[id(f)] = str(f.jaxpr)
-        if text[id(x)] != text[id(y)] or not _same_consts(list(x.consts), list(y.consts)):
+        if (text[id(x)] != text[id(y)] or unprinted(x) != unprinted(y)
+                or not _same_consts(list(x.consts), list(y.consts))):
             return False
     return True
 
