@@ -63,7 +63,11 @@ def __dir__() -> list[str]:
 class _Package(types.ModuleType):
     """The package module. Importing a submodule binds it as an attribute of its package,
     so once anything imported ``jaxpipe.pipeline`` (the module), ``jaxpipe.pipeline``
-    would be that module instead of the function; a public name keeps its value."""
+    would be that module instead of the function; a public name keeps its value.
+
+    ``from jaxpipe.pipeline import Pipeline`` works as usual; ``import jaxpipe.pipeline as
+    m`` binds the function (it did too whenever ``jp.pipeline`` had been used first), and
+    the module is ``sys.modules["jaxpipe.pipeline"]``."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _EXPORTS and isinstance(value, types.ModuleType):
