@@ -163,9 +163,6 @@ class Pipeline:
         multi-process batches with it to skip a reshard at every call."""
         return self.placement.batch
 
-    def _leaf_path(self, leaf: int) -> str:
-        return leaf_paths(self.traced.params_treedef)[leaf]
-
     def _shards(self, axes: tuple[str, ...]) -> int:
         return int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
 
