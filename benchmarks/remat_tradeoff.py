@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,20 +38,12 @@ def _point(cfg: Any, p: int, remat: str) -> dict[str, Any]:
     cut = jp.Cut(indices=even_cuts(cfg.n_layers + 1, p), remat=remat)
     pipe = jp.pipeline(C.gpt_loss(cfg), params, batch, mesh=mesh,
                        schedule=jp.OneFOneB(p, m), cut=cut)
-    lowered = pipe.value_and_grad_fn.lower(params, batch)
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    xla_s = time.perf_counter() - t0
-    jax.block_until_ready(compiled(params, batch))
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(params, batch))
-        times.append(time.perf_counter() - t0)
+    compiled, _, xla_s = C.compile_timed(pipe.value_and_grad_fn, params, batch)
+    step = C.time_compiled(compiled, params, batch, warmup=1, repeats=7)
     return {"residual_leaves": [len(st.residual_avals) for st in pipe.stages],
             "xla_s": xla_s,
             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-            "step_s": sorted(times)[3]}
+            "step_s": step["median_s"]}
 
 
 def measure(ps: list[int], policies: list[str], layers: int, d_model: int
