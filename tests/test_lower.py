@@ -13,6 +13,7 @@ from split_schedule import DeferredW1F1B
 import jaxpipe as jp
 from jaxpipe.runtime.spmd.lowering import (
     IDLE,
+    PROGRAM_KINDS,
     Pool,
     allocate,
     assign_ticks,
@@ -22,7 +23,7 @@ from jaxpipe.runtime.spmd.lowering import (
     lower,
 )
 from jaxpipe.runtime.spmd.sync import sync_report
-from jaxpipe.schedule import ACTION_KINDS
+from jaxpipe.schedule.graph import grouped_peaks
 
 A, B = "clsA", "clsB"  # two value classes (the lowering treats classes as opaque keys)
 
@@ -39,20 +40,41 @@ def _counts(schedule, a=3, b=2, h=1):
 
 def _decode(branch: int, num_stages: int) -> tuple[str, int]:
     k, s = divmod(branch - 1, num_stages)
-    return ACTION_KINDS[k], s
+    return PROGRAM_KINDS[k], s
 
 
-def _check_lowering(schedule, split=False, same_tick=False):
+def _peaks_without(run, stages):
+    """Per device, the most residual sets live at once along its action order, counting
+    no unit of ``stages`` (they store nothing)."""
+    g = run.graph()
+    first, last = g.unit_ends
+    units = np.flatnonzero(~np.isin(g.stages[first], list(stages)))
+    return grouped_peaks(g.devices[first[units]], g.positions[first[units]],
+                         g.positions[last[units]], run.num_devices)
+
+
+def _check_lowering(schedule, split=False, same_tick=False, fuse=False):
     run, _ = expand(schedule, split)
-    ticks = assign_ticks(run, same_tick)
+    ticks = assign_ticks(run, same_tick, fuse)
     when = ticks.timing()
     D = schedule.num_devices
-    # every action once, on its device, one action per (device, step), device order kept
+    fused = {a for a, f in zip(ticks.graph.actions, ticks.fused, strict=True) if f}
+    fused_stages = {a.stage for a in fused}
+    # a fused B runs in its own F's step, right after it on its device; whole stages only
+    assert fuse or not fused
+    for a in fused:
+        f = jp.Action("F", a.stage, a.microbatch)
+        assert a.kind == "B" and when[a] == when[f]
+        assert run.actions()[when[a].device].index(a) == run.actions()[when[a].device].index(f) + 1
+    assert {a for a in ticks.graph.actions if a.kind == "B" and a.stage in fused_stages} == fused
+    # every action once, on its device, one action per (device, step) but a fused pair,
+    # device order kept
     assert set(when) == {a for acts in run.actions().values() for a in acts}
     for d, acts in run.actions().items():
         steps = [when[a].step for a in acts]
         assert all(when[a].device == d for a in acts)
-        assert steps == sorted(steps) and len(set(steps)) == len(steps)
+        mine = sum(a in fused for a in acts)
+        assert steps == sorted(steps) and len(set(steps)) == len(steps) - mine
     messages = list_messages(ticks).as_list(ticks.graph.actions)
     S, m = schedule.num_stages, schedule.num_microbatches
     assert len(messages) == 2 * (S - 1) * m  # a carry and a cotangent per stage boundary
@@ -93,9 +115,12 @@ def _check_lowering(schedule, split=False, same_tick=False):
             for c2, s2, e2, lo2, hi2 in live[i + 1:]:
                 if c1 == c2 and s1 < e2 and s2 < e1:
                     assert hi1 <= lo2 or hi2 <= lo1
-    assert list(alloc.residual_peak) == list(schedule.simulate().peak_in_flight)
+    assert list(alloc.residual_peak) == _peaks_without(run, fused_stages)
+    if not fused:
+        assert list(alloc.residual_peak) == list(schedule.simulate().peak_in_flight)
 
-    low = lower(schedule, counts, split_backward=split, iw_same_tick=same_tick)
+    low = lower(schedule, counts, split_backward=split, iw_same_tick=same_tick, fuse_fb=fuse)
+    assert low.fused_stages == fused_stages
     t = low.table
     # rows decode back to exactly the program's actions
     seen = set()
@@ -106,7 +131,9 @@ def _check_lowering(schedule, split=False, same_tick=False):
                 continue
             kind, stage = _decode(b, S)
             assert branch_id(kind, stage, S) == b and int(t.stage[step, d]) == stage
-            seen.add(jp.Action(kind, stage, int(t.microbatch[step, d])))
+            assert (kind == "FB") == (stage in fused_stages)
+            for k in ("F", "B") if kind == "FB" else (kind,):
+                seen.add(jp.Action(k, stage, int(t.microbatch[step, d])))
     assert seen == set(low.actions)
     # every message arrives where its reader looks for it
     for msg in low.messages:
@@ -127,15 +154,35 @@ def _check_lowering(schedule, split=False, same_tick=False):
     lambda: jp.GPipe(4, 8), lambda: jp.OneFOneB(4, 8), lambda: jp.OneFOneB(3, 2),
     lambda: jp.Interleaved1F1B(2, 4, stages_per_device=2), lambda: DeferredW1F1B(4, 6),
 ])
-@pytest.mark.parametrize("split,same_tick", [(False, False), (True, False), (True, True)])
-def test_lowering_steps_builtin(make, split, same_tick):
-    _check_lowering(make(), split, same_tick)
+@pytest.mark.parametrize("split,same_tick,fuse", [
+    (False, False, False), (True, False, False), (True, True, False), (False, False, True)])
+def test_lowering_steps_builtin(make, split, same_tick, fuse):
+    _check_lowering(make(), split, same_tick, fuse)
 
 
 @settings(max_examples=30, deadline=None)
-@given(schedules(), st.booleans(), st.booleans())
-def test_lowering_steps_random_schedules(schedule, split, same_tick):
-    _check_lowering(schedule, split, same_tick)
+@given(schedules(), st.booleans(), st.booleans(), st.booleans())
+def test_lowering_steps_random_schedules(schedule, split, same_tick, fuse):
+    _check_lowering(schedule, split, same_tick, fuse)
+
+
+def test_last_stage_runs_f_and_b_in_one_step():
+    """fuse_fb: 1F1B's last stage runs every F and its B as one step (fewer ticks, no
+    residual stored there); GPipe's B do not follow their F, so nothing fuses. "auto"
+    fuses only where the fused device was the one that sized the buffers (p=1)."""
+    sched = jp.OneFOneB(4, 8)
+    plain, fused = lower(sched, _counts(sched)), lower(sched, _counts(sched), fuse_fb=True)
+    assert fused.fused_stages == {3} and plain.fused_stages == set()
+    assert fused.num_ticks < plain.num_ticks
+    assert fused.residual_peak == (*plain.residual_peak[:3], 0)
+    row = fused.table.branch[:, 3]
+    assert set(np.unique(row)) == {IDLE, branch_id("FB", 3, 4)}
+    assert lower(jp.GPipe(4, 8), _counts(jp.GPipe(4, 8)), fuse_fb=True).fused_stages == set()
+    assert lower(sched, _counts(sched), fuse_fb="auto").fused_stages == set()
+    one = jp.OneFOneB(1, 4)
+    auto = lower(one, _counts(one), fuse_fb="auto")
+    assert auto.fused_stages == {0} and auto.num_steps == 4
+    assert sum(auto.slots.values()) == 0
 
 
 def test_w_shares_its_i_tick():

@@ -48,6 +48,20 @@ def test_spmd_matches_value_and_grad(sched, p, m, model):
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, m))
 
 
+@pytest.mark.parametrize("p,fuse", [(4, True), (1, "auto"), (1, False)])
+def test_fused_last_stage_matches_value_and_grad(p, fuse):
+    """The last stage's F and B in one step (fuse_fb): exact, and that stage stores no
+    residuals. "auto" fuses at p=1, where the last stage is the busiest device."""
+    schedule = jp.OneFOneB(p, 6)
+    loss_fn, params, batch = MODELS["tiny_lm"](max(p, 3), batch=12)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((p,), ("pipe",)),
+                       schedule=schedule, cut="markers", runtime=SpmdRuntime(fuse_fb=fuse))
+    low = pipe.executor.lowering
+    assert low.fused_stages == (set() if fuse is False else {p - 1})
+    assert low.residual_peak[-1] == (1 if fuse is False else 0)
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 6))
+
+
 @pytest.mark.parametrize("runtime", [
     SpmdRuntime(split_backward=True), SpmdRuntime(split_backward=True, iw_same_tick=True)])
 def test_split_backward_runtimes_match_value_and_grad(runtime):

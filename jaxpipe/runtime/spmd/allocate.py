@@ -161,6 +161,10 @@ def allocate(ticks: Ticks, messages: Messages,
     step = np.where(index >= 0, ticks.step[np.maximum(index, 0)], -1)
     units = np.flatnonzero(index[0] >= 0)
     units = units[np.argsort(index[0, units], kind="stable")]
+    # a unit whose B runs in its F's step (ticks.fused) stores nothing
+    b_of = index[_KIND["B"], units]
+    stores = ~((b_of >= 0) & ticks.fused[np.maximum(b_of, 0)])
+    units = units[stores]
     unit_device = ticks.device[index[0, units]]
     unit_stage = units // m
     # residual sets live from F to the last backward action (the simulator's count)

@@ -49,17 +49,29 @@ class SpmdRuntime(Runtime):
         and permutation rendezvous, more steps; the I's cotangent then leaves after the
         W). Off by default: where devices run concurrently it delays the cotangent, and
         on CPU it measured no faster than separate ticks (benchmarks/step_overhead.py).
+      fuse_fb: run a B that directly follows its own F (the last stage's, whose cotangent
+        is its loss, in 1F1B and at p=1) in the F's step as one forward and backward, as
+        plain ``jax.value_and_grad`` does: that stage stores no residuals, the pair takes
+        one step, and its F and B compile as one branch. Only for stages whose every B
+        qualifies (see :func:`.fusion.fused_backwards`); not with ``split_backward``
+        (no B is left to fuse). ``"auto"`` (default): only where that does not raise the
+        stored bytes (always at p=1; at p>=2 the busiest device is another and the FB
+        step's scratch would add to it). ``True`` trades that memory for compile time
+        (GPT benchmark model p=2: XLA -17%, compiled memory +4%).
     """
 
     name: ClassVar[str] = "spmd"
 
     def __init__(self, *, share_bodies: bool = True, split_backward: bool | str = "auto",
-                 iw_same_tick: bool = False) -> None:
+                 iw_same_tick: bool = False, fuse_fb: bool | str = "auto") -> None:
         if split_backward not in (True, False, "auto"):
             raise PipelineError(
                 f"split_backward must be True, False or 'auto', got {split_backward!r}.")
         if not isinstance(iw_same_tick, bool):
             raise PipelineError(f"iw_same_tick must be True or False, got {iw_same_tick!r}.")
+        if fuse_fb not in (True, False, "auto"):
+            raise PipelineError(f"fuse_fb must be True, False or 'auto', got {fuse_fb!r}.")
+        self.fuse_fb = fuse_fb
         self.share_bodies = bool(share_bodies)
         self.split_backward = split_backward
         self.iw_same_tick = iw_same_tick
@@ -80,7 +92,8 @@ class SpmdRuntime(Runtime):
 
     def __repr__(self) -> str:
         return (f"SpmdRuntime(share_bodies={self.share_bodies}, "
-                f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick})")
+                f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick}, "
+                f"fuse_fb={self.fuse_fb!r})")
 
 
 class _InitOptState:
@@ -118,7 +131,8 @@ class SpmdExecutor(Executor):
             spec.stages, self.layouts.slots, sched, share=runtime.share_bodies)
         self.lowering: Lowering = lower(sched, self.layouts.pool_counts(), self.body_of_stage,
                                         split_backward=runtime.resolve_split(),
-                                        iw_same_tick=runtime.iw_same_tick)
+                                        iw_same_tick=runtime.iw_same_tick,
+                                        fuse_fb=runtime.fuse_fb)
         self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
                                 spec.mesh_axes, len(spec.microbatch_avals))
 

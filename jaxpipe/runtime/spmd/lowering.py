@@ -31,11 +31,13 @@ import jax
 import numpy as np
 
 from jaxpipe.runtime.spmd.allocate import Allocation, Pool, allocate
+from jaxpipe.runtime.spmd.fusion import fused_backwards, fusing_saves_memory
 from jaxpipe.schedule import ACTION_KINDS, Action, Schedule
 from jaxpipe.schedule.graph import ScheduleGraph, paused_gc
 
 __all__ = [
     "IDLE",
+    "PROGRAM_KINDS",
     "Allocation",
     "Lowering",
     "Message",
@@ -56,12 +58,17 @@ __all__ = [
 #: Branch id of a step in which a device does nothing.
 IDLE = 0
 
-_KIND = {kind: i for i, kind in enumerate(ACTION_KINDS)}  # kind -> its index
+#: What a program step runs: a schedule action kind, or ``"FB"``, a forward and its own
+#: backward in one step (see :func:`fused_backwards`).
+PROGRAM_KINDS = (*ACTION_KINDS, "FB")
+
+_KIND = {kind: i for i, kind in enumerate(PROGRAM_KINDS)}  # kind -> its index
 
 
 def branch_id(kind: str, body: int, num_bodies: int) -> int:
-    """The program branch that runs ``kind`` for ``body`` (:data:`IDLE` is 0)."""
-    return 1 + ACTION_KINDS.index(kind) * num_bodies + body
+    """The program branch that runs ``kind`` (one of :data:`PROGRAM_KINDS`) for ``body``
+    (:data:`IDLE` is 0)."""
+    return 1 + PROGRAM_KINDS.index(kind) * num_bodies + body
 
 
 @jax.tree_util.register_dataclass
@@ -159,6 +166,8 @@ class Lowering:
       slots_per_device: per device, slots per class it actually needs.
       split_backward: the (stage, microbatch) pairs whose B runs as I then W although the
         schedule says B.
+      fused_stages: stages whose every B runs in its F's step
+        (:func:`.fusion.fused_backwards`).
     """
 
     table: TickTable
@@ -178,6 +187,7 @@ class Lowering:
     residual_peak: tuple[int, ...]
     slots_per_device: tuple[dict[Hashable, int], ...]
     split_backward: frozenset[tuple[int, int]]
+    fused_stages: frozenset[int] = frozenset()
 
     @functools.cached_property
     def actions(self) -> dict[Action, Timing]:
@@ -234,6 +244,8 @@ class Ticks:
       graph: the schedule's :class:`~jaxpipe.schedule.graph.ScheduleGraph`.
       device, tick, step: per action.
       tick_end: per tick, its last step (messages move at its end).
+      fused: per action, True for a B that runs in its own F's step
+        (:func:`fused_backwards`; the two share ``tick`` and ``step``).
     """
 
     graph: ScheduleGraph
@@ -241,6 +253,7 @@ class Ticks:
     tick: np.ndarray
     step: np.ndarray
     tick_end: np.ndarray
+    fused: np.ndarray
 
     @property
     def num_steps(self) -> int:
@@ -255,18 +268,24 @@ class Ticks:
                 zip(self.graph.actions, self.device, self.tick, self.step, strict=True)}
 
 
-def assign_ticks(schedule: Schedule, iw_same_tick: bool = False) -> Ticks:
+def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
+                 fuse_fb: bool = False) -> Ticks:
     """One action per device per tick, ticks from the unit-cost simulation's start times
     (each device runs its actions in order, each as soon as its inputs exist).
 
     ``iw_same_tick``: a W that directly follows its own I on a device runs in the I's
     tick, as the tick's second step (the tick's messages, the I's cotangent among them,
     move after both). Fewer ticks, the same steps.
+
+    ``fuse_fb``: the B actions :func:`fused_backwards` picks run in their F's step.
     """
     graph = schedule.graph()
     n = len(graph.actions)
     partner = np.arange(n)
     packed = np.zeros(n, bool)
+    fused = fused_backwards(graph) if fuse_fb else np.zeros(n, bool)
+    if fused.any():
+        partner[fused] = graph.prev[fused]
     if iw_same_tick:
         # a W whose device's previous action is its own I
         prev = np.maximum(graph.prev, 0)
@@ -274,7 +293,7 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False) -> Ticks:
                   & (graph.kinds[prev] == _KIND["I"]) & (graph.stages[prev] == graph.stages)
                   & (graph.microbatches[prev] == graph.microbatches))
         partner[packed] = graph.prev[packed]
-    starts, _ = graph.run_costs(np.where(packed, 0, 1).tolist())
+    starts, _ = graph.run_costs(np.where(packed | fused, 0, 1).tolist())
     start = np.array(starts, np.int64)
     tick = start[partner]
     sub = packed.astype(np.int64)
@@ -283,7 +302,7 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False) -> Ticks:
     np.maximum.at(per_tick, tick, sub + 1)
     first = np.concatenate([[0], np.cumsum(per_tick)[:-1]]).astype(np.int64)
     return Ticks(graph, graph.devices, tick, first[tick] + sub,
-                 first + per_tick - 1)
+                 first + per_tick - 1, fused)
 
 
 # ----------------------------------------------------------------------------- step 3
@@ -339,8 +358,12 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
     T = ticks.num_steps
     dummy = alloc.num_inbox
     shape = (T, D)
-    kind, stage_of, mb_of = graph.kinds, graph.stages, graph.microbatches
-    t, d = ticks.step, ticks.device
+    # a fused B shares its F's row, which runs the FB branch
+    rows = np.flatnonzero(~ticks.fused)
+    kind = graph.kinds.copy()
+    kind[graph.prev[ticks.fused]] = _KIND["FB"]
+    kind, stage_of, mb_of = kind[rows], graph.stages[rows], graph.microbatches[rows]
+    t, d = ticks.step[rows], ticks.device[rows]
     branch = np.full(shape, IDLE, np.int32)
     branch[t, d] = 1 + kind * num_bodies + np.asarray(body_of_stage, np.int64)[stage_of]
     stage = np.zeros(shape, np.int32)
@@ -351,7 +374,7 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
     for pool in Pool:
         for c in pool_classes[pool]:
             col = np.zeros(shape, np.int32)
-            b = alloc.base[(pool, c)]
+            b = alloc.base[(pool, c)][rows]
             used = b >= 0
             col[t[used], d[used]] = b[used]
             pool_base[(pool, c)] = col
@@ -382,7 +405,7 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
 
 def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
           body_of_stage: Sequence[int] | None = None, *, split_backward: bool = False,
-          iw_same_tick: bool = False) -> Lowering:
+          iw_same_tick: bool = False, fuse_fb: bool | str = False) -> Lowering:
     """Lower ``schedule`` (validated here) given what each stage stores per microbatch.
 
     Args:
@@ -393,22 +416,33 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
         functions share one); default one body per stage.
       split_backward: run every B of the schedule as I then W (see :func:`expand`).
       iw_same_tick: a W right after its own I shares the I's tick (:func:`assign_ticks`).
+      fuse_fb: a last stage's B right after its own F runs in the F's step, storing no
+        residuals (:func:`.fusion.fused_backwards`). ``"auto"``: only where that does
+        not raise the stored bytes (:func:`.fusion.fusing_saves_memory`).
     """
     with paused_gc():
-        return _lower(schedule, pool_counts, body_of_stage, split_backward, iw_same_tick)
+        return _lower(schedule, pool_counts, body_of_stage, split_backward, iw_same_tick,
+                      fuse_fb)
 
 
 def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
            body_of_stage: Sequence[int] | None, split_backward: bool,
-           iw_same_tick: bool) -> Lowering:
+           iw_same_tick: bool, fuse_fb: bool | str) -> Lowering:
     schedule.graph()  # validates (once per schedule: the graph is cached)
     S, D = schedule.num_stages, schedule.num_devices
     if body_of_stage is None:
         body_of_stage = list(range(S))
     counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
     run, split = expand(schedule, split_backward)
-    ticks = assign_ticks(run, iw_same_tick)
+    ticks = assign_ticks(run, iw_same_tick, fuse_fb is True)
     messages = list_messages(ticks)
+    alloc = allocate(ticks, messages, counts)
+    if fuse_fb == "auto" and fused_backwards(ticks.graph).any():
+        fused = assign_ticks(run, iw_same_tick, True)
+        fused_messages = list_messages(fused)
+        fused_alloc = allocate(fused, fused_messages, counts)
+        if fusing_saves_memory(alloc, fused_alloc, fused, counts):
+            ticks, messages, alloc = fused, fused_messages, fused_alloc
     remote = messages.src != messages.dst
     offsets = tuple(sorted({int(x) for x in (messages.dst - messages.src)[remote] % D}))
     src, dst = messages.src[remote], messages.dst[remote]
@@ -418,7 +452,6 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
     sends, per_send = np.unique(send, return_counts=True)
     units = tuple(int(per_send[sends % len(offsets) == jj].max(initial=0))
                   for jj in range(len(offsets)))
-    alloc = allocate(ticks, messages, counts)
     pool_classes = {pool: sorted({c for row in counts[pool] for c in row}, key=repr)
                     for pool in Pool}
     table = fill_table(ticks, messages, alloc, offsets, units, body_of_stage,
@@ -441,6 +474,7 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
         residual_peak=alloc.residual_peak,
         slots_per_device=alloc.slots_per_device,
         split_backward=split,
+        fused_stages=frozenset(int(x) for x in ticks.graph.stages[ticks.fused]),
     )
 
 

@@ -2,7 +2,8 @@
 
 Every device runs the same program: ``lax.scan`` over the steps of the
 :class:`~.lowering.TickTable`. In a step, a device runs the branch of one (action kind,
-body) pair, or nothing:
+body) pair, or nothing (kind ``"FB"``: a last stage's F and its own B in one step, the
+residuals passed straight from one to the other):
 
 - parameters come from slots, whole arrays (a shared body whose members use different
   slots on one device picks the running stage's from a small table by ``row.stage``);
@@ -36,8 +37,14 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
-from jaxpipe.runtime.spmd.lowering import IDLE, Lowering, Pool, TickTable, branch_id
-from jaxpipe.schedule import ACTION_KINDS
+from jaxpipe.runtime.spmd.lowering import (
+    IDLE,
+    PROGRAM_KINDS,
+    Lowering,
+    Pool,
+    TickTable,
+    branch_id,
+)
 from jaxpipe.sharding import MeshAxes, constrain, manual_spec
 
 __all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
@@ -183,6 +190,20 @@ def build_step(
             store = L.pools[Pool.HANDOFF][s].write(store, bases(row, Pool.HANDOFF), outs[n:])
             return store, gbuf, as_msg(L.ct_in[s], outs[:n]), loss
 
+        def fb_branch(row, pbuf, mbd, inbox, state):
+            # F and its own B in one step (the last stage, fusion.fused_backwards): the
+            # residuals go straight from the forward to the backward, never to storage.
+            store, gbuf, msg, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            carry = L.act_in[s].read(inbox, unit_base(L.act_in[s], row.in_slot))
+            outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry)
+            n = len(st.out_avals)
+            loss = loss + outs[0].astype(jnp.float32)
+            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *outs[n:], *received_ct(row, inbox))
+            k = sum(st.diff_param_mask)
+            gbuf = accumulate(body, gbuf, row, outs[:k])
+            return store, gbuf, as_msg(L.ct_in[s], outs[k:]), loss
+
         def w_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
@@ -191,12 +212,13 @@ def build_step(
             ct_par = jaxpr_as_fun(st.bwd_w)(*params, *batch, *stored, *handoff)
             return store, accumulate(body, gbuf, row, ct_par), msg, loss
 
-        return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch}[kind]
+        return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch,
+                "FB": fb_branch}[kind]
 
     # Only (kind, body) pairs the schedule runs get a branch (e.g. no I/W for 1F1B).
     used = lowering.used_branches - {IDLE}
     branches = {branch_id(kind, b.index, num_bodies): make_branch(kind, b)
-                for kind in ACTION_KINDS for b in bodies
+                for kind in PROGRAM_KINDS for b in bodies
                 if branch_id(kind, b.index, num_bodies) in used}
 
     # W reads no message. Passing the inbox through its loops anyway made XLA copy the
