@@ -92,10 +92,12 @@ def _plain(loss_fn: Any, params: Any, batch: Any, m: int, ev: _Events) -> dict[s
 
 
 def _jaxpipe(loss_fn: Any, params: Any, batch: Any, p: int, v: int, m: int, ev: _Events,
-             layers: int = 0, remat: str = "none") -> dict[str, Any]:
+             layers: int = 0, remat: str = "none", fuse_fb: bool | str = "auto"
+             ) -> dict[str, Any]:
     import jax
 
     import jaxpipe as jp
+    from jaxpipe.runtime.spmd import SpmdRuntime
     from jaxpipe.staging import even_cuts
 
     mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
@@ -107,7 +109,8 @@ def _jaxpipe(loss_fn: Any, params: Any, batch: Any, p: int, v: int, m: int, ev: 
            else jp.Cut(indices=even_cuts(layers + 1, sched.num_stages), remat=remat))
     ev.take()
     t0 = time.perf_counter()
-    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut=cut)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut=cut,
+                       runtime=SpmdRuntime(fuse_fb=fuse_fb))
     build = time.perf_counter() - t0
     build_parts = ev.take()
     _, first = _wall(pipe.value_and_grad, params, batch)
@@ -118,7 +121,7 @@ def _jaxpipe(loss_fn: Any, params: Any, batch: Any, p: int, v: int, m: int, ev: 
 
 
 def measure(layers: list[int], ps: list[int], vs: list[int], variants: list[str],
-            remat: str = "none") -> dict[str, Any]:
+            remat: str = "none", fuse_fb: bool | str = "auto") -> dict[str, Any]:
     from benchmarks import common as C
 
     ev = _Events()
@@ -140,14 +143,14 @@ def measure(layers: list[int], ps: list[int], vs: list[int], variants: list[str]
                                            "m": m, "plain": plain_cache[key]}
                     try:
                         row["jaxpipe"] = _jaxpipe(loss_fn, params, batch, p, v, m, ev,
-                                                  L, remat)
+                                                  L, remat, fuse_fb)
                         row["ratio"] = row["jaxpipe"]["compile_s"] / row["plain"]["compile_s"]
                     except Exception as e:  # noqa: BLE001 - recorded, e.g. a refused scan
                         row["jaxpipe"], row["ratio"] = None, None
                         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     _log(row)
                     rows.append(row)
-    return {"rows": rows, "remat": remat,
+    return {"rows": rows, "remat": remat, "fuse_fb": fuse_fb,
             "targets": {"unrolled_ratio": 1.5, "scanned_ratio": 2.0,
                         "scanned_L64_over_L8": 1.2}}
 
@@ -188,13 +191,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--remat", default="none",
                     help="recomputation policy of every stage (jp.Cut(remat=)); 'none' is "
                          "cut='markers' as users get it")
+    ap.add_argument("--fuse-fb", default="auto", choices=["auto", "on", "off"],
+                    help="SpmdRuntime(fuse_fb=): the last stage's F and B in one step "
+                         "('auto': only where that stores no more bytes)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     if args.quick:
         args.layers, args.ps, args.vs = "4", "2", "1"
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     res = measure(ints(args.layers), ints(args.ps), ints(args.vs),
-                  [x for x in args.variants.split(",") if x], args.remat)
+                  [x for x in args.variants.split(",") if x], args.remat,
+                  {"auto": "auto", "on": True, "off": False}[args.fuse_fb])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compile_time.json").write_text(json.dumps(res, indent=2))

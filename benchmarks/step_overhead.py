@@ -64,12 +64,18 @@ def measure(quick: bool = False) -> dict[str, Any]:
     mesh1 = jax.make_mesh((1,), ("pipe",), devices=jax.devices()[:1])
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh1, schedule=jp.OneFOneB(1, m),
                        cut="markers")
+    # the p=1 stage runs each F and its B in one step (SpmdRuntime(fuse_fb="auto")); the
+    # same pipeline with separate F and B steps, as before that, for the comparison
+    unfused = jp.pipeline(loss_fn, params, batch, mesh=mesh1, schedule=jp.OneFOneB(1, m),
+                          cut="markers", runtime=SpmdRuntime(fuse_fb=False))
     plain = jax.jit(C.plain_value_and_grad(loss_fn, m))
     staged = pipe.shard(params)
     c_pipe, _, _ = C.compile_timed(pipe.value_and_grad_fn, params, batch)
+    c_unfused, _, _ = C.compile_timed(unfused.value_and_grad_fn, params, batch)
     c_staged, _, _ = C.compile_timed(pipe.staged_value_and_grad_fn, staged, batch)
     c_plain, _, _ = C.compile_timed(plain, params, batch)
     t = C.time_interleaved({"jaxpipe": (c_pipe, (params, batch)),
+                            "unfused": (c_unfused, (params, batch)),
                             "staged": (c_staged, (staged, batch)),
                             "plain": (c_plain, (params, batch))}, warmup=warmup,
                            repeats=repeats)
@@ -81,7 +87,9 @@ def measure(quick: bool = False) -> dict[str, Any]:
         # the same program on parameters already in the stage layout: what remains is the
         # program itself; the difference to ratio_cpu is moving parameters in and
         # gradients out of the layout
-        "staged_ratio_cpu": t["staged"]["cpu_median_s"] / t["plain"]["cpu_median_s"]}
+        "staged_ratio_cpu": t["staged"]["cpu_median_s"] / t["plain"]["cpu_median_s"],
+        "fused_stages": sorted(pipe.executor.lowering.fused_stages),
+        "unfused_ratio_cpu": t["unfused"]["cpu_median_s"] / t["plain"]["cpu_median_s"]}
     # --- I/W split vs B, 1F1B p=4
     p, m = 4, 8
     rows = {}
@@ -124,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res = measure(args.quick)
     o = res["p1_overhead"]
     print(f"p=1 overhead (public value_and_grad / plain JAX, CPU time): {o['ratio_cpu']:.3f}"
-          f" (wall {o['ratio_wall']:.3f}); on staged parameters: {o['staged_ratio_cpu']:.3f}")
+          f" (wall {o['ratio_wall']:.3f}); on staged parameters: {o['staged_ratio_cpu']:.3f};"
+          f" F and B in separate steps (fuse_fb=False): {o['unfused_ratio_cpu']:.3f}")
     for name, r in res["split_backward"]["rows"].items():
         print(f"I+W / B step time, {name}: {r['ratio_cpu']:.3f} (wall {r['ratio_wall']:.3f}); "
               f"W in its I's tick: {r['same_tick_ratio_cpu']:.3f} "
