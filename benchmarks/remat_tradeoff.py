@@ -9,6 +9,10 @@ its markers (1F1B, m = 2p, public ``value_and_grad``), the stored residual leave
 stage, XLA compile seconds (AOT ``lower().compile()``), the compiled program's temp
 memory and the step time (median of 7 calls, CPU) under each policy of ``jp.Cut(remat=)``,
 with ratios to ``"none"`` (store every residual, the default of explicit and marker cuts).
+
+``--fuse-fb off,on`` adds the other way to store less: the last stage running each F and
+its own B in one step (``SpmdRuntime(fuse_fb=)``, which stores nothing for that stage;
+``"auto"``, the default, does it only where it does not raise the stored bytes).
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _point(cfg: Any, p: int, remat: str) -> dict[str, Any]:
+def _point(cfg: Any, p: int, remat: str, fuse_fb: bool | str) -> dict[str, Any]:
     import jax
 
     import jaxpipe as jp
     from benchmarks import common as C
+    from jaxpipe.runtime.spmd import SpmdRuntime
     from jaxpipe.staging import even_cuts
 
     params = C.init_params(cfg, jax.random.key(0))
@@ -37,29 +42,32 @@ def _point(cfg: Any, p: int, remat: str) -> dict[str, Any]:
     # one marker per block: n_layers + 1 segments, grouped as cut="markers" does
     cut = jp.Cut(indices=even_cuts(cfg.n_layers + 1, p), remat=remat)
     pipe = jp.pipeline(C.gpt_loss(cfg), params, batch, mesh=mesh,
-                       schedule=jp.OneFOneB(p, m), cut=cut)
+                       schedule=jp.OneFOneB(p, m), cut=cut,
+                       runtime=SpmdRuntime(fuse_fb=fuse_fb))
     compiled, _, xla_s = C.compile_timed(pipe.value_and_grad_fn, params, batch)
     step = C.time_compiled(compiled, params, batch, warmup=1, repeats=7)
     return {"residual_leaves": [len(st.residual_avals) for st in pipe.stages],
             "xla_s": xla_s,
             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+            "fused_stages": sorted(pipe.executor.lowering.fused_stages),
             "step_s": step["median_s"]}
 
 
-def measure(ps: list[int], policies: list[str], layers: int, d_model: int
-            ) -> dict[str, Any]:
+def measure(ps: list[int], policies: list[str], layers: int, d_model: int,
+            fuses: tuple[bool | str, ...] = ("auto",)) -> dict[str, Any]:
     from benchmarks import common as C
 
     cfg = C.GPTConfig(n_layers=layers, d_model=d_model)
     rows = []
     for p in ps:
         base = None
-        for remat in policies:
-            r = {"p": p, "remat": remat, **_point(cfg, p, remat)}
+        for remat, fuse in ((pol, f) for pol in policies for f in fuses):
+            r = {"p": p, "remat": remat, "fuse_fb": fuse, **_point(cfg, p, remat, fuse)}
             base = base or r
             for k in ("xla_s", "temp_bytes", "step_s"):
                 r[f"{k}_ratio"] = r[k] / base[k]
-            print(f"p={p} remat={remat:9s} residual leaves {r['residual_leaves']} "
+            print(f"p={p} remat={remat:9s} fuse_fb={fuse!s:5s} "
+                  f"residual leaves {r['residual_leaves']} "
                   f"xla {r['xla_s']:.2f}s ({r['xla_s_ratio']:.2f}) temp "
                   f"{r['temp_bytes'] / 2**20:.1f} MiB ({r['temp_bytes_ratio']:.2f}) step "
                   f"{r['step_s'] * 1e3:.1f} ms ({r['step_s_ratio']:.2f})", flush=True)
@@ -75,10 +83,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="jp.Cut(remat=) values; the first is the baseline of the ratios")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--fuse-fb", default="auto",
+                    help="SpmdRuntime(fuse_fb=) values, comma-separated: auto, on, off")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     res = measure([int(x) for x in args.ps.split(",") if x],
-                  [x for x in args.policies.split(",") if x], args.layers, args.d_model)
+                  [x for x in args.policies.split(",") if x], args.layers, args.d_model,
+                  tuple({"auto": "auto", "on": True, "off": False}[x]
+                        for x in args.fuse_fb.split(",") if x))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "remat_tradeoff.json").write_text(json.dumps(res, indent=2))

@@ -145,3 +145,7 @@ def test_remat_tradeoff_measures_every_policy() -> None:
     assert (none["remat"], dots["remat"]) == ("none", "dots")
     assert none["xla_s_ratio"] == 1.0 and dots["step_s"] > 0 and dots["temp_bytes"] > 0
     assert sum(dots["residual_leaves"]) < sum(none["residual_leaves"])
+    # the fused last stage (p=1: the only stage) against separate F and B steps
+    off, on = RT.measure([1], ["none"], layers=2, d_model=32, fuses=(False, True))["rows"]
+    assert (off["fused_stages"], on["fused_stages"]) == ([], [0])
+    assert on["temp_bytes"] < off["temp_bytes"]

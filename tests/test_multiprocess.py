@@ -11,6 +11,7 @@ timeout. Every subprocess runs under a timeout, so nothing here can hang the sui
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -209,3 +210,15 @@ def test_single_process_helpers():
     np.testing.assert_array_equal(jpd.fetch(b)["x"], np.arange(8.0).reshape(4, 2))
     if os.environ.get(jpd.ENV_NUM_PROCESSES) is None:
         assert jax.process_count() == 1
+
+
+def test_overlap_probe_runs(tmp_path):
+    """benchmarks/overlap_probe.py (ppermute beside compute, 2 processes) runs and
+    writes its medians; a smoke run, its ratios are for benchmarks/README.md."""
+    rc, out, _ = _launch("benchmarks/overlap_probe.py", "--ticks", "2", "--heavy", "2",
+                         "--light", "1", "--message", "64", "--repeats", "1",
+                         "--out", str(tmp_path), devices=1)
+    assert rc == 0, out[-2000:]
+    res = json.loads((tmp_path / "overlap_probe.json").read_text())
+    assert set(res["median_s"]) == {"nocomm", "sync", "async"}
+    assert all(t > 0 for t in res["median_s"].values())
