@@ -230,6 +230,35 @@ def test_middle_stages_of_a_stack_share_one_body():
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_stacked_residuals_go_straight_between_scans_and_storage(model, expected, split):
+    """Every residual a stage's layer scan stacks is written into its storage row by the
+    forward scan itself and read back by the backward scan (B, or I and W), so no stacked
+    block is built and copied in or out whole; exact either way."""
+    from jaxpipe.runtime.spmd import SpmdRuntime, scanio
+
+    loss_fn, params, batch = model
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M),
+                       cut=jp.Cut(indices=[1]), runtime=SpmdRuntime(split_backward=split))
+    for st in pipe.stages:
+        n_out, n_pb = len(st.out_avals), len(st.param_ids) + len(st.batch_ids)
+        res = range(len(st.residual_avals))
+        layers = sum(_layer_scans(st.fwd))
+        stacked = {i for i in res if st.residual_avals[i].shape[:1] == (layers,)
+                   and st.residual_avals[i].ndim == 3}
+        assert stacked, st.residual_avals
+        written = {i - n_out for i in scanio.direct_outputs(st.fwd, [n_out + i for i in res])}
+        assert stacked <= written
+        for bwd in (st.bwd, st.bwd_i):  # (stage 0's I computes no input gradient)
+            used = {id(v) for e in bwd.jaxpr.eqns for v in e.invars}
+            needed = {i for i in stacked if id(bwd.jaxpr.invars[n_pb + i]) in used}
+            read = {i - n_pb for i in scanio.direct_inputs(bwd, [n_pb + i for i in res])}
+            assert needed <= read
+            if bwd is st.bwd:  # B reads every stacked residual
+                assert needed == stacked
+    assert_matches(pipe.value_and_grad(params, batch), expected)
+
+
 # ------------------------------------------------------------------- model variants
 
 

@@ -103,21 +103,32 @@ class Packing:
     def nbytes(self) -> int:
         return sum(aval_bytes(a) for a in self.avals)
 
-    def read(self, bufs: Mapping[ValueClass, jax.Array], base: Mapping[ValueClass, Any]
-             ) -> list[jax.Array]:
-        """Leaf ``i`` = ``bufs[class][base[class] + rows[i]]`` (base may be traced)."""
-        return [jax.lax.dynamic_index_in_dim(bufs[c], base[c] + r, 0, keepdims=False,
+    def read(self, bufs: Mapping[ValueClass, jax.Array], base: Mapping[ValueClass, Any],
+             skip: frozenset[int] = frozenset()) -> list[jax.Array | None]:
+        """Leaf ``i`` = ``bufs[class][base[class] + rows[i]]`` (base may be traced);
+        ``None`` for the leaves in ``skip`` (read elsewhere)."""
+        return [None if i in skip else
+                jax.lax.dynamic_index_in_dim(bufs[c], base[c] + r, 0, keepdims=False,
                                              allow_negative_indices=False)
-                for c, r in zip(self.classes, self.rows, strict=True)]
+                for i, (c, r) in enumerate(zip(self.classes, self.rows, strict=True))]
 
     def write(self, bufs: dict[ValueClass, jax.Array], base: Mapping[ValueClass, Any],
-              leaves: Sequence[jax.Array]) -> dict[ValueClass, jax.Array]:
-        """In-place updates of the rows of ``leaves`` (one per leaf)."""
+              leaves: Sequence[jax.Array | None], skip: frozenset[int] = frozenset()
+              ) -> dict[ValueClass, jax.Array]:
+        """In-place updates of the rows of ``leaves`` (one per leaf), but those in
+        ``skip`` (already written)."""
         bufs = dict(bufs)
-        for c, r, x in zip(self.classes, self.rows, leaves, strict=True):
+        for i, (c, r, x) in enumerate(zip(self.classes, self.rows, leaves, strict=True)):
+            if i in skip:
+                continue
             bufs[c] = jax.lax.dynamic_update_index_in_dim(
                 bufs[c], jnp.asarray(x, c.dtype), base[c] + r, 0, allow_negative_indices=False)
         return bufs
+
+    def location(self, i: int, base: Mapping[ValueClass, Any]) -> tuple[ValueClass, Any, int]:
+        """``(class, base, offset)`` of leaf ``i``: row ``base + offset`` of its class's
+        buffer (``base`` as given, shared by the class; ``offset`` static)."""
+        return self.classes[i], base[self.classes[i]], self.rows[i]
 
 
 def merge_counts(packings: Sequence[Packing]) -> dict[ValueClass, int]:

@@ -35,6 +35,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
+from jaxpipe.runtime.spmd import scanio
 from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import (
@@ -144,14 +145,49 @@ def build_step(
                 return [jnp.full((), 1.0 / m, st.out_avals[0].dtype)]
             return L.ct_out[s].read(inbox, unit_base(L.ct_out[s], row.in_slot))
 
-        def load(row, store):
-            out: list = [None] * len(st.residual_avals)
-            for pool, ids in ((Pool.RESIDUAL_A, st.i_only_residual_ids),
-                              (Pool.RESIDUAL_B, st.w_res_ids)):
-                for i, x in zip(ids, L.pools[pool][s].read(store, bases(row, pool)),
-                                strict=True):
+        # Residual i lives at leaf k of pool's packing; a scanned stack's stacked residuals
+        # go straight between its scans and those rows (scanio), where the jaxprs allow.
+        res_pools = ((Pool.RESIDUAL_A, st.i_only_residual_ids), (Pool.RESIDUAL_B, st.w_res_ids))
+        leaf_of = {i: (pool, k) for pool, ids in res_pools for k, i in enumerate(ids)}
+        n_pb = len(st.param_ids) + len(st.batch_ids)
+        n_out = len(st.out_avals)
+        n_res = len(st.residual_avals)
+        direct_f = frozenset(i - n_out for i in scanio.direct_outputs(
+            st.fwd, range(n_out, n_out + n_res)))
+        direct_bwd = {name: frozenset(i - n_pb for i in scanio.direct_inputs(
+            getattr(st, name), range(n_pb, n_pb + n_res))) for name in ("bwd", "bwd_i")}
+        w_ids = st.w_res_ids
+        direct_w = frozenset(w_ids[k - n_pb] for k in scanio.direct_inputs(
+            st.bwd_w, range(n_pb, n_pb + len(w_ids))))
+
+        def locations(row, ids):
+            """{residual i: (class, row)} in storage."""
+            out = {}
+            for i in ids:
+                pool, k = leaf_of[i]
+                out[i] = L.pools[pool][s].location(k, bases(row, pool))
+            return out
+
+        def skip(pool_ids, direct):
+            return frozenset(k for k, i in enumerate(pool_ids) if i in direct)
+
+        def load(row, store, direct=frozenset()):
+            out: list = [None] * n_res
+            for pool, ids in res_pools:
+                for i, x in zip(ids, L.pools[pool][s].read(store, bases(row, pool),
+                                                          skip(ids, direct)), strict=True):
                     out[i] = x
             return out
+
+        def run_bwd(name, row, store, args_before, args_after):
+            """``st.<name>`` on (params, batch, residuals, ...), its scans reading the
+            stacked residuals they can straight from storage."""
+            direct = direct_bwd[name]
+            args = [*args_before, *load(row, store, direct), *args_after]
+            if not direct:
+                return jaxpr_as_fun(getattr(st, name))(*args)
+            where = {n_pb + i: loc for i, loc in locations(row, direct).items()}
+            return scanio.backward_reading(getattr(st, name), args, store, where)
 
         # Every branch: (row, pbuf, mbd, inbox, (store, gbuf, msg, loss)) -> (store, gbuf,
         # msg, loss). The output message is returned, and written to the inbox/outbox
@@ -160,12 +196,17 @@ def build_step(
             store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
             carry = L.act_in[s].read(inbox, unit_base(L.act_in[s], row.in_slot))
-            outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry)
-            n = len(st.out_avals)
+            if direct_f:
+                where = {n_out + i: loc for i, loc in locations(row, direct_f).items()}
+                outs, store = scanio.forward_writing(st.fwd, [*params, *batch, *carry], store,
+                                                     where)
+            else:
+                outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry)
+            n = n_out
             stored = outs[n:]
-            for pool, ids in ((Pool.RESIDUAL_A, st.i_only_residual_ids),
-                              (Pool.RESIDUAL_B, st.w_res_ids)):
-                store = L.pools[pool][s].write(store, bases(row, pool), [stored[i] for i in ids])
+            for pool, ids in res_pools:
+                store = L.pools[pool][s].write(store, bases(row, pool), [stored[i] for i in ids],
+                                               skip(ids, direct_f))
             if st.is_last:
                 return store, gbuf, msg, loss + outs[0].astype(jnp.float32)
             return store, gbuf, as_msg(L.act_out[s], outs[:n]), loss
@@ -173,8 +214,7 @@ def build_step(
         def b_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
-            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *load(row, store),
-                                        *received_ct(row, inbox))
+            outs = run_bwd("bwd", row, store, [*params, *batch], received_ct(row, inbox))
             n = sum(st.diff_param_mask)
             gbuf = accumulate(body, gbuf, row, outs[:n])
             return store, gbuf, as_msg(L.ct_in[s], outs[n:]), loss
@@ -182,8 +222,7 @@ def build_step(
         def i_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
-            outs = jaxpr_as_fun(st.bwd_i)(*params, *batch, *load(row, store),
-                                          *received_ct(row, inbox))
+            outs = run_bwd("bwd_i", row, store, [*params, *batch], received_ct(row, inbox))
             n = len(st.ct_in_avals())
             # The hand-off has buffers of its own (ValueClass.buffer), so writing it here
             # never aliases the residual rows just read.
@@ -207,9 +246,16 @@ def build_step(
         def w_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
-            stored = L.pools[Pool.RESIDUAL_B][s].read(store, bases(row, Pool.RESIDUAL_B))
+            stored = L.pools[Pool.RESIDUAL_B][s].read(store, bases(row, Pool.RESIDUAL_B),
+                                                      skip(w_ids, direct_w))
             handoff = L.pools[Pool.HANDOFF][s].read(store, bases(row, Pool.HANDOFF))
-            ct_par = jaxpr_as_fun(st.bwd_w)(*params, *batch, *stored, *handoff)
+            args = [*params, *batch, *stored, *handoff]
+            if direct_w:
+                where = {n_pb + w_ids.index(i): loc
+                         for i, loc in locations(row, direct_w).items()}
+                ct_par = scanio.backward_reading(st.bwd_w, args, store, where)
+            else:
+                ct_par = jaxpr_as_fun(st.bwd_w)(*args)
             return store, accumulate(body, gbuf, row, ct_par), msg, loss
 
         return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch,
