@@ -233,7 +233,8 @@ def test_middle_stages_of_a_stack_share_one_body():
 @pytest.mark.parametrize("split", [False, True])
 def test_stacked_residuals_go_straight_between_scans_and_storage(model, expected, split):
     """Every residual a stage's layer scan stacks is written into its storage row by the
-    forward scan itself and read back by the backward scan (B, or I and W), so no stacked
+    forward scan itself and read back by the backward scan (B, or I and W), and the
+    backward scan adds each layer's weight gradient into its slot row, so no stacked
     block is built and copied in or out whole; exact either way."""
     from jaxpipe.runtime.spmd import SpmdRuntime, scanio
 
@@ -256,6 +257,13 @@ def test_stacked_residuals_go_straight_between_scans_and_storage(model, expected
             assert needed <= read
             if bwd is st.bwd:  # B reads every stacked residual
                 assert needed == stacked
+        # and the backward scan adds each layer's weight gradient into its slot row
+        n_diff = sum(st.diff_param_mask)
+        grads = scanio.direct_outputs(st.bwd, range(n_diff))
+        param_avals = st.fwd.in_avals[:len(st.param_ids)]  # this stage's rows of a stack
+        diff = [a for a, d in zip(param_avals, st.diff_param_mask, strict=True) if d]
+        stacked_params = {q for q, a in enumerate(diff) if a.shape[:1] == (layers,)}
+        assert stacked_params and stacked_params <= grads
     assert_matches(pipe.value_and_grad(params, batch), expected)
 
 

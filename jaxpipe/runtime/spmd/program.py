@@ -30,19 +30,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.runtime.spmd import scanio
 from jaxpipe.runtime.spmd.bodies import Body
-from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.branches import Branches
+from jaxpipe.runtime.spmd.layout import StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import (
     IDLE,
     PROGRAM_KINDS,
     Lowering,
-    Pool,
     TickTable,
     branch_id,
 )
@@ -93,177 +91,14 @@ def build_step(
     units = lowering.units
     num_bodies = len(bodies)
 
-    def bases(row: TickTable, pool: Pool) -> dict:
-        return {c: v for (p, c), v in row.pool_base.items() if p is pool}
-
-    def unit_base(packing: Packing, slot: Any) -> dict:
-        return {c: slot * unit[c] for c in packing.counts}
+    branch_of = Branches(L, m)
 
     def empty_msg() -> Bufs:
-        return {c: c.zeros(n) for c, n in unit.items()}
-
-    def as_msg(packing: Packing, leaves: Sequence) -> Bufs:
-        """Leaves -> one message unit (rows beyond the packing's are zero)."""
-        return packing.write(empty_msg(), {c: 0 for c in packing.counts}, leaves)
-
-    def body_params(body: Body, pbuf: list, row: TickTable) -> list:
-        out = []
-        for j in range(len(body.param_classes)):
-            cands = body.candidates(j)
-            if len(cands) == 1:
-                out.append(pbuf[cands[0]])
-            else:  # a shared body whose members use different slots on one device
-                pos = jnp.asarray(body.choice(j))[row.stage]
-                out.append(lax.select_n(pos, *[pbuf[k] for k in cands]))
-        return out
-
-    def accumulate(body: Body, gbuf: list, row: TickTable, ct_par: Sequence) -> list:
-        gbuf = list(gbuf)
-        it = iter(ct_par)
-        for j, diff in enumerate(body.fn.diff_param_mask):
-            if not diff:
-                continue
-            ct = next(it)
-            cands = body.candidates(j)
-            if len(cands) == 1:
-                gbuf[cands[0]] = gbuf[cands[0]] + ct.astype(gbuf[cands[0]].dtype)
-            else:
-                pos = jnp.asarray(body.choice(j))[row.stage]
-                for q, k in enumerate(cands):
-                    gbuf[k] = gbuf[k] + jnp.where(pos == q, ct, 0).astype(gbuf[k].dtype)
-        return gbuf
-
-    def make_branch(kind: str, body: Body) -> Callable:
-        st = body.fn
-        s = st.index  # the representative's packings (identical for every member)
-
-        def inputs(row, pbuf, mbd):
-            return body_params(body, pbuf, row), [mbd[i] for i in st.batch_ids]
-
-        def received_ct(row, inbox):
-            if st.is_last:
-                return [jnp.full((), 1.0 / m, st.out_avals[0].dtype)]
-            return L.ct_out[s].read(inbox, unit_base(L.ct_out[s], row.in_slot))
-
-        # Residual i lives at leaf k of pool's packing; a scanned stack's stacked residuals
-        # go straight between its scans and those rows (scanio), where the jaxprs allow.
-        res_pools = ((Pool.RESIDUAL_A, st.i_only_residual_ids), (Pool.RESIDUAL_B, st.w_res_ids))
-        leaf_of = {i: (pool, k) for pool, ids in res_pools for k, i in enumerate(ids)}
-        n_pb = len(st.param_ids) + len(st.batch_ids)
-        n_out = len(st.out_avals)
-        n_res = len(st.residual_avals)
-        direct_f = frozenset(i - n_out for i in scanio.direct_outputs(
-            st.fwd, range(n_out, n_out + n_res)))
-        direct_bwd = {name: frozenset(i - n_pb for i in scanio.direct_inputs(
-            getattr(st, name), range(n_pb, n_pb + n_res))) for name in ("bwd", "bwd_i")}
-        w_ids = st.w_res_ids
-        direct_w = frozenset(w_ids[k - n_pb] for k in scanio.direct_inputs(
-            st.bwd_w, range(n_pb, n_pb + len(w_ids))))
-
-        def locations(row, ids):
-            """{residual i: (class, row)} in storage."""
-            out = {}
-            for i in ids:
-                pool, k = leaf_of[i]
-                out[i] = L.pools[pool][s].location(k, bases(row, pool))
-            return out
-
-        def skip(pool_ids, direct):
-            return frozenset(k for k, i in enumerate(pool_ids) if i in direct)
-
-        def load(row, store, direct=frozenset()):
-            out: list = [None] * n_res
-            for pool, ids in res_pools:
-                for i, x in zip(ids, L.pools[pool][s].read(store, bases(row, pool),
-                                                          skip(ids, direct)), strict=True):
-                    out[i] = x
-            return out
-
-        def run_bwd(name, row, store, args_before, args_after):
-            """``st.<name>`` on (params, batch, residuals, ...), its scans reading the
-            stacked residuals they can straight from storage."""
-            direct = direct_bwd[name]
-            args = [*args_before, *load(row, store, direct), *args_after]
-            if not direct:
-                return jaxpr_as_fun(getattr(st, name))(*args)
-            where = {n_pb + i: loc for i, loc in locations(row, direct).items()}
-            return scanio.backward_reading(getattr(st, name), args, store, where)
-
-        # Every branch: (row, pbuf, mbd, inbox, (store, gbuf, msg, loss)) -> (store, gbuf,
-        # msg, loss). The output message is returned, and written to the inbox/outbox
-        # after the branch chain: a branch that read the inbox does not also write it.
-        def f_branch(row, pbuf, mbd, inbox, state):
-            store, gbuf, msg, loss = state
-            params, batch = inputs(row, pbuf, mbd)
-            carry = L.act_in[s].read(inbox, unit_base(L.act_in[s], row.in_slot))
-            if direct_f:
-                where = {n_out + i: loc for i, loc in locations(row, direct_f).items()}
-                outs, store = scanio.forward_writing(st.fwd, [*params, *batch, *carry], store,
-                                                     where)
-            else:
-                outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry)
-            n = n_out
-            stored = outs[n:]
-            for pool, ids in res_pools:
-                store = L.pools[pool][s].write(store, bases(row, pool), [stored[i] for i in ids],
-                                               skip(ids, direct_f))
-            if st.is_last:
-                return store, gbuf, msg, loss + outs[0].astype(jnp.float32)
-            return store, gbuf, as_msg(L.act_out[s], outs[:n]), loss
-
-        def b_branch(row, pbuf, mbd, inbox, state):
-            store, gbuf, msg, loss = state
-            params, batch = inputs(row, pbuf, mbd)
-            outs = run_bwd("bwd", row, store, [*params, *batch], received_ct(row, inbox))
-            n = sum(st.diff_param_mask)
-            gbuf = accumulate(body, gbuf, row, outs[:n])
-            return store, gbuf, as_msg(L.ct_in[s], outs[n:]), loss
-
-        def i_branch(row, pbuf, mbd, inbox, state):
-            store, gbuf, msg, loss = state
-            params, batch = inputs(row, pbuf, mbd)
-            outs = run_bwd("bwd_i", row, store, [*params, *batch], received_ct(row, inbox))
-            n = len(st.ct_in_avals())
-            # The hand-off has buffers of its own (ValueClass.buffer), so writing it here
-            # never aliases the residual rows just read.
-            store = L.pools[Pool.HANDOFF][s].write(store, bases(row, Pool.HANDOFF), outs[n:])
-            return store, gbuf, as_msg(L.ct_in[s], outs[:n]), loss
-
-        def fb_branch(row, pbuf, mbd, inbox, state):
-            # F and its own B in one step (the last stage, fusion.fused_backwards): the
-            # residuals go straight from the forward to the backward, never to storage.
-            store, gbuf, msg, loss = state
-            params, batch = inputs(row, pbuf, mbd)
-            carry = L.act_in[s].read(inbox, unit_base(L.act_in[s], row.in_slot))
-            outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry)
-            n = len(st.out_avals)
-            loss = loss + outs[0].astype(jnp.float32)
-            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *outs[n:], *received_ct(row, inbox))
-            k = sum(st.diff_param_mask)
-            gbuf = accumulate(body, gbuf, row, outs[:k])
-            return store, gbuf, as_msg(L.ct_in[s], outs[k:]), loss
-
-        def w_branch(row, pbuf, mbd, inbox, state):
-            store, gbuf, msg, loss = state
-            params, batch = inputs(row, pbuf, mbd)
-            stored = L.pools[Pool.RESIDUAL_B][s].read(store, bases(row, Pool.RESIDUAL_B),
-                                                      skip(w_ids, direct_w))
-            handoff = L.pools[Pool.HANDOFF][s].read(store, bases(row, Pool.HANDOFF))
-            args = [*params, *batch, *stored, *handoff]
-            if direct_w:
-                where = {n_pb + w_ids.index(i): loc
-                         for i, loc in locations(row, direct_w).items()}
-                ct_par = scanio.backward_reading(st.bwd_w, args, store, where)
-            else:
-                ct_par = jaxpr_as_fun(st.bwd_w)(*args)
-            return store, accumulate(body, gbuf, row, ct_par), msg, loss
-
-        return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch,
-                "FB": fb_branch}[kind]
+        return branch_of.empty_msg()
 
     # Only (kind, body) pairs the schedule runs get a branch (e.g. no I/W for 1F1B).
     used = lowering.used_branches - {IDLE}
-    branches = {branch_id(kind, b.index, num_bodies): make_branch(kind, b)
+    branches = {branch_id(kind, b.index, num_bodies): branch_of.make(kind, b)
                 for kind in PROGRAM_KINDS for b in bodies
                 if branch_id(kind, b.index, num_bodies) in used}
 

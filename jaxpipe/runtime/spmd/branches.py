@@ -1,0 +1,271 @@
+"""What one step of the SPMD program runs: the branch of an (action kind, body) pair.
+
+A branch maps ``(row, pbuf, mbd, inbox, (store, gbuf, msg, loss))`` to the new ``(store,
+gbuf, msg, loss)``: it reads its parameters from their slots, its input message from the
+inbox, its stored values from the storage rows the lowering chose, runs the stage's
+jaxpr for its kind, stores what it must, accumulates parameter gradients in place and
+returns its output message (written to an inbox slot or outbox unit by the program).
+
+A scanned layer stack's stacked values go straight between its scans and the buffers
+(:mod:`.scanio`): the forward scan writes each iteration's residuals into their storage
+rows, the backward scans read them there and add each layer's parameter gradient into its
+gradient slot row, where the stage's jaxprs allow it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import jaxpr_as_fun
+
+from jaxpipe.runtime.spmd import scanio
+from jaxpipe.runtime.spmd.bodies import Body
+from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.lowering import Pool, TickTable
+
+__all__ = ["Branches"]
+
+Bufs = dict[ValueClass, jax.Array]
+Branch = Callable[..., tuple]
+
+
+class Branches:
+    """Builds the program's branches for one layout (``layouts``) and ``m`` microbatches."""
+
+    def __init__(self, layouts: StageLayouts, num_microbatches: int) -> None:
+        self.L = layouts
+        self.m = num_microbatches
+
+    # -- reading and writing the buffers ----------------------------------------------
+    @staticmethod
+    def bases(row: TickTable, pool: Pool) -> dict:
+        return {c: v for (p, c), v in row.pool_base.items() if p is pool}
+
+    def unit_base(self, packing: Packing, slot: Any) -> dict:
+        return {c: slot * self.L.unit[c] for c in packing.counts}
+
+    def empty_msg(self) -> Bufs:
+        return {c: c.zeros(n) for c, n in self.L.unit.items()}
+
+    def as_msg(self, packing: Packing, leaves: Sequence) -> Bufs:
+        """Leaves -> one message unit (rows beyond the packing's are zero)."""
+        return packing.write(self.empty_msg(), {c: 0 for c in packing.counts}, leaves)
+
+    @staticmethod
+    def body_params(body: Body, pbuf: list, row: TickTable) -> list:
+        out = []
+        for j in range(len(body.param_classes)):
+            cands = body.candidates(j)
+            if len(cands) == 1:
+                out.append(pbuf[cands[0]])
+            else:  # a shared body whose members use different slots on one device
+                pos = jnp.asarray(body.choice(j))[row.stage]
+                out.append(lax.select_n(pos, *[pbuf[k] for k in cands]))
+        return out
+
+    @staticmethod
+    def accumulate(body: Body, gbuf: list, row: TickTable, ct_par: Sequence) -> list:
+        """Add each differentiated parameter's cotangent into its slot (``None``: added
+        already, by the scan that produced it)."""
+        gbuf = list(gbuf)
+        it = iter(ct_par)
+        for j, diff in enumerate(body.fn.diff_param_mask):
+            if not diff:
+                continue
+            ct = next(it)
+            if ct is None:
+                continue
+            cands = body.candidates(j)
+            if len(cands) == 1:
+                gbuf[cands[0]] = gbuf[cands[0]] + ct.astype(gbuf[cands[0]].dtype)
+            else:
+                pos = jnp.asarray(body.choice(j))[row.stage]
+                for q, k in enumerate(cands):
+                    gbuf[k] = gbuf[k] + jnp.where(pos == q, ct, 0).astype(gbuf[k].dtype)
+        return gbuf
+
+    # -- the branches -------------------------------------------------------------------
+    def make(self, kind: str, body: Body) -> Branch:
+        """The branch running ``kind`` (one of ``lowering.PROGRAM_KINDS``) for ``body``."""
+        L, m = self.L, self.m
+        st = body.fn
+        s = st.index  # the representative's packings (identical for every member)
+        io = _DirectIO(self, body)
+
+        def inputs(row, pbuf, mbd):
+            return self.body_params(body, pbuf, row), [mbd[i] for i in st.batch_ids]
+
+        def received_ct(row, inbox):
+            if st.is_last:
+                return [jnp.full((), 1.0 / m, st.out_avals[0].dtype)]
+            return L.ct_out[s].read(inbox, self.unit_base(L.ct_out[s], row.in_slot))
+
+        def carry_in(row, inbox):
+            return L.act_in[s].read(inbox, self.unit_base(L.act_in[s], row.in_slot))
+
+        def f_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            outs, store, gbuf = io.run("fwd", row, store, gbuf,
+                                       [*params, *batch, *carry_in(row, inbox)])
+            store = io.store_residuals(row, store, outs[io.n_out:])
+            if st.is_last:
+                return store, gbuf, msg, loss + outs[0].astype(jnp.float32)
+            return store, gbuf, self.as_msg(L.act_out[s], outs[:io.n_out]), loss
+
+        def b_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            outs, store, gbuf = io.run("bwd", row, store, gbuf,
+                                       [*params, *batch, *io.load(row, store, "bwd"),
+                                        *received_ct(row, inbox)])
+            n = sum(st.diff_param_mask)
+            gbuf = self.accumulate(body, gbuf, row, outs[:n])
+            return store, gbuf, self.as_msg(L.ct_in[s], outs[n:]), loss
+
+        def i_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            outs, store, gbuf = io.run("bwd_i", row, store, gbuf,
+                                       [*params, *batch, *io.load(row, store, "bwd_i"),
+                                        *received_ct(row, inbox)])
+            n = len(st.ct_in_avals())
+            # The hand-off has buffers of its own (ValueClass.buffer), so writing it here
+            # never aliases the residual rows just read.
+            store = L.pools[Pool.HANDOFF][s].write(store, self.bases(row, Pool.HANDOFF),
+                                                   outs[n:])
+            return store, gbuf, self.as_msg(L.ct_in[s], outs[:n]), loss
+
+        def fb_branch(row, pbuf, mbd, inbox, state):
+            # F and its own B in one step (the last stage, fusion.fused_backwards): the
+            # residuals go straight from the forward to the backward, never to storage.
+            store, gbuf, msg, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry_in(row, inbox))
+            n = io.n_out
+            loss = loss + outs[0].astype(jnp.float32)
+            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *outs[n:], *received_ct(row, inbox))
+            k = sum(st.diff_param_mask)
+            gbuf = self.accumulate(body, gbuf, row, outs[:k])
+            return store, gbuf, self.as_msg(L.ct_in[s], outs[k:]), loss
+
+        def w_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
+            params, batch = inputs(row, pbuf, mbd)
+            handoff = L.pools[Pool.HANDOFF][s].read(store, self.bases(row, Pool.HANDOFF))
+            ct_par, store, gbuf = io.run("bwd_w", row, store, gbuf,
+                                         [*params, *batch, *io.load_w(row, store), *handoff])
+            return store, self.accumulate(body, gbuf, row, ct_par), msg, loss
+
+        return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch,
+                "FB": fb_branch}[kind]
+
+
+class _DirectIO:
+    """Which of a body's stored values and gradients go straight between its scans and the
+    buffers (:mod:`.scanio`), and the reads, writes and evaluations that follow from it.
+
+    Residual ``i`` lives at leaf ``k`` of its pool's packing (``leaf_of``). Per jaxpr
+    (``"fwd"``, ``"bwd"``, ``"bwd_i"``, ``"bwd_w"``): ``sunk`` the residual ids its scans
+    write (fwd), ``sourced`` the residual ids its scans read (the backwards), ``grads``
+    the differentiated-parameter positions whose gradient its scans add into the slot.
+    """
+
+    def __init__(self, branches: Branches, body: Body) -> None:
+        self.br, self.body = branches, body
+        st = self.st = body.fn
+        self.pools = ((Pool.RESIDUAL_A, st.i_only_residual_ids),
+                      (Pool.RESIDUAL_B, st.w_res_ids))
+        self.leaf_of = {i: (pool, k) for pool, ids in self.pools for k, i in enumerate(ids)}
+        self.n_out = len(st.out_avals)
+        n_pb = self.n_pb = len(st.param_ids) + len(st.batch_ids)
+        n_res = len(st.residual_avals)
+        # the position of each residual id among a jaxpr's residual inputs
+        self.res_pos = {"bwd": {i: n_pb + i for i in range(n_res)},
+                        "bwd_i": {i: n_pb + i for i in range(n_res)},
+                        "bwd_w": {i: n_pb + k for k, i in enumerate(st.w_res_ids)}}
+        self.sunk = frozenset(i - self.n_out for i in scanio.direct_outputs(
+            st.fwd, range(self.n_out, self.n_out + n_res)))
+        self.sourced = {name: frozenset(i for i, q in pos.items() if q in direct)
+                        for name, pos in self.res_pos.items()
+                        for direct in [scanio.direct_inputs(getattr(st, name),
+                                                            list(pos.values()))]}
+        self.sourced["fwd"] = frozenset()
+        diff = [j for j, d in enumerate(st.diff_param_mask) if d]  # q -> param position
+        self.diff = diff
+        # a shared body whose members use different slots picks the slot at run time:
+        # its gradients are added after the fact (Branches.accumulate)
+        single = [q for q, j in enumerate(diff) if len(body.candidates(j)) == 1]
+        self.grads = {"fwd": frozenset(), "bwd_i": frozenset(),
+                      "bwd": frozenset(scanio.direct_outputs(st.bwd, single)),
+                      "bwd_w": frozenset(scanio.direct_outputs(st.bwd_w, single))}
+
+    def _skip(self, ids: Sequence[int], direct: frozenset[int]) -> frozenset[int]:
+        return frozenset(k for k, i in enumerate(ids) if i in direct)
+
+    def _location(self, row: TickTable, i: int) -> tuple[ValueClass, Any, int]:
+        pool, k = self.leaf_of[i]
+        return self.br.L.pools[pool][self.st.index].location(k, self.br.bases(row, pool))
+
+    def load(self, row: TickTable, store: Bufs, name: str) -> list:
+        """Every residual, read from storage; ``None`` for those ``name``'s scans read."""
+        out: list = [None] * len(self.st.residual_avals)
+        for pool, ids in self.pools:
+            packing = self.br.L.pools[pool][self.st.index]
+            vals = packing.read(store, self.br.bases(row, pool),
+                                self._skip(ids, self.sourced[name]))
+            for i, x in zip(ids, vals, strict=True):
+                out[i] = x
+        return out
+
+    def load_w(self, row: TickTable, store: Bufs) -> list:
+        """The residuals W reads (``st.w_res_ids``); ``None`` for those its scans read."""
+        packing = self.br.L.pools[Pool.RESIDUAL_B][self.st.index]
+        return packing.read(store, self.br.bases(row, Pool.RESIDUAL_B),
+                            self._skip(self.st.w_res_ids, self.sourced["bwd_w"]))
+
+    def store_residuals(self, row: TickTable, store: Bufs, stored: Sequence) -> Bufs:
+        """Write the residuals the forward's scans did not write already."""
+        for pool, ids in self.pools:
+            packing = self.br.L.pools[pool][self.st.index]
+            store = packing.write(store, self.br.bases(row, pool), [stored[i] for i in ids],
+                                  self._skip(ids, self.sunk))
+        return store
+
+    def run(self, name: str, row: TickTable, store: Bufs, gbuf: list, args: list
+            ) -> tuple[list, Bufs, list]:
+        """Evaluate ``st.<name>`` on ``args``; its scans write, read and add the values
+        chosen above. Returns its outputs (``None`` where a scan wrote), store and gbuf."""
+        closed = getattr(self.st, name)
+        sunk = self.sunk if name == "fwd" else frozenset()
+        sourced, grads = self.sourced[name], self.grads[name]
+        if not (sunk or sourced or grads):
+            return jaxpr_as_fun(closed)(*args), store, gbuf
+        bufs: dict = {}
+        sinks: dict = {}
+        sources: dict = {}
+        for i in sunk | sourced:
+            c, base, offset = self._location(row, i)
+            bufs.setdefault(c, scanio.flatten(store[c]))
+            if i in sunk:
+                sinks[self.n_out + i] = (c, scanio.row_sink(c.shape[0], base, offset))
+            else:
+                sources[self.res_pos[name][i]] = (c, scanio.row_source(c.shape[0], base,
+                                                                       offset))
+        for q in grads:
+            slot = self.body.candidates(self.diff[q])[0]
+            bufs[("grad", slot)] = gbuf[slot]
+            sinks[q] = (("grad", slot), scanio.add_sink)
+        outs, bufs = scanio.evaluate(closed, args, bufs, sinks=sinks, sources=sources)
+        written = {self._location(row, i)[0] for i in sunk}
+        store = {c: bufs[c].reshape(x.shape) if c in written else x for c, x in store.items()}
+        gbuf = list(gbuf)
+        for q in grads:
+            slot = self.body.candidates(self.diff[q])[0]
+            gbuf[slot] = bufs[("grad", slot)]
+        return outs, store, gbuf
+
