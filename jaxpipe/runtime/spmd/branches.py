@@ -190,13 +190,11 @@ class _DirectIO:
                         "bwd_w": {i: n_pb + k for k, i in enumerate(st.w_res_ids)}}
         self.sunk = frozenset(i - self.n_out for i in scanio.direct_outputs(
             st.fwd, range(self.n_out, self.n_out + n_res)))
-        self.sourced = {name: frozenset(i for i, q in pos.items() if q in direct)
-                        for name, pos in self.res_pos.items()
-                        for direct in [scanio.direct_inputs(getattr(st, name),
-                                                            list(pos.values()))]}
-        self.sourced["fwd"] = frozenset()
-        diff = [j for j, d in enumerate(st.diff_param_mask) if d]  # q -> param position
-        self.diff = diff
+        self.sourced = {"fwd": frozenset()}
+        for name, pos in self.res_pos.items():
+            direct = scanio.direct_inputs(getattr(st, name), list(pos.values()))
+            self.sourced[name] = frozenset(i for i, q in pos.items() if q in direct)
+        diff = self.diff = [j for j, d in enumerate(st.diff_param_mask) if d]  # q -> param
         # a shared body whose members use different slots picks the slot at run time:
         # its gradients are added after the fact (Branches.accumulate)
         single = [q for q, j in enumerate(diff) if len(body.candidates(j)) == 1]
