@@ -117,15 +117,20 @@ class Branches:
                 return store, gbuf, msg, loss + outs[0].astype(jnp.float32)
             return store, gbuf, self.as_msg(L.act_out[s], outs[:io.n_out]), loss
 
+        def after_backward(row, store, gbuf, outs, loss):
+            """``st.bwd``'s outputs: parameter cotangents into their slots, the input
+            cotangent as the message."""
+            n = sum(st.diff_param_mask)
+            gbuf = self.accumulate(body, gbuf, row, outs[:n])
+            return store, gbuf, self.as_msg(L.ct_in[s], outs[n:]), loss
+
         def b_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
             outs, store, gbuf = io.run("bwd", row, store, gbuf,
                                        [*params, *batch, *io.load(row, store, "bwd"),
                                         *received_ct(row, inbox)])
-            n = sum(st.diff_param_mask)
-            gbuf = self.accumulate(body, gbuf, row, outs[:n])
-            return store, gbuf, self.as_msg(L.ct_in[s], outs[n:]), loss
+            return after_backward(row, store, gbuf, outs, loss)
 
         def i_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
@@ -149,9 +154,7 @@ class Branches:
             n = io.n_out
             loss = loss + outs[0].astype(jnp.float32)
             outs = jaxpr_as_fun(st.bwd)(*params, *batch, *outs[n:], *received_ct(row, inbox))
-            k = sum(st.diff_param_mask)
-            gbuf = self.accumulate(body, gbuf, row, outs[:k])
-            return store, gbuf, self.as_msg(L.ct_in[s], outs[k:]), loss
+            return after_backward(row, store, gbuf, outs, loss)
 
         def w_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
