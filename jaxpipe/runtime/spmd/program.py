@@ -93,9 +93,6 @@ def build_step(
 
     branch_of = Branches(L, m)
 
-    def empty_msg() -> Bufs:
-        return branch_of.empty_msg()
-
     # Only (kind, body) pairs the schedule runs get a branch (e.g. no I/W for 1F1B).
     used = lowering.used_branches - {IDLE}
     branches = {branch_id(kind, b.index, num_bodies): branch_of.make(kind, b)
@@ -145,7 +142,7 @@ def build_step(
             # One gated loop per branch instead of lax.switch: a conditional copies every
             # buffer its untaken branches pass through, while a loop updates its carry in
             # place.
-            state = (store, gbuf, empty_msg(), loss)
+            state = (store, gbuf, branch_of.empty_msg(), loss)
             for b in sorted(branches):
                 ins = (row, pbuf, mbd, inbox) if b in reads_inbox else (row, pbuf, mbd)
                 state = gated(row.branch == b,

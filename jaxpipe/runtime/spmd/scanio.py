@@ -33,7 +33,8 @@ from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.interpret import eval_eqns, read
 
-__all__ = ["Sink", "Source", "direct_inputs", "direct_outputs", "evaluate"]
+__all__ = ["Sink", "Source", "add_sink", "direct_inputs", "direct_outputs", "evaluate",
+           "flatten", "row_sink", "row_source"]
 
 #: ``(buffer, value, iteration) -> buffer``: how one iteration's value enters its buffer.
 Sink = Callable[[jax.Array, jax.Array, Any], jax.Array]
