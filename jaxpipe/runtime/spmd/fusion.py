@@ -31,8 +31,9 @@ def fused_backwards(graph: ScheduleGraph) -> np.ndarray:
     step, as one forward and backward.
 
     A B qualifies when it directly follows its own F on the device and reads no
-    cotangent message (the last stage). Whole stages only: a stage with some B fused and
-    some not would compile F, B and FB branches.
+    cotangent message (the last stage). Whole stages only: a stage with some backward not
+    fused (a B elsewhere, or a backward split into I and W) would compile F, B and FB
+    branches, and still store residuals for the rest.
     """
     kinds, prev = graph.kinds, graph.prev
     p = np.maximum(prev, 0)
@@ -41,7 +42,7 @@ def fused_backwards(graph: ScheduleGraph) -> np.ndarray:
           & (graph.microbatches[p] == graph.microbatches) & (graph.data_deps[:, 1] < 0))
     num_stages = int(graph.stages.max()) + 1 if len(kinds) else 0
     mixed = np.zeros(num_stages, bool)
-    mixed[graph.stages[is_b & ~ok]] = True
+    mixed[graph.stages[(kinds != KF) & ~ok]] = True  # any other backward action
     return ok & ~mixed[graph.stages]
 
 
