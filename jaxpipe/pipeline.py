@@ -120,7 +120,8 @@ class Pipeline:
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
         st = stage(self.traced, schedule, cut, self.runtime.memory_model, mesh,
-                   self.param_dims)
+                   self.param_dims, share_cores=self.runtime.shares_cores(),
+                   split_backward=self.runtime.splits_backward())
         self.stacks: tuple[Stack, ...] = st.stacks
         self.cut_traced: Traced = st.cut_traced
         self.cuts, self.cut_report = st.cuts, st.cut_report

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 from jax.extend import core as jcore
@@ -46,11 +47,12 @@ from jax.extend.core import jaxpr_as_fun
 from jaxpipe.avals import boundary_aval, from_boundary, is_differentiable, is_key, to_boundary
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import eval_eqns, read
+from jaxpipe.markers import boundary_p
 from jaxpipe.remat import Remat, parse_remat
 from jaxpipe.structure import fragment_key
 from jaxpipe.trace import Traced, segments
 
-__all__ = ["StageFn", "has_user_remat", "param_owners", "split"]
+__all__ = ["Fragments", "StageFn", "has_user_remat", "param_owners", "split"]
 
 
 @dataclass
@@ -76,6 +78,8 @@ class StageFn:
     is_last: bool = False
     w_res_ids: tuple[int, ...] = ()  # stored residuals the W half reads (others die at I)
     remat: Remat = Remat.NONE  # the recomputation policy the forward/backward apply
+    # how the stage splits into prologue / shared core / epilogue (a StageParts), if it does
+    parts: Any = None
 
     def ct_in_avals(self) -> list:
         """Cotangents this stage's backward sends to the previous stage."""
@@ -97,11 +101,16 @@ def _sds(aval):
 
 
 def split(traced: Traced, cuts: Sequence[int],
-          remat: Sequence[Remat | str] | None = None) -> list[StageFn]:
+          remat: Sequence[Remat | str] | None = None, *,
+          share_cores: bool = False, split_backward: bool = False) -> list[StageFn]:
     """Cut ``traced`` after the markers at positions ``cuts`` (indices into ``traced.markers``).
 
     ``remat`` is one :class:`~jaxpipe.remat.Remat` policy per stage (``None``: no
     recomputation anywhere; ``CutResult.remat`` is what the cutter chose).
+    ``share_cores``: split the first and last stages into parts where their core is
+    another stage's function (:mod:`jaxpipe.stage_parts`), so a runtime can compile it once,
+    unless the parts store more per microbatch than the whole stage (residuals, and with
+    ``split_backward`` the I -> W hand-off too).
 
     Returns ``len(cuts) + 1`` stages. Raises :class:`PipelineError` for cut positions that are
     out of range, unsorted or repeated, or a ``remat`` of the wrong length.
@@ -113,83 +122,136 @@ def split(traced: Traced, cuts: Sequence[int],
             f"cut positions {cuts} must be strictly increasing indices into the {n_markers} "
             f"markers (0..{n_markers - 1}); each cut ends a stage right after that marker."
         )
-    jaxpr = traced.jaxpr
-    eqns = jaxpr.eqns
-    n_p = traced.num_params
-    segs = segments(traced)
-    bounds = [0, *(segs[c][1] for c in cuts), len(eqns)]
+    frags = Fragments(traced)
+    bounds = [0, *(frags.segs[c][1] for c in cuts), len(frags.eqns)]
     ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
-    n_stages = len(ranges)
-    policies = _stage_policies(remat, n_stages)
+    policies = _stage_policies(remat, len(ranges))
+    stages = [frags.build(s, a, b, policies[s], is_last=s == len(ranges) - 1)
+              for s, (a, b) in enumerate(ranges)]
+    if not share_cores:
+        return stages
+    from jaxpipe.stage_parts import share_cores as share  # it builds on this module
 
-    param_index = {v: i for i, v in enumerate(jaxpr.invars[:n_p])}
-    batch_index = {v: i for i, v in enumerate(jaxpr.invars[n_p:])}
-    const_vals = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
+    return share(frags, stages, policies, split_backward)
 
-    # Which stage defines each intermediate value, and the last stage that reads it.
-    defined: dict = {}
-    last_use: dict = {}
-    order: dict = {}  # definition order, for deterministic carry layout
-    for s, (a, b) in enumerate(ranges):
-        for eqn in eqns[a:b]:
+
+class Fragments:
+    """Builds the :class:`StageFn` of any range of a traced loss's equations.
+
+    A fragment ``[a, b)`` reads the parameter and microbatch leaves its equations use and
+    the *carry* at ``a`` (every value defined before ``a`` and read at or after it), and
+    outputs the carry at ``b`` (the last fragment: the loss). Fragments computing the same
+    function of their inputs (the blocks of a deep model) are traced once; the others take
+    its jaxprs with their own bookkeeping.
+    """
+
+    def __init__(self, traced: Traced) -> None:
+        jaxpr = self.jaxpr = traced.jaxpr
+        self.eqns = jaxpr.eqns
+        self.n_p = traced.num_params
+        self.segs = segments(traced)
+        self.markers = traced.markers
+        self.marker_names = traced.marker_names
+        self.param_index = {v: i for i, v in enumerate(jaxpr.invars[:self.n_p])}
+        self.batch_index = {v: i for i, v in enumerate(jaxpr.invars[self.n_p:])}
+        self.const_vals = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
+        # where each intermediate value is defined, and the last equation that reads it
+        self.defined: dict = {}
+        self.last_use: dict = {}
+        for k, eqn in enumerate(self.eqns):
             for v in eqn.invars:
                 if isinstance(v, jcore.Var):
-                    last_use[v] = max(last_use.get(v, -1), s)
+                    self.last_use[v] = k
             for v in eqn.outvars:
-                defined[v] = s
-                order[v] = len(order)
-    loss_var = jaxpr.outvars[0]
-    if isinstance(loss_var, jcore.Var):
-        last_use[loss_var] = n_stages  # "used" by the output after the last stage
+                self.defined[v] = k
+        self.loss_var = jaxpr.outvars[0]
+        if isinstance(self.loss_var, jcore.Var):
+            self.last_use[self.loss_var] = len(self.eqns)  # "read" by the output
+        # Parameter leaves the loss never reads still belong to a stage (the first): they
+        # keep their values through shard/unshard and training and get zero gradients, as
+        # with jax.grad; an optimizer may still change them (weight decay).
+        read_anywhere = {v for e in self.eqns for v in e.invars if isinstance(v, jcore.Var)}
+        read_anywhere |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+        self.unread = [v for v in jaxpr.invars[:self.n_p] if v not in read_anywhere]
+        self.built: dict = {}
 
-    def carry_after(s: int) -> list:
-        # values defined at or before stage s that some later stage (or the output) reads
-        live = [v for v, d in defined.items() if d <= s and last_use.get(v, -1) > s]
-        return sorted(live, key=order.__getitem__)
+    def carry_at(self, e: int) -> list:
+        """Values defined before equation ``e`` that it or a later one (or the output)
+        reads, in definition order."""
+        return [v for v, k in self.defined.items() if k < e and self.last_use.get(v, -1) >= e]
 
-    # Parameter leaves the loss never reads still belong to a stage (the first): they keep
-    # their values through shard/unshard and training and get zero gradients, as with
-    # jax.grad; an optimizer may still change them (weight decay), as without a pipeline.
-    read_anywhere = {v for e in eqns for v in e.invars if isinstance(v, jcore.Var)}
-    read_anywhere |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-    unread = [v for v in jaxpr.invars[:n_p] if v not in read_anywhere]
+    def through_markers(self, a: int, b: int) -> dict:
+        """Within ``[a, b)``: each cut marker's output -> the value it passes on."""
+        alias: dict = {}
+        for e in self.eqns[a:b]:
+            if e.primitive is boundary_p:
+                alias.update((o, alias.get(i, i)) for o, i in zip(e.outvars, e.invars,
+                                                                   strict=True))
+        return alias
 
-    names = [n for n in traced.marker_names]
-    stages: list[StageFn] = []
-    built: dict = {}
-    for s, (a, b) in enumerate(ranges):
-        carry_in = carry_after(s - 1) if s > 0 else []
-        is_last = s == n_stages - 1
-        carry_out = [loss_var] if is_last else carry_after(s)
+    def _fragment(self, a: int, b: int, policy: Remat, is_last: bool,
+                  carry_in: list | None, carry_out: list | None) -> tuple:
+        eqns, jaxpr = self.eqns, self.jaxpr
+        if carry_in is None:
+            carry_in = self.carry_at(a) if a > 0 else []
+        if carry_out is None:
+            carry_out = [self.loss_var] if is_last else self.carry_at(b)
         used = [v for e in eqns[a:b] for v in e.invars if isinstance(v, jcore.Var)]
-        if is_last and isinstance(loss_var, jcore.Var):
-            used.append(loss_var)
-        used = set(used) | set(carry_out) | (set(unread) if s == 0 else set())
-        p_ids = tuple(sorted(param_index[v] for v in used if v in param_index))
-        b_ids = tuple(sorted(batch_index[v] for v in used if v in batch_index))
-        seg_names = tuple(
-            str(names[i]) if names[i] is not None else f"marker{i}"
-            for i, m in enumerate(traced.markers)
-            if a <= m < b
-        )
-        groups = _remat_groups(eqns, [(x, y) for x, y in segs if a <= x < b], policies[s])
-        # Stages computing the same function of their inputs (the blocks of a deep model)
-        # are traced once; the others take its jaxprs with their own bookkeeping.
+        if is_last and isinstance(self.loss_var, jcore.Var):
+            used.append(self.loss_var)
+        used = set(used) | set(carry_out) | (set(self.unread) if a == 0 else set())
+        p_ids = tuple(sorted(self.param_index[v] for v in used if v in self.param_index))
+        b_ids = tuple(sorted(self.batch_index[v] for v in used if v in self.batch_index))
+        groups = _remat_groups(eqns, [(max(x, a), min(y, b)) for x, y in self.segs
+                                      if x < b and y > a], policy)
         p_vars = [jaxpr.invars[i] for i in p_ids]
-        b_vars = [jaxpr.invars[n_p + i] for i in b_ids]
-        key = (fragment_key(jaxpr, eqns[a:b], p_vars + b_vars + carry_in, carry_out, const_vals),
-               len(p_vars), len(b_vars), tuple((x - a, y - a, pol) for x, y, pol in groups),
-               policies[s], is_last)
-        if key in built:
-            stages.append(dataclasses.replace(
-                built[key], index=s, eqn_range=(a, b), param_ids=p_ids, batch_ids=b_ids,
-                names=seg_names))
-            continue
-        built[key] = _keys_as_data(_build_stage(
-            s, (a, b), eqns[a:b], jaxpr, n_p, p_ids, b_ids, carry_in, carry_out,
-            const_vals, is_last, seg_names, groups, policies[s]))
-        stages.append(built[key])
-    return stages
+        b_vars = [jaxpr.invars[self.n_p + i] for i in b_ids]
+        # Cut markers compute nothing (stage functions skip them, _run_groups), so the key
+        # reads through them: the blocks of a model marked after every block but the last
+        # match whether or not a marker follows them.
+        alias = self.through_markers(a, b)
+        body = [e.replace(invars=[alias.get(v, v) if isinstance(v, jcore.Var) else v
+                                  for v in e.invars])
+                if any(v in alias for v in e.invars if isinstance(v, jcore.Var)) else e
+                for e in eqns[a:b] if e.primitive is not boundary_p]
+        effective = [k for k in range(a, b) if eqns[k].primitive is not boundary_p]
+        rank = {k: i for i, k in enumerate(effective)}
+        rank[b] = len(effective)
+
+        def at(k: int) -> int:  # the position of equation k among the effective ones
+            while k not in rank:
+                k += 1
+            return rank[k]
+
+        key = (fragment_key(jaxpr, body, p_vars + b_vars + list(carry_in),
+                            [alias.get(v, v) for v in carry_out], self.const_vals),
+               len(p_vars), len(b_vars), tuple((at(x), at(y), pol) for x, y, pol in groups),
+               policy, is_last)
+        return key, p_ids, b_ids, list(carry_in), list(carry_out), groups
+
+    def key(self, a: int, b: int, policy: Remat, is_last: bool, carry_in: list | None = None,
+            carry_out: list | None = None) -> tuple:
+        """Equal for two fragments exactly when :meth:`build` traces them once."""
+        return self._fragment(a, b, policy, is_last, carry_in, carry_out)[0]
+
+    def build(self, s: int, a: int, b: int, policy: Remat, is_last: bool,
+              carry_in: list | None = None, carry_out: list | None = None) -> StageFn:
+        """The fragment ``[a, b)`` as stage ``s`` under ``policy`` (``is_last``: it
+        outputs the loss). ``carry_in`` / ``carry_out`` replace the carries at ``a`` and
+        ``b`` (the same values in another order, or more of them: a part of a stage that
+        matches another stage's function takes that stage's signature)."""
+        key, p_ids, b_ids, carry_in, carry_out, groups = self._fragment(
+            a, b, policy, is_last, carry_in, carry_out)
+        names = tuple(
+            str(self.marker_names[i]) if self.marker_names[i] is not None else f"marker{i}"
+            for i, m in enumerate(self.markers) if a <= m < b)
+        if key in self.built:
+            return dataclasses.replace(self.built[key], index=s, eqn_range=(a, b),
+                                       param_ids=p_ids, batch_ids=b_ids, names=names)
+        st = self.built[key] = _keys_as_data(_build_stage(
+            s, (a, b), self.eqns[a:b], self.jaxpr, self.n_p, p_ids, b_ids, carry_in,
+            carry_out, self.const_vals, is_last, names, groups, policy))
+        return st
 
 
 def _stage_policies(remat: Sequence[Remat | str] | None, n_stages: int) -> list[Remat]:
@@ -265,18 +327,24 @@ def _group_io(eqns, groups: list[_Group], start: int, outputs: list) -> list[tup
     return io[::-1]
 
 
+def _skip_marker(eqn, invals):
+    """A cut marker's outputs are its inputs: stage functions hold no marker equations
+    (markers only say where the pipeline may cut)."""
+    return list(invals) if eqn.primitive is boundary_p else None
+
+
 def _run_groups(eqns, groups: list[_Group], io: list[tuple[list, list]], start: int,
                 env: dict) -> None:
     """Evaluate a stage's equations into ``env``, wrapping groups in ``jax.checkpoint``."""
     for (x, y, pol), (ins, outs) in zip(groups, io, strict=True):
         body_eqns = eqns[x - start:y - start]
         if pol is None or not outs:
-            eval_eqns(body_eqns, env)
+            eval_eqns(body_eqns, env, override=_skip_marker)
             continue
 
         def body(*vals, _eqns=body_eqns, _ins=ins, _outs=outs):
             inner = dict(zip(_ins, vals, strict=True))
-            eval_eqns(_eqns, inner)
+            eval_eqns(_eqns, inner, override=_skip_marker)
             return [read(inner, v) for v in _outs]
 
         # prevent_cse=False: the backward that recomputes runs in a jaxpr of its own

@@ -158,11 +158,14 @@ def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any
 
 
 def stage(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any, mesh: Mesh,
-          param_dims: Sequence[Dims]) -> Staging:
+          param_dims: Sequence[Dims], *, share_cores: bool = False,
+          split_backward: bool = False) -> Staging:
     """Cut ``traced`` for ``schedule`` (:func:`resolve_cuts`) and split it into stages.
 
     ``param_dims``: per parameter leaf, its sharding over the non-pipe axes; a stage's
-    rows of a stacked leaf must split over them too.
+    rows of a stacked leaf must split over them too. ``share_cores`` /
+    ``split_backward``: as the runtime's :meth:`~jaxpipe.runtime.Runtime.shares_cores` and
+    :meth:`~jaxpipe.runtime.Runtime.splits_backward` say (see :func:`jaxpipe.stages.split`).
     """
     param_avals = [v.aval for v in traced.jaxpr.invars[: traced.num_params]]
     stacks = tuple(find_stacks(traced.jaxpr))
@@ -182,5 +185,6 @@ def stage(traced: Traced, schedule: Schedule, cut: Any, memory_model: Any, mesh:
             check_divisible(v.aval(param_avals[v.leaf]).shape, param_dims[v.leaf], mesh,
                             f"param_specs{paths[v.leaf]}",
                             f" rows {v.start}:{v.stop} (one stage's layers)")
-    stages = split(stage_traced, stage_cuts, remat=report.remat)
+    stages = split(stage_traced, stage_cuts, remat=report.remat,
+                   share_cores=share_cores, split_backward=split_backward)
     return Staging(stacks, cut_traced, cuts, report, views, stage_traced, stages)

@@ -234,6 +234,87 @@ def test_tied_embedding_is_read_by_first_and_last_stage():
     assert stages[0].batch_ids and stages[-1].batch_ids  # tokens first, targets last
 
 
+def _run_chain(stages, params, batch):
+    """Loss and parameter gradients of stages run one after the other, the backward once
+    whole (``bwd``) and once split (``bwd_i`` then ``bwd_w``)."""
+    carry, stored = [], []
+    for st in stages:
+        outs = jaxpr_as_fun(st.fwd)(*[params[i] for i in st.param_ids],
+                                    *[batch[i] for i in st.batch_ids], *carry)
+        carry, res = outs[:len(st.out_avals)], outs[len(st.out_avals):]
+        stored.append(res)
+    grads = ({}, {})
+    cts = ([jnp.ones((), carry[0].dtype)],) * 2
+    for st, res in zip(reversed(stages), reversed(stored), strict=True):
+        ins = [params[i] for i in st.param_ids] + [batch[i] for i in st.batch_ids]
+        whole = jaxpr_as_fun(st.bwd)(*ins, *res, *cts[0])
+        n = sum(st.diff_param_mask)
+        outs_i = jaxpr_as_fun(st.bwd_i)(*ins, *res, *cts[1])
+        k = len(st.ct_in_avals())
+        halves = jaxpr_as_fun(st.bwd_w)(*ins, *[res[i] for i in st.w_res_ids], *outs_i[k:])
+        diff = [p for p, d in zip(st.param_ids, st.diff_param_mask, strict=True) if d]
+        for g, cs in zip(grads, (whole[:n], halves), strict=True):
+            for pid, c in zip(diff, cs, strict=True):
+                g[pid] = g.get(pid, 0) + c
+        cts = (whole[n:], outs_i[:k])
+    return carry[0], grads
+
+
+@pytest.mark.parametrize("cuts", [[1], [0, 1, 2]])
+def test_first_and_last_stages_share_the_middle_core(cuts):
+    """The embedding before the first stage's block and the head after the last stage's
+    become a prologue and an epilogue; the block between is the middle stages' function,
+    traced once, and the stages compute what they did whole."""
+    loss_fn, params, batch = MODELS["tiny_lm"](4)
+    t = trace(loss_fn, params, jax.tree.map(lambda x: x[:4], batch))
+    whole = split(t, cuts)
+    shared = split(t, cuts, share_cores=True)
+    first, last = shared[0].parts, shared[-1].parts
+    assert (first.core, len(first.parts), last.core, len(last.parts)) == (1, 2, 0, 2)
+    assert all(st.parts is None for st in shared[1:-1])
+    core = shared[1] if len(cuts) > 1 else last.core_fn
+    assert first.core_fn.fwd is core.fwd and last.core_fn.fwd is core.fwd
+    embed = [v.aval.shape for v in t.jaxpr.invars[:t.num_params]].index(params["embed"].shape)
+    assert embed in first.parts[0].param_ids and embed not in first.core_fn.param_ids
+    assert embed in last.parts[1].param_ids and embed not in last.core_fn.param_ids
+    # the core's residuals come first in the stage's (a shared body reads them alike)
+    n = len(first.core_fn.residual_avals)
+    assert first.res_ids[1] == tuple(range(n))
+    assert [len(st.residual_avals) for st in shared] == [len(st.residual_avals) for st in whole]
+    p_in = [v.aval for v in t.jaxpr.invars[:t.num_params]]
+    p_vals = [jax.random.normal(jax.random.key(i), a.shape, a.dtype) for i, a in enumerate(p_in)]
+    b_vals = jax.tree.leaves(jax.tree.map(lambda x: x[:4], batch))
+    loss0, (g0, _) = _run_chain(whole, p_vals, b_vals)
+    loss1, (g1, g1_split) = _run_chain(shared, p_vals, b_vals)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    assert sorted(g1) == sorted(g0) == sorted(g1_split)
+    for pid in g0:
+        np.testing.assert_allclose(g1[pid], g0[pid], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g1_split[pid], g0[pid], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{"split_backward": True}, {"remat": ["dots"] * 4}],
+                         ids=["split_backward", "remat"])
+def test_a_stage_stays_whole_where_its_parts_would_store_more(kw):
+    """The first stage's input-gradient half has nothing to compute whole (no input),
+    but its core's hands block values to the weight half; under a recomputation policy
+    the embedding output between the parts becomes a residual. Either way the parted
+    stage would store more per microbatch than the whole one: it stays whole."""
+    loss_fn, params, batch = MODELS["tiny_lm"](4)
+    t = trace(loss_fn, params, jax.tree.map(lambda x: x[:4], batch))
+    parted = split(t, [0, 1, 2], share_cores=True)
+    assert parted[0].parts is not None
+    assert split(t, [0, 1, 2], share_cores=True, **kw)[0].parts is None
+
+
+def test_cores_that_differ_are_not_shared():
+    """A last stage whose block differs from the middle ones stays whole."""
+    loss_fn, params, batch = MODELS["mlp"](4)
+    t = trace(loss_fn, params, jax.tree.map(lambda x: x[:4], batch))
+    stages = split(t, [0, 1, 2], share_cores=True)
+    assert [st.parts is not None for st in stages] == [False, False, False, True]
+
+
 SCHEDULES = {
     "gpipe": lambda p, m: jp.GPipe(p, m),
     "1f1b": lambda p, m: jp.OneFOneB(p, m),

@@ -211,3 +211,14 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def build(self, spec: RuntimeSpec) -> Executor:
         """Bind this runtime to one pipeline."""
+
+    def shares_cores(self) -> bool:
+        """Whether stages should come split into a prologue, a core other stages share
+        and an epilogue (:mod:`jaxpipe.stage_parts`), for this runtime to compile each
+        core once. Default: no, every stage runs whole."""
+        return False
+
+    def splits_backward(self) -> bool:
+        """Whether this runtime runs backwards as I then W (then the hand-off between
+        them is stored too, and splitting a stage into parts must not enlarge it)."""
+        return False

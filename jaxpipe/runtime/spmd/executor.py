@@ -90,6 +90,12 @@ class SpmdRuntime(Runtime):
             return bool(self.split_backward)
         return jax.default_backend() != "cpu"
 
+    def shares_cores(self) -> bool:
+        return self.share_bodies
+
+    def splits_backward(self) -> bool:
+        return self.resolve_split()
+
     def __repr__(self) -> str:
         return (f"SpmdRuntime(share_bodies={self.share_bodies}, "
                 f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick}, "

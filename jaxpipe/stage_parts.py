@@ -1,0 +1,340 @@
+"""A stage as a chain of parts: a prologue, a core other stages share, an epilogue.
+
+The first stage of a transformer runs the embedding and then blocks, the last runs blocks
+and then the head and loss, the middle stages run blocks only. As whole functions the
+three differ, so a program would compile the blocks three times (once per distinct stage
+body). When the first stage's trailing blocks (or the last stage's leading ones) compute
+the same function as a middle stage, :func:`share_cores` splits that stage into parts:
+a *prologue* (the embedding), a *core* built once with the middle stages' jaxprs, an
+*epilogue* (the head and loss). With no middle stage (two stages), the first stage's
+trailing equations and the last stage's leading ones are matched with each other.
+
+The stage stays one :class:`~jaxpipe.stages.StageFn` (:func:`compose`): its jaxprs run the
+parts one after the other and its residuals are the parts' residuals, the core's first, so
+every runtime can run it whole. :attr:`StageFn.parts` tells a runtime where each part's
+parameters, residuals and hand-off values sit in the stage's, so it can run the core of
+every stage with one compiled body and the prologue or epilogue around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+from jax.extend.core import jaxpr_as_fun
+
+from jaxpipe.avals import aval_bytes
+from jaxpipe.markers import boundary_p
+from jaxpipe.remat import Remat
+from jaxpipe.stages import Fragments, StageFn
+
+__all__ = ["StageParts", "compose", "share_cores"]
+
+#: Candidate core lengths tried when two stages are matched with each other.
+_MAX_TRIES = 8
+
+
+@dataclass(frozen=True)
+class StageParts:
+    """How a stage splits into parts (see the module docstring).
+
+    Attributes:
+      parts: the parts in execution order (each a :class:`StageFn` of its equations).
+      core: which of them is the core.
+      param_pos: per part, the position of each of its parameters in the stage's
+        ``param_ids``.
+      batch_pos: per part, the position of each of its microbatch leaves in the stage's
+        ``batch_ids``.
+      res_ids: per part, the ids of its stored residuals among the stage's.
+      w_ids: per part, the ids of its I -> W hand-off values among the stage's.
+    """
+
+    parts: tuple[StageFn, ...]
+    core: int
+    param_pos: tuple[tuple[int, ...], ...]
+    batch_pos: tuple[tuple[int, ...], ...]
+    res_ids: tuple[tuple[int, ...], ...]
+    w_ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def core_fn(self) -> StageFn:
+        return self.parts[self.core]
+
+    @property
+    def prologue(self) -> int | None:
+        """The part before the core, if any."""
+        return 0 if self.core > 0 else None
+
+    @property
+    def epilogue(self) -> int | None:
+        """The part after the core, if any."""
+        return self.core + 1 if self.core + 1 < len(self.parts) else None
+
+
+def compose(parts: Sequence[StageFn], core: int, index: int, eqn_range: tuple[int, int],
+            names: tuple[str, ...], is_last: bool, remat: Remat) -> StageFn:
+    """One stage running ``parts`` in order; its residuals and hand-off values are the
+    core's, then the other parts' in order."""
+    parts = tuple(parts)
+    p_ids = tuple(sorted({i for pt in parts for i in pt.param_ids}))
+    b_ids = tuple(sorted({i for pt in parts for i in pt.batch_ids}))
+    param_pos = tuple(tuple(p_ids.index(i) for i in pt.param_ids) for pt in parts)
+    batch_pos = tuple(tuple(b_ids.index(i) for i in pt.batch_ids) for pt in parts)
+    p_avals: list = [None] * len(p_ids)
+    dp: list = [False] * len(p_ids)
+    b_avals: list = [None] * len(b_ids)
+    for pt, pp, bp in zip(parts, param_pos, batch_pos, strict=True):
+        for j, q in enumerate(pp):
+            p_avals[q], dp[q] = pt.fwd.in_avals[j], pt.diff_param_mask[j]
+        for j, q in enumerate(bp):
+            b_avals[q] = pt.fwd.in_avals[len(pp) + j]
+    order = [core] + [k for k in range(len(parts)) if k != core]
+    res_ids: list = [()] * len(parts)
+    w_ids: list = [()] * len(parts)
+    n_res = n_w = 0
+    for k in order:
+        res_ids[k] = tuple(range(n_res, n_res + len(parts[k].residual_avals)))
+        w_ids[k] = tuple(range(n_w, n_w + len(parts[k].w_residual_avals)))
+        n_res += len(res_ids[k])
+        n_w += len(w_ids[k])
+    residual_avals = [a for k in order for a in parts[k].residual_avals]
+    w_avals = [a for k in order for a in parts[k].w_residual_avals]
+    w_res_ids = tuple(sorted(res_ids[k][i] for k, pt in enumerate(parts) for i in pt.w_res_ids))
+    w_pos = {r: i for i, r in enumerate(w_res_ids)}
+
+    def own(k, params, batch):
+        return [params[q] for q in param_pos[k]] + [batch[q] for q in batch_pos[k]]
+
+    def add_grads(grads, k, cts):
+        diff = [q for j, q in enumerate(param_pos[k]) if parts[k].diff_param_mask[j]]
+        for q, g in zip(diff, cts, strict=True):
+            grads[q] = g if q not in grads else grads[q] + g
+
+    def diff_grads(grads):
+        return [grads[q] for q in range(len(p_ids)) if dp[q]]
+
+    def fwd(params, batch, carry):
+        res: list = [[] for _ in parts]
+        for k, pt in enumerate(parts):
+            outs = jaxpr_as_fun(pt.fwd)(*own(k, params, batch), *carry)
+            n = len(pt.out_avals)
+            carry, res[k] = outs[:n], outs[n:]
+        return [*carry, *[x for k in order for x in res[k]]]
+
+    def bwd(params, batch, stored, ct):
+        grads: dict = {}
+        for k in reversed(range(len(parts))):
+            pt = parts[k]
+            outs = jaxpr_as_fun(pt.bwd)(*own(k, params, batch),
+                                        *[stored[i] for i in res_ids[k]], *ct)
+            n = sum(pt.diff_param_mask)
+            add_grads(grads, k, outs[:n])
+            ct = outs[n:]
+        return [*diff_grads(grads), *ct]
+
+    def bwd_i(params, batch, stored, ct):
+        hand: list = [[] for _ in parts]
+        for k in reversed(range(len(parts))):
+            pt = parts[k]
+            outs = jaxpr_as_fun(pt.bwd_i)(*own(k, params, batch),
+                                          *[stored[i] for i in res_ids[k]], *ct)
+            n = len(pt.ct_in_avals())
+            ct, hand[k] = outs[:n], outs[n:]
+        return [*ct, *[x for k in order for x in hand[k]]]
+
+    def bwd_w(params, batch, stored_w, hand):
+        grads: dict = {}
+        for k, pt in enumerate(parts):
+            outs = jaxpr_as_fun(pt.bwd_w)(
+                *own(k, params, batch), *[stored_w[w_pos[res_ids[k][i]]] for i in pt.w_res_ids],
+                *[hand[i] for i in w_ids[k]])
+            add_grads(grads, k, outs)
+        return diff_grads(grads)
+
+    def sds(avals):
+        return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+    first, last = parts[0], parts[-1]
+    ct_out = sds(last.ct_out_avals())
+    ps, bs = sds(p_avals), sds(b_avals)
+    return StageFn(
+        index=index, eqn_range=eqn_range, param_ids=p_ids, batch_ids=b_ids,
+        in_avals=list(first.in_avals), out_avals=list(last.out_avals),
+        residual_avals=residual_avals, w_residual_avals=w_avals,
+        fwd=jax.make_jaxpr(fwd)(ps, bs, sds(first.in_avals)),
+        bwd=jax.make_jaxpr(bwd)(ps, bs, sds(residual_avals), ct_out),
+        bwd_i=jax.make_jaxpr(bwd_i)(ps, bs, sds(residual_avals), ct_out),
+        bwd_w=jax.make_jaxpr(bwd_w)(ps, bs, sds([residual_avals[i] for i in w_res_ids]),
+                                    sds(w_avals)),
+        diff_param_mask=tuple(dp), diff_in_mask=first.diff_in_mask,
+        diff_out_mask=last.diff_out_mask, names=names, is_last=is_last, w_res_ids=w_res_ids,
+        remat=remat,
+        parts=StageParts(parts, core, param_pos, batch_pos, tuple(res_ids), tuple(w_ids)),
+    )
+
+
+def _effective(frags: Fragments, a: int, b: int) -> list[int]:
+    """The equations of ``[a, b)`` that compute (cut markers do not)."""
+    return [k for k in range(a, b) if frags.eqns[k].primitive is not boundary_p]
+
+
+def _tokens(frags: Fragments, ks: Sequence[int]) -> list[tuple]:
+    """A cheap structural summary of equations ``ks`` (to propose core lengths)."""
+    return [(e.primitive.name, tuple(str(getattr(v, "aval", v)) for v in e.invars),
+             tuple(str(v.aval) for v in e.outvars)) for e in (frags.eqns[k] for k in ks)]
+
+
+class _Match:
+    """Fragment ``cand`` against fragment ``ref`` equation by equation (markers skipped):
+    which of ``cand``'s values plays the role of each of ``ref``'s (``None``: they
+    differ in shape)."""
+
+    def __init__(self, frags: Fragments, ref: tuple[int, int], cand: tuple[int, int]) -> None:
+        self.ref_alias = frags.through_markers(*ref)
+        self.cand_alias = frags.through_markers(*cand)
+        self.to_cand: dict | None = {}
+        er, ec = _effective(frags, *ref), _effective(frags, *cand)
+        if len(er) != len(ec):
+            self.to_cand = None
+            return
+        for i, j in zip(er, ec, strict=True):
+            x, y = frags.eqns[i], frags.eqns[j]
+            if (x.primitive is not y.primitive or len(x.invars) != len(y.invars)
+                    or len(x.outvars) != len(y.outvars)
+                    or not all(self._bind(u, v) for u, v in zip(
+                        [*x.invars, *x.outvars], [*y.invars, *y.outvars], strict=True))):
+                self.to_cand = None
+                return
+
+    def _bind(self, u: Any, v: Any) -> bool:
+        if isinstance(u, jcore.Literal) or isinstance(v, jcore.Literal):
+            return isinstance(u, jcore.Literal) and isinstance(v, jcore.Literal)
+        u, v = self.ref_alias.get(u, u), self.cand_alias.get(v, v)
+        return self.to_cand.setdefault(u, v) is v
+
+    def cand(self, ref_vars: Sequence[Any]) -> list | None:
+        """``cand``'s values in the roles of ``ref_vars`` (``None``: one has no role in the
+        equations, e.g. passed through unread)."""
+        try:
+            return [self.to_cand[self.ref_alias.get(v, v)] for v in ref_vars]
+        except KeyError:
+            return None
+
+    def ref(self, cand_vars: Sequence[Any]) -> list | None:
+        back = {v: u for u, v in self.to_cand.items()}
+        try:
+            return [back[self.cand_alias.get(v, v)] for v in cand_vars]
+        except KeyError:
+            return None
+
+
+def _live_names(frags: Fragments, vals: list, e: int, alias: dict) -> list:
+    """``vals`` (marker-resolved) named as the values live at equation ``e`` that the
+    equations after it read (a marker's output rather than its input)."""
+    named = {alias.get(v, v): v for v in frags.carry_at(e)}
+    return [named.get(v, v) for v in vals]
+
+
+def _covers(frags: Fragments, vals: list, e: int, alias: dict) -> bool:
+    """``vals`` are values computed before ``e`` and hold everything live there."""
+    return (all(v in frags.defined for v in vals)
+            and {alias.get(v, v) for v in frags.carry_at(e)} <= set(vals))
+
+
+def share_cores(frags: Fragments, stages: list[StageFn], policies: Sequence[Remat],
+                split_backward: bool = False) -> list[StageFn]:
+    """``stages`` with the first and last split into parts where that lets them share
+    their core with another stage (see the module docstring). Lengths count computing
+    equations only (a core may end with or without a cut marker), and a core takes the
+    signature of the stage it matches: its carries in that stage's order, and the
+    values that stage passes on unread (a mask every block reads) passed on too.
+    A stage stays whole where its parts would store more per microbatch
+    (:func:`_unless_heavier`; with ``split_backward`` the I -> W hand-off counts too)."""
+    S = len(stages)
+    if S < 2:
+        return stages
+    (a0, b0), (aL, bL) = stages[0].eqn_range, stages[-1].eqn_range
+    e0, eL = _effective(frags, a0, b0), _effective(frags, aL, bL)
+    first = last = None  # (core start, carry at it) / (core end, carry at it)
+    if S >= 3:
+        for st in stages[1:-1]:
+            (ra, rb), n = st.eqn_range, len(_effective(frags, *st.eqn_range))
+            ref_key = frags.key(ra, rb, policies[st.index], False)
+            ref_in, ref_out = frags.carry_at(ra), frags.carry_at(rb)
+            if first is None and n < len(e0):
+                x = e0[-n]
+                match = _Match(frags, (ra, rb), (x, b0))
+                if match.to_cand is not None:
+                    cin, out = match.cand(ref_in), match.cand(ref_out)
+                    alias = match.cand_alias
+                    if (cin is not None and out == [alias.get(v, v) for v in frags.carry_at(b0)]
+                            and _covers(frags, cin, x, alias)
+                            and frags.key(x, b0, policies[0], False, cin) == ref_key):
+                        first = (x, cin)
+            if last is None and n < len(eL):
+                y = eL[n]
+                match = _Match(frags, (ra, rb), (aL, y))
+                if match.to_cand is not None:
+                    cin, cout = match.cand(ref_in), match.cand(ref_out)
+                    alias = match.cand_alias
+                    if (cout is not None and cin == frags.carry_at(aL)
+                            and _covers(frags, cout, y, alias)):
+                        cout = _live_names(frags, cout, y, alias)
+                        if frags.key(aL, y, policies[-1], False, None, cout) == ref_key:
+                            last = (y, cout)
+    else:
+        t0, t1 = _tokens(frags, e0), _tokens(frags, eL)
+        boundary = frags.carry_at(b0)
+        tries = 0
+        for n in range(min(len(e0), len(eL)) - 1, 0, -1):
+            if t0[-n:] != t1[:n]:
+                continue
+            tries += 1
+            x, y = e0[-n], eL[n]
+            match = _Match(frags, (aL, y), (x, b0))  # the last stage's core as reference
+            if match.to_cand is not None:
+                cin = match.cand(boundary)
+                cout = match.ref([match.cand_alias.get(v, v) for v in boundary])
+                if (cin is not None and cout is not None
+                        and _covers(frags, cin, x, match.cand_alias)
+                        and _covers(frags, cout, y, match.ref_alias)):
+                    cout = _live_names(frags, cout, y, match.ref_alias)
+                    if frags.key(x, b0, policies[0], False, cin) == \
+                            frags.key(aL, y, policies[-1], False, None, cout):
+                        first, last = (x, cin), (y, cout)
+                        break
+            if tries == _MAX_TRIES:
+                break
+    out = list(stages)
+    if first is not None:
+        st, (x, cin) = stages[0], first
+        parts = [frags.build(0, a0, x, policies[0], False, carry_out=cin),
+                 frags.build(0, x, b0, policies[0], False, carry_in=cin)]
+        out[0] = _unless_heavier(
+            compose(parts, 1, 0, (a0, b0), st.names, st.is_last, st.remat), st,
+            split_backward)
+    if last is not None:
+        st, (y, cout) = stages[-1], last
+        parts = [frags.build(S - 1, aL, y, policies[-1], False, carry_out=cout),
+                 frags.build(S - 1, y, bL, policies[-1], True, carry_in=cout)]
+        out[-1] = _unless_heavier(
+            compose(parts, 0, S - 1, (aL, bL), st.names, st.is_last, st.remat), st,
+            split_backward)
+    return out
+
+
+def _unless_heavier(parted: StageFn, whole: StageFn, split_backward: bool) -> StageFn:
+    """``parted``, unless it stores more per microbatch than ``whole``: sharing a
+    compiled body must not cost memory. Under a recomputation policy the value between
+    two parts can become a residual the whole stage recomputes; and the first stage's
+    input-gradient half computes nothing whole (it has no input), while its core's
+    hands the core's intermediate values to the weight-gradient half."""
+    def stored(st: StageFn) -> list[int]:
+        lists = [st.residual_avals] + ([st.w_residual_avals] if split_backward else [])
+        return [sum(aval_bytes(a) for a in avals) for avals in lists]
+
+    heavier = any(p > w for p, w in zip(stored(parted), stored(whole), strict=True))
+    return whole if heavier else parted
