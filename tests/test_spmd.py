@@ -200,6 +200,27 @@ def test_bad_mesh_errors():
                     schedule=jp.GPipe(4, 2), cut="markers")
 
 
+@pytest.mark.parametrize("p,make,runtime,bodies", [
+    (2, lambda: jp.OneFOneB(2, 4), SpmdRuntime(), [(0, 1)]),
+    (4, lambda: jp.OneFOneB(4, 4), SpmdRuntime(fuse_fb=True), [(0, 1, 2, 3)]),
+    (2, lambda: jp.Interleaved1F1B(2, 4, stages_per_device=2), SpmdRuntime(),
+     [(0, 1, 2, 3)]),
+    # split backwards: the first stage's parts would hand more to W, so it runs whole
+    (4, lambda: jp.OneFOneB(4, 4), SpmdRuntime(split_backward=True), [(0,), (1, 2, 3)]),
+], ids=["p2", "p4-fused", "interleaved", "split"])
+def test_first_and_last_stage_run_through_the_middle_body(p, make, runtime, bodies):
+    """The embedding before the first stage's block and the head after the last stage's
+    run as a prologue and an epilogue around the block every stage shares: one compiled
+    body for the whole model; exact with F and B fused, interleaved or split."""
+    schedule = make()
+    loss_fn, params, batch = MODELS["tiny_lm"](schedule.num_stages, batch=8)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((p,), ("pipe",)),
+                       schedule=schedule, cut="markers", runtime=runtime)
+    assert [b.stages for b in pipe.executor.bodies] == bodies
+    assert pipe.stages[-1].parts is not None
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 4))
+
+
 def test_identical_stages_share_one_compiled_body():
     """8 equal MLP layers over 8 stages: the middle stages differ only in their
     parameters, so they run through one body per kind; the program holds fewer bodies

@@ -4,8 +4,12 @@ The middle blocks of a transformer cut evenly, or the chunks of an interleaved s
 give stages with the same jaxprs, the same parameter classes, residuals and messages;
 only *which* parameter slots they read differs. Such stages form one :class:`Body`: the
 program compiles one branch per action kind for it and picks the parameter slots of the
-running stage from a small table indexed by the stage at run time. Compile time then
-grows with the number of distinct bodies (typically first, middle, last), not stages.
+running stage from a small table indexed by the stage at run time.
+
+A first or last stage split into parts (:mod:`jaxpipe.stage_parts`) joins the body of
+the stages its *core* matches: the body's branches run that member's prologue or
+epilogue around the core, gated by the running stage (:mod:`.ends`). Compile time then
+grows with the number of distinct cores (typically one), not stages.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpipe.runtime.spmd.layout import SlotLayout, ValueClass
-from jaxpipe.schedule import Schedule
 from jaxpipe.stages import StageFn
 from jaxpipe.structure import unprinted
 
@@ -35,8 +38,11 @@ class Body:
       param_slot: ``[num_stages, len(param_classes)]`` slot (position in the device's
         slot list) of every parameter input of each member stage (rows of other stages
         are unused).
-      send_offset, recv_offset: device offsets of the forward message it sends / the
-        cotangent it sends back (``None``: none; ``0``: to the same device).
+      members: the whole function of every member stage (a member split into parts runs
+        its prologue or epilogue around ``fn``, the core, when the body is shared).
+      in_stage, out_stage: members whose messages are the core's: one without a prologue
+        (what the core receives and sends back) and one without an epilogue (what it
+        sends on and receives back).
     """
 
     index: int
@@ -44,12 +50,18 @@ class Body:
     fn: StageFn
     param_classes: tuple[ValueClass, ...]
     param_slot: np.ndarray
-    send_offset: int | None
-    back_offset: int | None
+    members: tuple[StageFn, ...]
+    in_stage: int
+    out_stage: int
 
     @property
     def shared(self) -> bool:
         return len(self.stages) > 1
+
+    @property
+    def last(self) -> StageFn | None:
+        """The member that computes the loss, if any."""
+        return next((st for st in self.members if st.is_last), None)
 
     def candidates(self, j: int) -> tuple[int, ...]:
         """The slots parameter input ``j`` comes from, over the members (one when every
@@ -79,16 +91,20 @@ def _same_consts(a: list, b: list) -> bool:
 _JAXPRS = ("fwd", "bwd", "bwd_i", "bwd_w")
 
 
-def _signature(st: StageFn, slots: SlotLayout, sched: Schedule) -> tuple:
+def _core(st: StageFn, share: bool) -> tuple[StageFn, tuple[int, ...]]:
+    """What of ``st`` a body shares, and the positions of its parameters among the
+    stage's: the core of a stage split into parts, else the whole stage."""
+    if share and st.parts is not None:
+        return st.parts.core_fn, st.parts.param_pos[st.parts.core]
+    return st, tuple(range(len(st.param_ids)))
+
+
+def _signature(core: StageFn, pos: tuple[int, ...], s: int, slots: SlotLayout) -> tuple:
     """Everything but the jaxprs two stages of one body must share (cheap to compare)."""
-    D = sched.num_devices
-    here = sched.placement(st.index)
-    send = None if st.is_last else (sched.placement(st.index + 1) - here) % D
-    back = None if st.index == 0 else (sched.placement(st.index - 1) - here) % D
     return (
-        tuple(slots.slots[k][0] for k in slots.where[st.index]),
-        st.batch_ids, st.is_last, st.index == 0, st.diff_param_mask, st.diff_in_mask,
-        st.diff_out_mask, st.w_res_ids, send, back,
+        tuple(slots.slots[slots.where[s][q]][0] for q in pos),
+        core.batch_ids, core.is_last, bool(core.in_avals), core.diff_param_mask,
+        core.diff_in_mask, core.diff_out_mask, core.w_res_ids,
     )
 
 
@@ -109,19 +125,18 @@ def _same_jaxprs(a: StageFn, b: StageFn, text: dict[int, str]) -> bool:
     return True
 
 
-def group_bodies(stages: Sequence[StageFn], slots: SlotLayout, schedule: Schedule,
-                 share: bool = True) -> tuple[list[Body], list[int]]:
-    """Group ``stages`` into bodies; returns ``(bodies, body of every stage)``.
-
-    With ``share=False`` every stage is its own body.
-    """
+def group_bodies(stages: Sequence[StageFn], slots: SlotLayout, share: bool = True
+                 ) -> tuple[list[Body], list[int]]:
+    """Group ``stages`` into bodies by their cores; returns ``(bodies, body of every
+    stage)``. With ``share=False`` every stage is its own body."""
     groups: list[list[int]] = []
     sigs: list[tuple] = []
     text: dict[int, str] = {}  # id(jaxpr) -> printed, while the stages keep them alive
-    for st in stages:
-        sig = _signature(st, slots, schedule) if share else None
+    cores = [_core(st, share) for st in stages]
+    for st, (core, pos) in zip(stages, cores, strict=True):
+        sig = _signature(core, pos, st.index, slots)
         for g, gsig in zip(groups, sigs, strict=True):
-            if share and sig == gsig and _same_jaxprs(stages[g[0]], st, text):
+            if share and sig == gsig and _same_jaxprs(cores[g[0]][0], core, text):
                 g.append(st.index)
                 break
         else:
@@ -130,14 +145,21 @@ def group_bodies(stages: Sequence[StageFn], slots: SlotLayout, schedule: Schedul
     S = len(stages)
     bodies, body_of = [], [0] * S
     for b, members in enumerate(groups):
-        rep = stages[members[0]]
-        n = len(rep.param_ids)
-        table = np.zeros((S, n), np.int32)
+        whole = tuple(stages[s] for s in members)
+        if len(members) == 1:  # alone, a stage split into parts runs whole
+            fn, pos = whole[0], tuple(range(len(whole[0].param_ids)))
+        else:
+            fn, pos = cores[members[0]]
+        table = np.zeros((S, len(pos)), np.int32)
         for s in members:
-            table[s] = slots.where[s]
+            table[s] = [slots.where[s][q] for q in (pos if len(members) == 1 else cores[s][1])]
             body_of[s] = b
-        sig = _signature(rep, slots, schedule)
-        bodies.append(Body(b, tuple(members), rep,
-                           tuple(slots.slots[k][0] for k in slots.where[rep.index]),
-                           table, sig[-2], sig[-1]))
+        plain_in = [st.index for st in whole if len(members) == 1 or st.parts is None
+                    or st.parts.prologue is None]
+        plain_out = [st.index for st in whole if len(members) == 1 or st.parts is None
+                     or st.parts.epilogue is None]
+        bodies.append(Body(b, tuple(members), fn,
+                           tuple(slots.slots[k][0] for k in table[members[0]]),
+                           table, whole if len(members) > 1 else (fn,), plain_in[0],
+                           plain_out[0]))
     return bodies, body_of

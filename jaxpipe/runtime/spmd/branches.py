@@ -24,6 +24,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.runtime.spmd import scanio
 from jaxpipe.runtime.spmd.bodies import Body
+from jaxpipe.runtime.spmd.ends import Ends
 from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import Pool, TickTable
 
@@ -34,11 +35,15 @@ Branch = Callable[..., tuple]
 
 
 class Branches:
-    """Builds the program's branches for one layout (``layouts``) and ``m`` microbatches."""
+    """Builds the program's branches for one layout (``layouts``) and ``m`` microbatches;
+    ``fused``: the stages that run every F with its B in one step (only their FB
+    branch runs them)."""
 
-    def __init__(self, layouts: StageLayouts, num_microbatches: int) -> None:
+    def __init__(self, layouts: StageLayouts, num_microbatches: int,
+                 fused: frozenset[int] = frozenset()) -> None:
         self.L = layouts
         self.m = num_microbatches
+        self.fused = fused
 
     # -- reading and writing the buffers ----------------------------------------------
     @staticmethod
@@ -91,10 +96,17 @@ class Branches:
     # -- the branches -------------------------------------------------------------------
     def make(self, kind: str, body: Body) -> Branch:
         """The branch running ``kind`` (one of ``lowering.PROGRAM_KINDS``) for ``body``."""
+        if kind == "FB":
+            return self._fused(body)
         L, m = self.L, self.m
         st = body.fn
-        s = st.index  # the representative's packings (identical for every member)
         io = _DirectIO(self, body)
+        # a shared body's members split into parts run their prologue / epilogue around
+        # the core (none: every member is the core; a fused stage runs whole, in FB)
+        ends = Ends(L, [st for st in body.members if st.index not in self.fused]
+                    if body.shared else (), m)
+        a_in, c_back = L.act_in[body.in_stage], L.ct_in[body.in_stage]
+        a_out, c_on = L.act_out[body.out_stage], L.ct_out[body.out_stage]
 
         def inputs(row, pbuf, mbd):
             return self.body_params(body, pbuf, row), [mbd[i] for i in st.batch_ids]
@@ -102,70 +114,89 @@ class Branches:
         def received_ct(row, inbox):
             if st.is_last:
                 return [jnp.full((), 1.0 / m, st.out_avals[0].dtype)]
-            return L.ct_out[s].read(inbox, self.unit_base(L.ct_out[s], row.in_slot))
-
-        def carry_in(row, inbox):
-            return L.act_in[s].read(inbox, self.unit_base(L.act_in[s], row.in_slot))
+            return c_on.read(inbox, self.unit_base(c_on, row.in_slot))
 
         def f_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
-            outs, store, gbuf = io.run("fwd", row, store, gbuf,
-                                       [*params, *batch, *carry_in(row, inbox)])
+            core_in = a_in.read(inbox, self.unit_base(a_in, row.in_slot))
+            core_in, store = ends.before_core(row, pbuf, mbd, store, core_in)
+            outs, store, gbuf = io.run("fwd", row, store, gbuf, [*params, *batch, *core_in])
             store = io.store_residuals(row, store, outs[io.n_out:])
             if st.is_last:
                 return store, gbuf, msg, loss + outs[0].astype(jnp.float32)
-            return store, gbuf, self.as_msg(L.act_out[s], outs[:io.n_out]), loss
+            store, loss = ends.after_core(row, pbuf, mbd, store, loss, outs[:io.n_out])
+            return store, gbuf, self.as_msg(a_out, outs[:io.n_out]), loss
 
-        def after_backward(row, store, gbuf, outs, loss):
-            """``st.bwd``'s outputs: parameter cotangents into their slots, the input
-            cotangent as the message."""
-            n = sum(st.diff_param_mask)
-            gbuf = self.accumulate(body, gbuf, row, outs[:n])
-            return store, gbuf, self.as_msg(L.ct_in[s], outs[n:]), loss
+        def backward(half, row, pbuf, mbd, inbox, store, gbuf):
+            """The epilogue's, the core's and the prologue's ``half`` (``"bwd"`` or
+            ``"bwd_i"``): the core's outputs, the store and the gradients."""
+            params, batch = inputs(row, pbuf, mbd)
+            ct, store, gbuf = ends.ct_into_core(half, row, pbuf, mbd, store, gbuf,
+                                                received_ct(row, inbox))
+            outs, store, gbuf = io.run(half, row, store, gbuf,
+                                       [*params, *batch, *io.load(row, store, half), *ct])
+            n = sum(st.diff_param_mask) if half == "bwd" else len(st.ct_in_avals())
+            ct_in = outs[n:] if half == "bwd" else outs[:n]
+            store, gbuf = ends.ct_out_of_core(half, row, pbuf, mbd, store, gbuf, ct_in)
+            return outs, store, gbuf
 
         def b_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
-            params, batch = inputs(row, pbuf, mbd)
-            outs, store, gbuf = io.run("bwd", row, store, gbuf,
-                                       [*params, *batch, *io.load(row, store, "bwd"),
-                                        *received_ct(row, inbox)])
-            return after_backward(row, store, gbuf, outs, loss)
+            outs, store, gbuf = backward("bwd", row, pbuf, mbd, inbox, store, gbuf)
+            n = sum(st.diff_param_mask)
+            gbuf = self.accumulate(body, gbuf, row, outs[:n])
+            return store, gbuf, self.as_msg(c_back, outs[n:]), loss
 
         def i_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
-            params, batch = inputs(row, pbuf, mbd)
-            outs, store, gbuf = io.run("bwd_i", row, store, gbuf,
-                                       [*params, *batch, *io.load(row, store, "bwd_i"),
-                                        *received_ct(row, inbox)])
+            outs, store, gbuf = backward("bwd_i", row, pbuf, mbd, inbox, store, gbuf)
             n = len(st.ct_in_avals())
             # The hand-off has buffers of its own (ValueClass.buffer), so writing it here
             # never aliases the residual rows just read.
-            store = L.pools[Pool.HANDOFF][s].write(store, self.bases(row, Pool.HANDOFF),
+            store = io.packing[Pool.HANDOFF].write(store, self.bases(row, Pool.HANDOFF),
                                                    outs[n:])
-            return store, gbuf, self.as_msg(L.ct_in[s], outs[:n]), loss
-
-        def fb_branch(row, pbuf, mbd, inbox, state):
-            # F and its own B in one step (the last stage, fusion.fused_backwards): the
-            # residuals go straight from the forward to the backward, never to storage.
-            store, gbuf, msg, loss = state
-            params, batch = inputs(row, pbuf, mbd)
-            outs = jaxpr_as_fun(st.fwd)(*params, *batch, *carry_in(row, inbox))
-            n = io.n_out
-            loss = loss + outs[0].astype(jnp.float32)
-            outs = jaxpr_as_fun(st.bwd)(*params, *batch, *outs[n:], *received_ct(row, inbox))
-            return after_backward(row, store, gbuf, outs, loss)
+            return store, gbuf, self.as_msg(c_back, outs[:n]), loss
 
         def w_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
-            handoff = L.pools[Pool.HANDOFF][s].read(store, self.bases(row, Pool.HANDOFF))
+            handoff = io.packing[Pool.HANDOFF].read(store, self.bases(row, Pool.HANDOFF))
             ct_par, store, gbuf = io.run("bwd_w", row, store, gbuf,
                                          [*params, *batch, *io.load_w(row, store), *handoff])
+            store, gbuf = ends.weights(row, pbuf, mbd, store, gbuf)
             return store, self.accumulate(body, gbuf, row, ct_par), msg, loss
 
-        return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch,
-                "FB": fb_branch}[kind]
+        return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch}[kind]
+
+    def _fused(self, body: Body) -> Branch | None:
+        """F and its own B in one step (the last stage, fusion.fused_backwards): the
+        residuals go straight from the forward to the backward, never to storage. Runs
+        the body's last member whole, from its own parameter slots."""
+        L, m = self.L, self.m
+        st = body.last
+        if st is None:
+            return None
+        s = st.index
+        slots = L.slots.where[s]
+        a_in, c_back = L.act_in[s], L.ct_in[s]
+
+        def fb_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
+            ins = [pbuf[k] for k in slots] + [mbd[i] for i in st.batch_ids]
+            outs = jaxpr_as_fun(st.fwd)(*ins, *a_in.read(inbox, self.unit_base(a_in,
+                                                                            row.in_slot)))
+            n = len(st.out_avals)
+            loss = loss + outs[0].astype(jnp.float32)
+            outs = jaxpr_as_fun(st.bwd)(*ins, *outs[n:],
+                                        jnp.full((), 1.0 / m, st.out_avals[0].dtype))
+            gbuf = list(gbuf)
+            diff = [k for k, d in zip(slots, st.diff_param_mask, strict=True) if d]
+            for k, ct in zip(diff, outs[:len(diff)], strict=True):
+                gbuf[k] = gbuf[k] + ct.astype(gbuf[k].dtype)
+            return store, gbuf, self.as_msg(c_back, outs[len(diff):]), loss
+
+        return fb_branch
 
 
 class _DirectIO:
@@ -183,6 +214,11 @@ class _DirectIO:
         st = self.st = body.fn
         self.pools = ((Pool.RESIDUAL_A, st.i_only_residual_ids),
                       (Pool.RESIDUAL_B, st.w_res_ids))
+        # The packings of the body's function: a member split into parts keeps the core's
+        # values first, in these rows (jaxpipe.stage_parts.compose).
+        self.packing = {pool: Packing([st.residual_avals[i] for i in ids])
+                        for pool, ids in self.pools}
+        self.packing[Pool.HANDOFF] = Packing(st.w_residual_avals, buffer="handoff")
         self.leaf_of = {i: (pool, k) for pool, ids in self.pools for k, i in enumerate(ids)}
         self.n_out = len(st.out_avals)
         n_pb = self.n_pb = len(st.param_ids) + len(st.batch_ids)
@@ -210,31 +246,29 @@ class _DirectIO:
 
     def _location(self, row: TickTable, i: int) -> tuple[ValueClass, Any, int]:
         pool, k = self.leaf_of[i]
-        return self.br.L.pools[pool][self.st.index].location(k, self.br.bases(row, pool))
+        return self.packing[pool].location(k, self.br.bases(row, pool))
 
     def load(self, row: TickTable, store: Bufs, name: str) -> list:
         """Every residual, read from storage; ``None`` for those ``name``'s scans read."""
         out: list = [None] * len(self.st.residual_avals)
         for pool, ids in self.pools:
-            packing = self.br.L.pools[pool][self.st.index]
-            vals = packing.read(store, self.br.bases(row, pool),
-                                self._skip(ids, self.sourced[name]))
+            vals = self.packing[pool].read(store, self.br.bases(row, pool),
+                                           self._skip(ids, self.sourced[name]))
             for i, x in zip(ids, vals, strict=True):
                 out[i] = x
         return out
 
     def load_w(self, row: TickTable, store: Bufs) -> list:
         """The residuals W reads (``st.w_res_ids``); ``None`` for those its scans read."""
-        packing = self.br.L.pools[Pool.RESIDUAL_B][self.st.index]
-        return packing.read(store, self.br.bases(row, Pool.RESIDUAL_B),
-                            self._skip(self.st.w_res_ids, self.sourced["bwd_w"]))
+        return self.packing[Pool.RESIDUAL_B].read(
+            store, self.br.bases(row, Pool.RESIDUAL_B),
+            self._skip(self.st.w_res_ids, self.sourced["bwd_w"]))
 
     def store_residuals(self, row: TickTable, store: Bufs, stored: Sequence) -> Bufs:
         """Write the residuals the forward's scans did not write already."""
         for pool, ids in self.pools:
-            packing = self.br.L.pools[pool][self.st.index]
-            store = packing.write(store, self.br.bases(row, pool), [stored[i] for i in ids],
-                                  self._skip(ids, self.sunk))
+            store = self.packing[pool].write(store, self.br.bases(row, pool),
+                                             [stored[i] for i in ids], self._skip(ids, self.sunk))
         return store
 
     def run(self, name: str, row: TickTable, store: Bufs, gbuf: list, args: list

@@ -134,7 +134,7 @@ class SpmdExecutor(Executor):
         self.layouts = StageLayouts.build(spec.stages, spec.param_avals, device_stages,
                                           spec.param_dims)
         self.bodies, self.body_of_stage = group_bodies(
-            spec.stages, self.layouts.slots, sched, share=runtime.share_bodies)
+            spec.stages, self.layouts.slots, share=runtime.share_bodies)
         self.lowering: Lowering = lower(sched, self.layouts.pool_counts(), self.body_of_stage,
                                         split_backward=runtime.resolve_split(),
                                         iw_same_tick=runtime.iw_same_tick,

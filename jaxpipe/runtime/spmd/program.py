@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.branches import Branches
+from jaxpipe.runtime.spmd.gate import gated
 from jaxpipe.runtime.spmd.layout import StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import (
     IDLE,
@@ -91,7 +92,7 @@ def build_step(
     units = lowering.units
     num_bodies = len(bodies)
 
-    branch_of = Branches(L, m)
+    branch_of = Branches(L, m, lowering.fused_stages)
 
     # Only (kind, body) pairs the schedule runs get a branch (e.g. no I/W for 1F1B).
     used = lowering.used_branches - {IDLE}
@@ -103,19 +104,6 @@ def build_step(
     # whole inbox twice per step (+8% step time for 1F1B split into I + W, MLP p=4).
     reads_inbox = {b for b in branches
                    if b not in {branch_id("W", x.index, num_bodies) for x in bodies}}
-
-    def gated(pred: Any, fn: Callable, x: Any, *args: Any) -> Any:
-        """``fn(x, *args)`` if ``pred`` else ``x``: a zero-or-one-trip while loop, which
-        updates ``x`` in place where ``lax.cond`` would copy it. ``args`` pass through an
-        optimization barrier tied to the trip counter, so XLA's loop-invariant code motion
-        cannot hoist work on them (a stage's compute, a ``ppermute``) out of the loop and
-        run it on every step."""
-        def body(c):
-            i, x = c
-            i, a = lax.optimization_barrier((i, args))
-            return i + 1, fn(x, *a)
-        return lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32), body,
-                              (jnp.int32(0), x))[1]
 
     def write_unit(buf: Bufs, msg: Bufs, slot: Any) -> Bufs:
         return {c: lax.dynamic_update_slice_in_dim(buf[c], msg[c], slot * n, 0,

@@ -1,0 +1,194 @@
+"""The prologue and epilogue around a shared core (stages split by :mod:`jaxpipe.stage_parts`).
+
+The first stage of a transformer runs the embedding before its blocks and the last runs
+the head and loss after its blocks; when those blocks compute the middle stages'
+function, all of them form one body and the program compiles the blocks once. A step of
+such a body runs, gated by the running stage, the member's prologue before the core and
+its epilogue after it (in a backward: the epilogue's backward first, the prologue's
+last). The parts' parameters sit in fixed slots of their stage; their residuals and
+hand-off values are the stage's, after the core's (:func:`jaxpipe.stage_parts.compose`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
+
+from jaxpipe.runtime.spmd.gate import gated
+from jaxpipe.runtime.spmd.layout import StageLayouts
+from jaxpipe.runtime.spmd.lowering import Pool, TickTable
+from jaxpipe.stages import StageFn
+
+__all__ = ["Ends"]
+
+
+class _Part:
+    """One prologue or epilogue: where its parameters, residuals and hand-off live."""
+
+    def __init__(self, L: StageLayouts, whole: StageFn, k: int) -> None:
+        parts = whole.parts
+        self.stage = s = whole.index
+        self.fn = fn = parts.parts[k]
+        self.slots = [L.slots.where[s][q] for q in parts.param_pos[k]]
+        self.batch_ids = fn.batch_ids
+        # per pool: the stage's packing, this part's positions in it (in the part's
+        # residual order), and the positions of everything else (skipped)
+        ids = parts.res_ids[k]
+        self.pools = []
+        for pool, order in ((Pool.RESIDUAL_A, whole.i_only_residual_ids),
+                            (Pool.RESIDUAL_B, whole.w_res_ids)):
+            pos = {r: q for q, r in enumerate(order)}
+            mine = {i: pos[r] for i, r in enumerate(ids) if r in pos}
+            self.pools.append((pool, L.pools[pool][s], mine,
+                               frozenset(range(len(order))) - set(mine.values())))
+        hand = L.pools[Pool.HANDOFF][s]
+        self.hand = (hand, list(parts.w_ids[k]),
+                     frozenset(range(len(hand))) - set(parts.w_ids[k]))
+
+    def inputs(self, pbuf: list, mbd: list) -> list:
+        return [pbuf[k] for k in self.slots] + [mbd[i] for i in self.batch_ids]
+
+    def load(self, row: TickTable, store: dict, ids: Sequence[int]) -> list:
+        """Residuals ``ids`` of this part (its own numbering), from storage."""
+        out: dict = {}
+        for pool, packing, mine, others in self.pools:
+            vals = packing.read(store, _bases(row, pool), others)
+            out.update((i, vals[q]) for i, q in mine.items())
+        return [out[i] for i in ids]
+
+    def save(self, row: TickTable, store: dict, residuals: Sequence) -> dict:
+        for pool, packing, mine, others in self.pools:
+            leaves: list = [None] * len(packing)
+            for i, q in mine.items():
+                leaves[q] = residuals[i]
+            store = packing.write(store, _bases(row, pool), leaves, others)
+        return store
+
+    def save_hand(self, row: TickTable, store: dict, values: Sequence) -> dict:
+        packing, mine, others = self.hand
+        leaves: list = [None] * len(packing)
+        for q, x in zip(mine, values, strict=True):
+            leaves[q] = x
+        return packing.write(store, _bases(row, Pool.HANDOFF), leaves, others)
+
+    def load_hand(self, row: TickTable, store: dict) -> list:
+        packing, mine, others = self.hand
+        vals = packing.read(store, _bases(row, Pool.HANDOFF), others)
+        return [vals[q] for q in mine]
+
+    def accumulate(self, gbuf: list, cts: Sequence) -> list:
+        gbuf = list(gbuf)
+        diff = [k for k, d in zip(self.slots, self.fn.diff_param_mask, strict=True) if d]
+        for k, ct in zip(diff, cts, strict=True):
+            gbuf[k] = gbuf[k] + ct.astype(gbuf[k].dtype)
+        return gbuf
+
+
+def _bases(row: TickTable, pool: Pool) -> dict:
+    return {c: v for (p, c), v in row.pool_base.items() if p is pool}
+
+
+class Ends:
+    """The prologues and epilogues of a body's members (none: every step is the core).
+
+    Each method runs every member's part gated by ``row.stage`` and returns what the
+    core reads next (or the updated buffers).
+    """
+
+    def __init__(self, L: StageLayouts, members: Sequence[StageFn], num_microbatches: int
+                 ) -> None:
+        self.pre: list[_Part] = []
+        self.post: list[_Part] = []
+        self.m = num_microbatches
+        for whole in members:
+            parts = whole.parts
+            if parts is None:
+                continue
+            if parts.prologue is not None:
+                self.pre.append(_Part(L, whole, parts.prologue))
+            if parts.epilogue is not None:
+                self.post.append(_Part(L, whole, parts.epilogue))
+
+    @staticmethod
+    def _each(parts: list[_Part], row: TickTable, fn: Callable, state: Any, *args: Any
+              ) -> Any:
+        for part in parts:
+            state = gated(row.stage == part.stage,
+                          lambda st, *a, part=part: fn(part, st, *a), state, *args)
+        return state
+
+    # -- forward ------------------------------------------------------------------------
+    def before_core(self, row, pbuf, mbd, store, core_in: list) -> tuple[list, dict]:
+        """The prologue's forward: the core's input and the prologue's residuals."""
+        def run(part, state, row, pbuf, mbd):
+            _, store = state
+            outs = jaxpr_as_fun(part.fn.fwd)(*part.inputs(pbuf, mbd))
+            n = len(part.fn.out_avals)
+            return list(outs[:n]), part.save(row, store, outs[n:])
+
+        return self._each(self.pre, row, run, (list(core_in), store), row, pbuf, mbd)
+
+    def after_core(self, row, pbuf, mbd, store, loss, core_out: list) -> tuple[dict, Any]:
+        """The epilogue's forward: the loss and the epilogue's residuals."""
+        def run(part, state, row, pbuf, mbd, core_out):
+            store, loss = state
+            outs = jaxpr_as_fun(part.fn.fwd)(*part.inputs(pbuf, mbd), *core_out)
+            return part.save(row, store, outs[1:]), loss + outs[0].astype(jnp.float32)
+
+        return self._each(self.post, row, run, (store, loss), row, pbuf, mbd, list(core_out))
+
+    # -- backward (whole, or its input half) ----------------------------------------------
+    def ct_into_core(self, half: str, row, pbuf, mbd, store, gbuf, ct: list
+                     ) -> tuple[list, dict, list]:
+        """The epilogue's backward (``half``: ``"bwd"`` or ``"bwd_i"``): the cotangent of
+        the core's output; its parameter gradients (whole) or hand-off (input half)."""
+        def run(part, state, row, pbuf, mbd):
+            _, store, gbuf = state
+            fn = part.fn
+            seed = [jnp.full((), 1.0 / self.m, fn.out_avals[0].dtype)]
+            outs = jaxpr_as_fun(getattr(fn, half))(
+                *part.inputs(pbuf, mbd), *part.load(row, store, range(len(fn.residual_avals))),
+                *seed)
+            if half == "bwd":
+                n = sum(fn.diff_param_mask)
+                return list(outs[n:]), store, part.accumulate(gbuf, outs[:n])
+            n = len(fn.ct_in_avals())
+            return list(outs[:n]), part.save_hand(row, store, outs[n:]), gbuf
+
+        return self._each(self.post, row, run, (list(ct), store, gbuf), row, pbuf, mbd)
+
+    def ct_out_of_core(self, half: str, row, pbuf, mbd, store, gbuf, ct: list
+                       ) -> tuple[dict, list]:
+        """The prologue's backward of the core's input cotangent ``ct`` (it has no input
+        of its own to send a cotangent to)."""
+        def run(part, state, row, pbuf, mbd, ct):
+            store, gbuf = state
+            fn = part.fn
+            outs = jaxpr_as_fun(getattr(fn, half))(
+                *part.inputs(pbuf, mbd), *part.load(row, store, range(len(fn.residual_avals))),
+                *ct)
+            if half == "bwd":
+                return store, part.accumulate(gbuf, outs[:sum(fn.diff_param_mask)])
+            return part.save_hand(row, store, outs[len(fn.ct_in_avals()):]), gbuf
+
+        return self._each(self.pre, row, run, (store, gbuf), row, pbuf, mbd, list(ct))
+
+    # -- weight half --------------------------------------------------------------------
+    def weights(self, row, pbuf, mbd, store, gbuf) -> tuple[dict, list]:
+        """The weight-gradient halves of the prologue and epilogue. (The storage rides in
+        the loops' carry, unchanged: passed as a loop input, XLA would copy it.)"""
+        def run(part, state, row, pbuf, mbd):
+            store, gbuf = state
+            fn = part.fn
+            outs = jaxpr_as_fun(fn.bwd_w)(*part.inputs(pbuf, mbd),
+                                          *part.load(row, store, fn.w_res_ids),
+                                          *part.load_hand(row, store))
+            return store, part.accumulate(gbuf, outs)
+
+        state = (store, gbuf)
+        for parts in (self.pre, self.post):
+            state = self._each(parts, row, run, state, row, pbuf, mbd)
+        return state
