@@ -18,7 +18,7 @@ every stage with one compiled body and the prologue or epilogue around it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,33 +244,41 @@ def _covers(frags: Fragments, vals: list, e: int, alias: dict) -> bool:
             and {alias.get(v, v) for v in frags.carry_at(e)} <= set(vals))
 
 
-def share_cores(frags: Fragments, stages: list[StageFn], policies: Sequence[Remat],
-                split_backward: bool = False) -> list[StageFn]:
-    """``stages`` with the first and last split into parts where that lets them share
-    their core with another stage (see the module docstring). Lengths count computing
-    equations only (a core may end with or without a cut marker), and a core takes the
-    signature of the stage it matches: its carries in that stage's order, and the
-    values that stage passes on unread (a mask every block reads) passed on too.
-    A stage stays whole where its parts would store more per microbatch
-    (:func:`_unless_heavier`; with ``split_backward`` the I -> W hand-off counts too)."""
-    S = len(stages)
+def share_cores(frags: Fragments, ranges: Sequence[tuple[int, int]],
+                policies: Sequence[Remat], split_backward: bool = False) -> list[StageFn]:
+    """The stages of equation ``ranges``, the first and last split into parts where that
+    lets them share their core with another stage (see the module docstring).
+
+    Lengths count computing equations only (a core may end with or without a cut
+    marker), and a core takes the signature of the stage it matches: its carries in that
+    stage's order, and the values that stage passes on unread (a mask every block reads)
+    passed on too. A stage stays whole where its parts would store more per microbatch
+    (:func:`_parted_or_whole`; with ``split_backward`` the I -> W hand-off counts too).
+    """
+    S = len(ranges)
+
+    def whole(s: int) -> StageFn:
+        return frags.build(s, *ranges[s], policies[s], is_last=s == S - 1)
+
     if S < 2:
-        return stages
-    (a0, b0), (aL, bL) = stages[0].eqn_range, stages[-1].eqn_range
+        return [whole(s) for s in range(S)]
+    out: list = [None] + [whole(s) for s in range(1, S - 1)] + [None]
+    (a0, b0), (aL, bL) = ranges[0], ranges[-1]
     e0, eL = _effective(frags, a0, b0), _effective(frags, aL, bL)
     first = last = None  # (core start, carry at it) / (core end, carry at it)
     if S >= 3:
-        for st in stages[1:-1]:
-            (ra, rb), n = st.eqn_range, len(_effective(frags, *st.eqn_range))
-            ref_key = frags.key(ra, rb, policies[st.index], False)
+        for s in range(1, S - 1):
+            (ra, rb), n = ranges[s], len(_effective(frags, *ranges[s]))
+            ref_key = frags.key(ra, rb, policies[s], False)
             ref_in, ref_out = frags.carry_at(ra), frags.carry_at(rb)
             if first is None and n < len(e0):
                 x = e0[-n]
                 match = _Match(frags, (ra, rb), (x, b0))
                 if match.to_cand is not None:
-                    cin, out = match.cand(ref_in), match.cand(ref_out)
+                    cin, cout = match.cand(ref_in), match.cand(ref_out)
                     alias = match.cand_alias
-                    if (cin is not None and out == [alias.get(v, v) for v in frags.carry_at(b0)]
+                    if (cin is not None
+                            and cout == [alias.get(v, v) for v in frags.carry_at(b0)]
                             and _covers(frags, cin, x, alias)
                             and frags.key(x, b0, policies[0], False, cin) == ref_key):
                         first = (x, cin)
@@ -308,33 +316,45 @@ def share_cores(frags: Fragments, stages: list[StageFn], policies: Sequence[Rema
                         break
             if tries == _MAX_TRIES:
                 break
-    out = list(stages)
     if first is not None:
-        st, (x, cin) = stages[0], first
+        x, cin = first
         parts = [frags.build(0, a0, x, policies[0], False, carry_out=cin),
                  frags.build(0, x, b0, policies[0], False, carry_in=cin)]
-        out[0] = _unless_heavier(
-            compose(parts, 1, 0, (a0, b0), st.names, st.is_last, st.remat), st,
-            split_backward)
+        out[0] = _parted_or_whole(frags, parts, 1, 0, ranges[0], S == 1, policies[0],
+                                  split_backward, lambda: whole(0))
     if last is not None:
-        st, (y, cout) = stages[-1], last
+        y, cout = last
         parts = [frags.build(S - 1, aL, y, policies[-1], False, carry_out=cout),
                  frags.build(S - 1, y, bL, policies[-1], True, carry_in=cout)]
-        out[-1] = _unless_heavier(
-            compose(parts, 0, S - 1, (aL, bL), st.names, st.is_last, st.remat), st,
-            split_backward)
-    return out
+        out[-1] = _parted_or_whole(frags, parts, 0, S - 1, ranges[-1], True, policies[-1],
+                                   split_backward, lambda: whole(S - 1))
+    return [st if st is not None else whole(s) for s, st in enumerate(out)]
 
 
-def _unless_heavier(parted: StageFn, whole: StageFn, split_backward: bool) -> StageFn:
-    """``parted``, unless it stores more per microbatch than ``whole``: sharing a
-    compiled body must not cost memory. Under a recomputation policy the value between
-    two parts can become a residual the whole stage recomputes; and the first stage's
-    input-gradient half computes nothing whole (it has no input), while its core's
-    hands the core's intermediate values to the weight-gradient half."""
+def _parted_or_whole(frags: Fragments, parts: list[StageFn], core: int, s: int,
+                     rng: tuple[int, int], is_last: bool, policy: Remat,
+                     split_backward: bool, whole: Callable[[], StageFn]) -> StageFn:
+    """Stage ``s`` as ``parts``, unless that stores more per microbatch than the whole
+    stage: sharing a compiled body must not cost memory.
+
+    Without recomputation the parts store what the whole stage stores, but for a value
+    between two parts that both keep (one as an output, the other as an input): then the
+    stage stays whole, and no whole stage is traced to find that out. Under a
+    recomputation policy the value between two parts can become a residual the whole
+    stage recomputes, and with ``split_backward`` the first stage's input-gradient half
+    computes nothing whole (it has no input) while its core's hands values to the weight
+    half; there the whole stage is traced and compared.
+    """
+    parted = compose(parts, core, s, rng, frags.names(*rng), is_last, policy)
+    if policy is Remat.NONE and not split_backward:
+        twice = any(set(a.stored_out) & set(b.stored_in)
+                    for a, b in zip(parts, parts[1:], strict=False))
+        return whole() if twice else parted
+    w = whole()
+
     def stored(st: StageFn) -> list[int]:
         lists = [st.residual_avals] + ([st.w_residual_avals] if split_backward else [])
         return [sum(aval_bytes(a) for a in avals) for avals in lists]
 
-    heavier = any(p > w for p, w in zip(stored(parted), stored(whole), strict=True))
-    return whole if heavier else parted
+    heavier = any(p > q for p, q in zip(stored(parted), stored(w), strict=True))
+    return w if heavier else parted

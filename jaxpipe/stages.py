@@ -80,6 +80,9 @@ class StageFn:
     remat: Remat = Remat.NONE  # the recomputation policy the forward/backward apply
     # how the stage splits into prologue / shared core / epilogue (a StageParts), if it does
     parts: Any = None
+    # carry inputs / outputs (positions) that are also stored residuals
+    stored_in: tuple[int, ...] = ()
+    stored_out: tuple[int, ...] = ()
 
     def ct_in_avals(self) -> list:
         """Cotangents this stage's backward sends to the previous stage."""
@@ -126,13 +129,12 @@ def split(traced: Traced, cuts: Sequence[int],
     bounds = [0, *(frags.segs[c][1] for c in cuts), len(frags.eqns)]
     ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
     policies = _stage_policies(remat, len(ranges))
-    stages = [frags.build(s, a, b, policies[s], is_last=s == len(ranges) - 1)
-              for s, (a, b) in enumerate(ranges)]
-    if not share_cores:
-        return stages
-    from jaxpipe.stage_parts import share_cores as share  # it builds on this module
+    if share_cores:
+        from jaxpipe.stage_parts import share_cores as share  # it builds on this module
 
-    return share(frags, stages, policies, split_backward)
+        return share(frags, ranges, policies, split_backward)
+    return [frags.build(s, a, b, policies[s], is_last=s == len(ranges) - 1)
+            for s, (a, b) in enumerate(ranges)]
 
 
 class Fragments:
@@ -229,6 +231,12 @@ class Fragments:
                policy, is_last)
         return key, p_ids, b_ids, list(carry_in), list(carry_out), groups
 
+    def names(self, a: int, b: int) -> tuple[str, ...]:
+        """The names of the cut markers in ``[a, b)``."""
+        return tuple(
+            str(self.marker_names[i]) if self.marker_names[i] is not None else f"marker{i}"
+            for i, m in enumerate(self.markers) if a <= m < b)
+
     def key(self, a: int, b: int, policy: Remat, is_last: bool, carry_in: list | None = None,
             carry_out: list | None = None) -> tuple:
         """Equal for two fragments exactly when :meth:`build` traces them once."""
@@ -242,9 +250,7 @@ class Fragments:
         matches another stage's function takes that stage's signature)."""
         key, p_ids, b_ids, carry_in, carry_out, groups = self._fragment(
             a, b, policy, is_last, carry_in, carry_out)
-        names = tuple(
-            str(self.marker_names[i]) if self.marker_names[i] is not None else f"marker{i}"
-            for i, m in enumerate(self.markers) if a <= m < b)
+        names = self.names(a, b)
         if key in self.built:
             return dataclasses.replace(self.built[key], index=s, eqn_range=(a, b),
                                        param_ids=p_ids, batch_ids=b_ids, names=names)
@@ -458,6 +464,8 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
         fwd=fwd_jaxpr, bwd=bwd_jaxpr, bwd_i=bwd_i, bwd_w=bwd_w, diff_param_mask=dp,
         diff_in_mask=di, diff_out_mask=do, names=names, is_last=is_last, w_res_ids=w_res_ids,
         remat=policy,
+        stored_in=tuple(sorted(in_pos[v] - n_pi - n_bi for v in stored_vars if v in in_pos)),
+        stored_out=tuple(j for j, v in enumerate(fj.outvars[:n_out]) if v in stored_vars),
     )
 
 

@@ -307,6 +307,26 @@ def test_a_stage_stays_whole_where_its_parts_would_store_more(kw):
     assert split(t, [0, 1, 2], share_cores=True, **kw)[0].parts is None
 
 
+def test_a_value_both_parts_would_store_keeps_the_stage_whole():
+    """A prologue ending in tanh stores its output (tanh's derivative reads it) and the
+    block after it stores the same value as its input (the matmul's weight gradient reads
+    it): as parts the stage would store it twice, so it stays whole; the last stage's
+    parts store nothing twice and split."""
+    ws = [jnp.eye(4) * (1 + i) for i in range(4)]
+
+    def loss_fn(p, b):
+        h = jnp.tanh(b["x"] @ p[0])
+        for w in p[1:]:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean(h ** 2)
+
+    t = trace(loss_fn, ws, {"x": jnp.ones((2, 4))})
+    stages = split(t, [0, 1], share_cores=True)
+    assert [st.parts is not None for st in stages] == [False, False, True]
+    whole = split(t, [0, 1])
+    assert [len(st.residual_avals) for st in stages] == [len(st.residual_avals) for st in whole]
+
+
 def test_cores_that_differ_are_not_shared():
     """A last stage whose block differs from the middle ones stays whole."""
     loss_fn, params, batch = MODELS["mlp"](4)
