@@ -176,6 +176,7 @@ class Fragments:
         read_anywhere |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
         self.unread = [v for v in jaxpr.invars[:self.n_p] if v not in read_anywhere]
         self.built: dict = {}
+        self._fragments: dict = {}
 
     def carry_at(self, e: int) -> list:
         """Values defined before equation ``e`` that it or a later one (or the output)
@@ -193,11 +194,19 @@ class Fragments:
 
     def _fragment(self, a: int, b: int, policy: Remat, is_last: bool,
                   carry_in: list | None, carry_out: list | None) -> tuple:
-        eqns, jaxpr = self.eqns, self.jaxpr
         if carry_in is None:
             carry_in = self.carry_at(a) if a > 0 else []
         if carry_out is None:
             carry_out = [self.loss_var] if is_last else self.carry_at(b)
+        # a key prints the fragment: matching cores asks for a few of them twice
+        memo = (a, b, policy, is_last, tuple(carry_in), tuple(carry_out))
+        if memo not in self._fragments:
+            self._fragments[memo] = self._describe(a, b, policy, is_last, carry_in, carry_out)
+        return self._fragments[memo]
+
+    def _describe(self, a: int, b: int, policy: Remat, is_last: bool, carry_in: list,
+                  carry_out: list) -> tuple:
+        eqns, jaxpr = self.eqns, self.jaxpr
         used = [v for e in eqns[a:b] for v in e.invars if isinstance(v, jcore.Var)]
         if is_last and isinstance(self.loss_var, jcore.Var):
             used.append(self.loss_var)
