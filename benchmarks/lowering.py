@@ -45,7 +45,7 @@ def schedules() -> list[tuple[str, Callable[[int, int], Any]]]:
     return out
 
 
-def _gpt_costs(schedule: Any, layers: int) -> Callable[[Any], float]:
+def gpt_costs(schedule: Any, layers: int) -> Callable[[Any], float]:
     """The cutter's per-action costs for the GPT benchmark model under ``schedule``."""
     import jax
 
@@ -87,7 +87,7 @@ def section_lowering(ps: tuple[int, ...] = (2, 4, 8), layers: int = 16,
                     continue
                 costs: dict[str, Any] = {"uniform": None}
                 if gpt and sched.num_stages <= layers:
-                    costs["gpt"] = _gpt_costs(sched, layers)
+                    costs["gpt"] = gpt_costs(sched, layers)
                 for split in (False, True):
                     low = lower(sched, {}, split_backward=split)
                     for cname, cost in costs.items():

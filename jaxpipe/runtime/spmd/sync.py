@@ -25,13 +25,13 @@ import numpy as np
 from jaxpipe.runtime.spmd.lowering import Lowering
 from jaxpipe.schedule import Action, Schedule, Timeline, TimelineEvent
 
-__all__ = ["SyncReport", "lowered_makespan", "lowered_timeline", "lowered_times", "sync_report",
-           "tick_table"]
+__all__ = ["SyncReport", "lowered_makespan", "lowered_timeline", "lowered_times", "split_cost",
+           "sync_report", "tick_table"]
 
 Cost = Callable[[Action], float]
 
 
-def _action_cost(cost: Cost, split: frozenset) -> Cost:
+def split_cost(cost: Cost, split: frozenset) -> Cost:
     """Cost of an action the lowering runs: the halves of a split B cost half of B."""
 
     def f(a: Action) -> float:
@@ -59,7 +59,7 @@ def lowered_times(lowering: Lowering, cost: Cost, transfer: float = 0.0
     active permutation.
     """
     D = lowering.num_devices
-    c = _action_cost(cost, lowering.split_backward)
+    c = split_cost(cost, lowering.split_backward)
     by_tick: list[list[list[Action]]] = [[[] for _ in range(D)]
                                          for _ in range(lowering.num_ticks)]
     for a, tm in sorted(lowering.actions.items(), key=lambda kv: kv[1].step):
