@@ -24,7 +24,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.runtime.spmd import scanio
 from jaxpipe.runtime.spmd.bodies import Body
-from jaxpipe.runtime.spmd.ends import Ends
+from jaxpipe.runtime.spmd.ends import Ends, Fixed
 from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import Pool, TickTable
 
@@ -46,10 +46,6 @@ class Branches:
         self.fused = fused
 
     # -- reading and writing the buffers ----------------------------------------------
-    @staticmethod
-    def bases(row: TickTable, pool: Pool) -> dict:
-        return {c: v for (p, c), v in row.pool_base.items() if p is pool}
-
     def unit_base(self, packing: Packing, slot: Any) -> dict:
         return {c: slot * self.L.unit[c] for c in packing.counts}
 
@@ -154,14 +150,14 @@ class Branches:
             n = len(st.ct_in_avals())
             # The hand-off has buffers of its own (ValueClass.buffer), so writing it here
             # never aliases the residual rows just read.
-            store = io.packing[Pool.HANDOFF].write(store, self.bases(row, Pool.HANDOFF),
+            store = io.packing[Pool.HANDOFF].write(store, row.bases(Pool.HANDOFF),
                                                    outs[n:])
             return store, gbuf, self.as_msg(c_back, outs[:n]), loss
 
         def w_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
             params, batch = inputs(row, pbuf, mbd)
-            handoff = io.packing[Pool.HANDOFF].read(store, self.bases(row, Pool.HANDOFF))
+            handoff = io.packing[Pool.HANDOFF].read(store, row.bases(Pool.HANDOFF))
             ct_par, store, gbuf = io.run("bwd_w", row, store, gbuf,
                                          [*params, *batch, *io.load_w(row, store), *handoff])
             store, gbuf = ends.weights(row, pbuf, mbd, store, gbuf)
@@ -178,23 +174,21 @@ class Branches:
         if st is None:
             return None
         s = st.index
-        slots = L.slots.where[s]
+        fixed = Fixed(st, L.slots.where[s])
         a_in, c_back = L.act_in[s], L.ct_in[s]
+        n_diff = sum(st.diff_param_mask)
 
         def fb_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
-            ins = [pbuf[k] for k in slots] + [mbd[i] for i in st.batch_ids]
+            ins = fixed.inputs(pbuf, mbd)
             outs = jaxpr_as_fun(st.fwd)(*ins, *a_in.read(inbox, self.unit_base(a_in,
                                                                             row.in_slot)))
             n = len(st.out_avals)
             loss = loss + outs[0].astype(jnp.float32)
             outs = jaxpr_as_fun(st.bwd)(*ins, *outs[n:],
                                         jnp.full((), 1.0 / m, st.out_avals[0].dtype))
-            gbuf = list(gbuf)
-            diff = [k for k, d in zip(slots, st.diff_param_mask, strict=True) if d]
-            for k, ct in zip(diff, outs[:len(diff)], strict=True):
-                gbuf[k] = gbuf[k] + ct.astype(gbuf[k].dtype)
-            return store, gbuf, self.as_msg(c_back, outs[len(diff):]), loss
+            gbuf = fixed.accumulate(gbuf, outs[:n_diff])
+            return store, gbuf, self.as_msg(c_back, outs[n_diff:]), loss
 
         return fb_branch
 
@@ -246,13 +240,13 @@ class _DirectIO:
 
     def _location(self, row: TickTable, i: int) -> tuple[ValueClass, Any, int]:
         pool, k = self.leaf_of[i]
-        return self.packing[pool].location(k, self.br.bases(row, pool))
+        return self.packing[pool].location(k, row.bases(pool))
 
     def load(self, row: TickTable, store: Bufs, name: str) -> list:
         """Every residual, read from storage; ``None`` for those ``name``'s scans read."""
         out: list = [None] * len(self.st.residual_avals)
         for pool, ids in self.pools:
-            vals = self.packing[pool].read(store, self.br.bases(row, pool),
+            vals = self.packing[pool].read(store, row.bases(pool),
                                            self._skip(ids, self.sourced[name]))
             for i, x in zip(ids, vals, strict=True):
                 out[i] = x
@@ -261,13 +255,13 @@ class _DirectIO:
     def load_w(self, row: TickTable, store: Bufs) -> list:
         """The residuals W reads (``st.w_res_ids``); ``None`` for those its scans read."""
         return self.packing[Pool.RESIDUAL_B].read(
-            store, self.br.bases(row, Pool.RESIDUAL_B),
+            store, row.bases(Pool.RESIDUAL_B),
             self._skip(self.st.w_res_ids, self.sourced["bwd_w"]))
 
     def store_residuals(self, row: TickTable, store: Bufs, stored: Sequence) -> Bufs:
         """Write the residuals the forward's scans did not write already."""
         for pool, ids in self.pools:
-            store = self.packing[pool].write(store, self.br.bases(row, pool),
+            store = self.packing[pool].write(store, row.bases(pool),
                                              [stored[i] for i in ids], self._skip(ids, self.sunk))
         return store
 

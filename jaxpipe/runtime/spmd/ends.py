@@ -22,64 +22,22 @@ from jaxpipe.runtime.spmd.layout import StageLayouts
 from jaxpipe.runtime.spmd.lowering import Pool, TickTable
 from jaxpipe.stages import StageFn
 
-__all__ = ["Ends"]
+__all__ = ["Ends", "Fixed"]
 
 
-class _Part:
-    """One prologue or epilogue: where its parameters, residuals and hand-off live."""
+class Fixed:
+    """A function run from fixed parameter slots of one stage (a prologue or epilogue;
+    the fused last stage): its inputs, and its gradients added into those slots."""
 
-    def __init__(self, L: StageLayouts, whole: StageFn, k: int) -> None:
-        parts = whole.parts
-        self.stage = s = whole.index
-        self.fn = fn = parts.parts[k]
-        self.slots = [L.slots.where[s][q] for q in parts.param_pos[k]]
-        self.batch_ids = fn.batch_ids
-        # per pool: the stage's packing, this part's positions in it (in the part's
-        # residual order), and the positions of everything else (skipped)
-        ids = parts.res_ids[k]
-        self.pools = []
-        for pool, order in ((Pool.RESIDUAL_A, whole.i_only_residual_ids),
-                            (Pool.RESIDUAL_B, whole.w_res_ids)):
-            pos = {r: q for q, r in enumerate(order)}
-            mine = {i: pos[r] for i, r in enumerate(ids) if r in pos}
-            self.pools.append((pool, L.pools[pool][s], mine,
-                               frozenset(range(len(order))) - set(mine.values())))
-        hand = L.pools[Pool.HANDOFF][s]
-        self.hand = (hand, list(parts.w_ids[k]),
-                     frozenset(range(len(hand))) - set(parts.w_ids[k]))
+    def __init__(self, fn: StageFn, slots: Sequence[int]) -> None:
+        self.fn = fn
+        self.slots = list(slots)
 
     def inputs(self, pbuf: list, mbd: list) -> list:
-        return [pbuf[k] for k in self.slots] + [mbd[i] for i in self.batch_ids]
-
-    def load(self, row: TickTable, store: dict, ids: Sequence[int]) -> list:
-        """Residuals ``ids`` of this part (its own numbering), from storage."""
-        out: dict = {}
-        for pool, packing, mine, others in self.pools:
-            vals = packing.read(store, _bases(row, pool), others)
-            out.update((i, vals[q]) for i, q in mine.items())
-        return [out[i] for i in ids]
-
-    def save(self, row: TickTable, store: dict, residuals: Sequence) -> dict:
-        for pool, packing, mine, others in self.pools:
-            leaves: list = [None] * len(packing)
-            for i, q in mine.items():
-                leaves[q] = residuals[i]
-            store = packing.write(store, _bases(row, pool), leaves, others)
-        return store
-
-    def save_hand(self, row: TickTable, store: dict, values: Sequence) -> dict:
-        packing, mine, others = self.hand
-        leaves: list = [None] * len(packing)
-        for q, x in zip(mine, values, strict=True):
-            leaves[q] = x
-        return packing.write(store, _bases(row, Pool.HANDOFF), leaves, others)
-
-    def load_hand(self, row: TickTable, store: dict) -> list:
-        packing, mine, others = self.hand
-        vals = packing.read(store, _bases(row, Pool.HANDOFF), others)
-        return [vals[q] for q in mine]
+        return [pbuf[k] for k in self.slots] + [mbd[i] for i in self.fn.batch_ids]
 
     def accumulate(self, gbuf: list, cts: Sequence) -> list:
+        """``cts``: the cotangents of the differentiated parameters, in order."""
         gbuf = list(gbuf)
         diff = [k for k, d in zip(self.slots, self.fn.diff_param_mask, strict=True) if d]
         for k, ct in zip(diff, cts, strict=True):
@@ -87,8 +45,56 @@ class _Part:
         return gbuf
 
 
-def _bases(row: TickTable, pool: Pool) -> dict:
-    return {c: v for (p, c), v in row.pool_base.items() if p is pool}
+class _Part(Fixed):
+    """One prologue or epilogue: where its parameters, residuals and hand-off live."""
+
+    def __init__(self, L: StageLayouts, whole: StageFn, k: int) -> None:
+        parts = whole.parts
+        self.stage = s = whole.index
+        super().__init__(parts.parts[k], [L.slots.where[s][q] for q in parts.param_pos[k]])
+        # Where the part's values live among the stage's: per pool, its packing, this
+        # part's value i -> its position there, and every other position (skipped).
+        def entry(pool, order, ids):
+            pos = {r: q for q, r in enumerate(order)}
+            mine = {i: pos[r] for i, r in enumerate(ids) if r in pos}
+            return pool, L.pools[pool][s], mine, frozenset(range(len(order))) - set(mine.values())
+
+        res = parts.res_ids[k]
+        self.residuals = [entry(Pool.RESIDUAL_A, whole.i_only_residual_ids, res),
+                          entry(Pool.RESIDUAL_B, whole.w_res_ids, res)]
+        self.hand = [entry(Pool.HANDOFF, range(len(whole.w_residual_avals)), parts.w_ids[k])]
+
+    @staticmethod
+    def _read(row: TickTable, store: dict, entries: list) -> dict:
+        out: dict = {}
+        for pool, packing, mine, others in entries:
+            vals = packing.read(store, row.bases(pool), others)
+            out.update((i, vals[q]) for i, q in mine.items())
+        return out
+
+    @staticmethod
+    def _write(row: TickTable, store: dict, entries: list, values: Sequence) -> dict:
+        for pool, packing, mine, others in entries:
+            leaves: list = [None] * len(packing)
+            for i, q in mine.items():
+                leaves[q] = values[i]
+            store = packing.write(store, row.bases(pool), leaves, others)
+        return store
+
+    def load(self, row: TickTable, store: dict, ids: Sequence[int]) -> list:
+        """Residuals ``ids`` of this part (its own numbering), from storage."""
+        out = self._read(row, store, self.residuals)
+        return [out[i] for i in ids]
+
+    def save(self, row: TickTable, store: dict, residuals: Sequence) -> dict:
+        return self._write(row, store, self.residuals, residuals)
+
+    def load_hand(self, row: TickTable, store: dict) -> list:
+        out = self._read(row, store, self.hand)
+        return [out[i] for i in range(len(out))]
+
+    def save_hand(self, row: TickTable, store: dict, values: Sequence) -> dict:
+        return self._write(row, store, self.hand, values)
 
 
 class Ends:

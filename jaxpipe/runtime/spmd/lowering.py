@@ -111,6 +111,11 @@ class TickTable:
     def num_steps(self) -> int:
         return int(self.branch.shape[0])
 
+    def bases(self, pool: Pool) -> dict:
+        """Per class, the first slot of ``pool``'s part (of a row: where it reads or
+        writes)."""
+        return {c: v for (p, c), v in self.pool_base.items() if p is pool}
+
     def digest_bytes(self) -> bytes:
         """Every field, in a fixed order (for cross-process consistency checks)."""
         parts = [self.branch, self.stage, self.microbatch, self.in_slot, self.local_slot,
