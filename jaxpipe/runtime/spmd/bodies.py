@@ -146,20 +146,19 @@ def group_bodies(stages: Sequence[StageFn], slots: SlotLayout, share: bool = Tru
     bodies, body_of = [], [0] * S
     for b, members in enumerate(groups):
         whole = tuple(stages[s] for s in members)
-        if len(members) == 1:  # alone, a stage split into parts runs whole
-            fn, pos = whole[0], tuple(range(len(whole[0].param_ids)))
-        else:
-            fn, pos = cores[members[0]]
-        table = np.zeros((S, len(pos)), np.int32)
+        # a stage split into parts runs them in a shared body; alone, it runs whole
+        run = {s: cores[s] if len(members) > 1 else _core(stages[s], False) for s in members}
+        fn = run[members[0]][0]
+        table = np.zeros((S, len(run[members[0]][1])), np.int32)
         for s in members:
-            table[s] = [slots.where[s][q] for q in (pos if len(members) == 1 else cores[s][1])]
+            table[s] = [slots.where[s][q] for q in run[s][1]]
             body_of[s] = b
-        plain_in = [st.index for st in whole if len(members) == 1 or st.parts is None
-                    or st.parts.prologue is None]
-        plain_out = [st.index for st in whole if len(members) == 1 or st.parts is None
-                     or st.parts.epilogue is None]
+        # members whose core's messages are their own: no prologue / epilogue around it
+        plain_in, plain_out = (
+            next(st.index for st in whole
+                 if run[st.index][0] is st or getattr(st.parts, end) is None)
+            for end in ("prologue", "epilogue"))
         bodies.append(Body(b, tuple(members), fn,
                            tuple(slots.slots[k][0] for k in table[members[0]]),
-                           table, whole if len(members) > 1 else (fn,), plain_in[0],
-                           plain_out[0]))
+                           table, whole, plain_in, plain_out))
     return bodies, body_of
