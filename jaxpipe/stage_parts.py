@@ -27,7 +27,6 @@ from jax.extend import core as jcore
 from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.avals import aval_bytes
-from jaxpipe.markers import boundary_p
 from jaxpipe.remat import Remat
 from jaxpipe.stages import Fragments, StageFn
 
@@ -176,11 +175,6 @@ def compose(parts: Sequence[StageFn], core: int, index: int, eqn_range: tuple[in
     )
 
 
-def _effective(frags: Fragments, a: int, b: int) -> list[int]:
-    """The equations of ``[a, b)`` that compute (cut markers do not)."""
-    return [k for k in range(a, b) if frags.eqns[k].primitive is not boundary_p]
-
-
 def _tokens(frags: Fragments, ks: Sequence[int]) -> list[tuple]:
     """A cheap structural summary of equations ``ks`` (to propose core lengths)."""
     return [(e.primitive.name, tuple(str(getattr(v, "aval", v)) for v in e.invars),
@@ -196,7 +190,7 @@ class _Match:
         self.ref_alias = frags.through_markers(*ref)
         self.cand_alias = frags.through_markers(*cand)
         self.to_cand: dict | None = {}
-        er, ec = _effective(frags, *ref), _effective(frags, *cand)
+        er, ec = frags.effective(*ref), frags.effective(*cand)
         if len(er) != len(ec):
             self.to_cand = None
             return
@@ -244,6 +238,69 @@ def _covers(frags: Fragments, vals: list, e: int, alias: dict) -> bool:
             and {alias.get(v, v) for v in frags.carry_at(e)} <= set(vals))
 
 
+def _first_core(frags: Fragments, ref: tuple[int, int], ref_key: tuple, x: int, b0: int,
+                policy: Remat) -> tuple[int, list] | None:
+    """``(x, carry at x)`` if the first stage's equations ``[x, b0)`` compute the middle
+    stage ``ref``'s function (``ref_key``) with its signature; else ``None``."""
+    match = _Match(frags, ref, (x, b0))
+    if match.to_cand is None:
+        return None
+    cin, cout = match.cand(frags.carry_at(ref[0])), match.cand(frags.carry_at(ref[1]))
+    alias = match.cand_alias
+    if (cin is None or cout != [alias.get(v, v) for v in frags.carry_at(b0)]
+            or not _covers(frags, cin, x, alias)
+            or frags.key(x, b0, policy, False, cin) != ref_key):
+        return None
+    return x, cin
+
+
+def _last_core(frags: Fragments, ref: tuple[int, int], ref_key: tuple, aL: int, y: int,
+               policy: Remat) -> tuple[int, list] | None:
+    """``(y, carry at y)`` if the last stage's equations ``[aL, y)`` compute the middle
+    stage ``ref``'s function (``ref_key``) with its signature; else ``None``."""
+    match = _Match(frags, ref, (aL, y))
+    if match.to_cand is None:
+        return None
+    cin, cout = match.cand(frags.carry_at(ref[0])), match.cand(frags.carry_at(ref[1]))
+    alias = match.cand_alias
+    if cout is None or cin != frags.carry_at(aL) or not _covers(frags, cout, y, alias):
+        return None
+    cout = _live_names(frags, cout, y, alias)
+    if frags.key(aL, y, policy, False, None, cout) != ref_key:
+        return None
+    return y, cout
+
+
+def _pair_core(frags: Fragments, e0: list[int], b0: int, aL: int, eL: list[int],
+               policy0: Remat, policyL: Remat) -> tuple[tuple | None, tuple | None]:
+    """With two stages: the longest run that ends the first stage (computing equations
+    ``e0``) and begins the last (``eL``) as one function; ``((x, carry at x), (y, carry
+    at y))`` for the first's core ``[x, b0)`` and the last's ``[aL, y)``, or ``None``s.
+    Equation summaries propose the lengths; at most ``_MAX_TRIES`` are checked."""
+    t0, t1 = _tokens(frags, e0), _tokens(frags, eL)
+    boundary = frags.carry_at(b0)
+    tries = 0
+    for n in range(min(len(e0), len(eL)) - 1, 0, -1):
+        if t0[-n:] != t1[:n]:
+            continue
+        tries += 1
+        x, y = e0[-n], eL[n]
+        match = _Match(frags, (aL, y), (x, b0))  # the last stage's core as reference
+        if match.to_cand is not None:
+            cin = match.cand(boundary)
+            cout = match.ref([match.cand_alias.get(v, v) for v in boundary])
+            if (cin is not None and cout is not None
+                    and _covers(frags, cin, x, match.cand_alias)
+                    and _covers(frags, cout, y, match.ref_alias)):
+                cout = _live_names(frags, cout, y, match.ref_alias)
+                if frags.key(x, b0, policy0, False, cin) == \
+                        frags.key(aL, y, policyL, False, None, cout):
+                    return (x, cin), (y, cout)
+        if tries == _MAX_TRIES:
+            break
+    return None, None
+
+
 def share_cores(frags: Fragments, ranges: Sequence[tuple[int, int]],
                 policies: Sequence[Remat], split_backward: bool = False) -> list[StageFn]:
     """The stages of equation ``ranges``, the first and last split into parts where that
@@ -264,63 +321,30 @@ def share_cores(frags: Fragments, ranges: Sequence[tuple[int, int]],
         return [whole(s) for s in range(S)]
     out: list = [None] + [whole(s) for s in range(1, S - 1)] + [None]
     (a0, b0), (aL, bL) = ranges[0], ranges[-1]
-    e0, eL = _effective(frags, a0, b0), _effective(frags, aL, bL)
+    e0, eL = frags.effective(a0, b0), frags.effective(aL, bL)
     first = last = None  # (core start, carry at it) / (core end, carry at it)
     if S >= 3:
+        tried: set = set()
         for s in range(1, S - 1):
-            (ra, rb), n = ranges[s], len(_effective(frags, *ranges[s]))
-            ref_key = frags.key(ra, rb, policies[s], False)
-            ref_in, ref_out = frags.carry_at(ra), frags.carry_at(rb)
-            if first is None and n < len(e0):
-                x = e0[-n]
-                match = _Match(frags, (ra, rb), (x, b0))
-                if match.to_cand is not None:
-                    cin, cout = match.cand(ref_in), match.cand(ref_out)
-                    alias = match.cand_alias
-                    if (cin is not None
-                            and cout == [alias.get(v, v) for v in frags.carry_at(b0)]
-                            and _covers(frags, cin, x, alias)
-                            and frags.key(x, b0, policies[0], False, cin) == ref_key):
-                        first = (x, cin)
-            if last is None and n < len(eL):
-                y = eL[n]
-                match = _Match(frags, (ra, rb), (aL, y))
-                if match.to_cand is not None:
-                    cin, cout = match.cand(ref_in), match.cand(ref_out)
-                    alias = match.cand_alias
-                    if (cout is not None and cin == frags.carry_at(aL)
-                            and _covers(frags, cout, y, alias)):
-                        cout = _live_names(frags, cout, y, alias)
-                        if frags.key(aL, y, policies[-1], False, None, cout) == ref_key:
-                            last = (y, cout)
-    else:
-        t0, t1 = _tokens(frags, e0), _tokens(frags, eL)
-        boundary = frags.carry_at(b0)
-        tries = 0
-        for n in range(min(len(e0), len(eL)) - 1, 0, -1):
-            if t0[-n:] != t1[:n]:
+            ref, policy = ranges[s], policies[s]
+            ref_key = frags.key(*ref, policy, False)
+            if ref_key in tried:  # a middle stage like one already matched against
                 continue
-            tries += 1
-            x, y = e0[-n], eL[n]
-            match = _Match(frags, (aL, y), (x, b0))  # the last stage's core as reference
-            if match.to_cand is not None:
-                cin = match.cand(boundary)
-                cout = match.ref([match.cand_alias.get(v, v) for v in boundary])
-                if (cin is not None and cout is not None
-                        and _covers(frags, cin, x, match.cand_alias)
-                        and _covers(frags, cout, y, match.ref_alias)):
-                    cout = _live_names(frags, cout, y, match.ref_alias)
-                    if frags.key(x, b0, policies[0], False, cin) == \
-                            frags.key(aL, y, policies[-1], False, None, cout):
-                        first, last = (x, cin), (y, cout)
-                        break
-            if tries == _MAX_TRIES:
+            tried.add(ref_key)
+            n = len(frags.effective(*ref))
+            if first is None and n < len(e0):
+                first = _first_core(frags, ref, ref_key, e0[-n], b0, policies[0])
+            if last is None and n < len(eL):
+                last = _last_core(frags, ref, ref_key, aL, eL[n], policies[-1])
+            if first is not None and last is not None:
                 break
+    else:
+        first, last = _pair_core(frags, e0, b0, aL, eL, policies[0], policies[-1])
     if first is not None:
         x, cin = first
         parts = [frags.build(0, a0, x, policies[0], False, carry_out=cin),
                  frags.build(0, x, b0, policies[0], False, carry_in=cin)]
-        out[0] = _parted_or_whole(frags, parts, 1, 0, ranges[0], S == 1, policies[0],
+        out[0] = _parted_or_whole(frags, parts, 1, 0, ranges[0], False, policies[0],
                                   split_backward, lambda: whole(0))
     if last is not None:
         y, cout = last
@@ -345,11 +369,13 @@ def _parted_or_whole(frags: Fragments, parts: list[StageFn], core: int, s: int,
     computes nothing whole (it has no input) while its core's hands values to the weight
     half; there the whole stage is traced and compared.
     """
-    parted = compose(parts, core, s, rng, frags.names(*rng), is_last, policy)
     if policy is Remat.NONE and not split_backward:
         twice = any(set(a.stored_out) & set(b.stored_in)
                     for a, b in zip(parts, parts[1:], strict=False))
-        return whole() if twice else parted
+        if twice:
+            return whole()
+        return compose(parts, core, s, rng, frags.names(*rng), is_last, policy)
+    parted = compose(parts, core, s, rng, frags.names(*rng), is_last, policy)
     w = whole()
 
     def stored(st: StageFn) -> list[int]:

@@ -183,6 +183,10 @@ class Fragments:
         reads, in definition order."""
         return [v for v, k in self.defined.items() if k < e and self.last_use.get(v, -1) >= e]
 
+    def effective(self, a: int, b: int) -> list[int]:
+        """The equations of ``[a, b)`` that compute (cut markers do not)."""
+        return [k for k in range(a, b) if self.eqns[k].primitive is not boundary_p]
+
     def through_markers(self, a: int, b: int) -> dict:
         """Within ``[a, b)``: each cut marker's output -> the value it passes on."""
         alias: dict = {}
@@ -225,7 +229,7 @@ class Fragments:
                                   for v in e.invars])
                 if any(v in alias for v in e.invars if isinstance(v, jcore.Var)) else e
                 for e in eqns[a:b] if e.primitive is not boundary_p]
-        effective = [k for k in range(a, b) if eqns[k].primitive is not boundary_p]
+        effective = self.effective(a, b)
         rank = {k: i for i, k in enumerate(effective)}
         rank[b] = len(effective)
 
