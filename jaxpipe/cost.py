@@ -287,7 +287,8 @@ def segment_costs(traced: Any, *, profile: bool = False,
     Returns:
       One :class:`SegmentCost` per segment (``len(traced.markers) + 1``).
     """
-    from jaxpipe.stages import has_user_remat, split
+    from jaxpipe.remat import has_user_remat
+    from jaxpipe.stages import split
 
     closed = traced.closed_jaxpr
     jaxpr = closed.jaxpr

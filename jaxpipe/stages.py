@@ -46,13 +46,13 @@ from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.avals import boundary_aval, from_boundary, is_differentiable, is_key, to_boundary
 from jaxpipe.errors import PipelineError
-from jaxpipe.interpret import eval_eqns, read
+from jaxpipe.interpret import read
 from jaxpipe.markers import boundary_p
-from jaxpipe.remat import Remat, parse_remat
+from jaxpipe.remat import Remat, group_io, parse_remat, remat_groups, run_groups
 from jaxpipe.structure import fragment_key
 from jaxpipe.trace import Traced, segments
 
-__all__ = ["Fragments", "StageFn", "has_user_remat", "param_owners", "split"]
+__all__ = ["Fragments", "StageFn", "param_owners", "split"]
 
 
 @dataclass
@@ -217,11 +217,11 @@ class Fragments:
         used = set(used) | set(carry_out) | (set(self.unread) if a == 0 else set())
         p_ids = tuple(sorted(self.param_index[v] for v in used if v in self.param_index))
         b_ids = tuple(sorted(self.batch_index[v] for v in used if v in self.batch_index))
-        groups = _remat_groups(eqns, [(max(x, a), min(y, b)) for x, y in self.segs
+        groups = remat_groups(eqns, [(max(x, a), min(y, b)) for x, y in self.segs
                                       if x < b and y > a], policy)
         p_vars = [jaxpr.invars[i] for i in p_ids]
         b_vars = [jaxpr.invars[self.n_p + i] for i in b_ids]
-        # Cut markers compute nothing (stage functions skip them, _run_groups), so the key
+        # Cut markers compute nothing (stage functions skip them: remat.run_groups), so the key
         # reads through them: the blocks of a model marked after every block but the last
         # match whether or not a marker follows them.
         alias = self.through_markers(a, b)
@@ -286,93 +286,6 @@ def _stage_policies(remat: Sequence[Remat | str] | None, n_stages: int) -> list[
         raise PipelineError(str(e)) from None
 
 
-def has_user_remat(eqns: Sequence[jcore.JaxprEqn]) -> bool:
-    """True when some equation (at any depth) is a user's ``jax.checkpoint``."""
-    for e in eqns:
-        if e.primitive.name in ("checkpoint", "remat", "remat2"):
-            return True
-        if any(has_user_remat(_inner(sub).eqns) for sub in jcore.jaxprs_in_params(e.params)):
-            return True
-    return False
-
-
-def _inner(j):
-    return getattr(j, "jaxpr", j)
-
-
-#: A run of a stage's equations ``[start, end)`` (absolute indices) and the
-#: ``jax.checkpoint`` policy it runs under (``None``: evaluated as traced).
-_Group = tuple[int, int, object]
-
-
-def _remat_groups(eqns, seg_ranges: list[tuple[int, int]], policy: Remat) -> list[_Group]:
-    """How a stage's equations run under ``policy``: runs of equations and their wrap.
-
-    Per-segment policies wrap each segment on its own; ``Remat.FULL`` wraps each maximal
-    run of consecutive segments. Segments holding a user's ``jax.checkpoint`` run as
-    traced under every policy (their recomputation is the user's choice).
-    """
-    wrap = policy.checkpoint_policy
-    groups: list[list] = []
-    for x, y in seg_ranges:
-        pol = None if wrap is None or has_user_remat(eqns[x:y]) else wrap
-        merge = groups and groups[-1][2] is pol and (pol is None or policy.whole_stage)
-        if merge:
-            groups[-1][1] = y
-        else:
-            groups.append([x, y, pol])
-    return [tuple(g) for g in groups]
-
-
-def _group_io(eqns, groups: list[_Group], start: int, outputs: list) -> list[tuple[list, list]]:
-    """Per group: the variables it reads from outside (in order) and those it defines
-    that later groups or the stage's ``outputs`` read."""
-    later: set = {v for v in outputs if isinstance(v, jcore.Var)}
-    io: list[tuple[list, list]] = []
-    for x, y, _ in reversed(groups):
-        defined: set = set()
-        ins: list = []
-        seen: set = set()
-        for e in eqns[x - start:y - start]:
-            for v in e.invars:
-                if isinstance(v, jcore.Var) and v not in defined and v not in seen:
-                    seen.add(v)
-                    ins.append(v)
-            defined.update(e.outvars)
-        outs = [v for e in eqns[x - start:y - start] for v in e.outvars
-                if v in later and not isinstance(v, jcore.DropVar)]
-        io.append((ins, outs))
-        later |= seen
-    return io[::-1]
-
-
-def _skip_marker(eqn, invals):
-    """A cut marker's outputs are its inputs: stage functions hold no marker equations
-    (markers only say where the pipeline may cut)."""
-    return list(invals) if eqn.primitive is boundary_p else None
-
-
-def _run_groups(eqns, groups: list[_Group], io: list[tuple[list, list]], start: int,
-                env: dict) -> None:
-    """Evaluate a stage's equations into ``env``, wrapping groups in ``jax.checkpoint``."""
-    for (x, y, pol), (ins, outs) in zip(groups, io, strict=True):
-        body_eqns = eqns[x - start:y - start]
-        if pol is None or not outs:
-            eval_eqns(body_eqns, env, override=_skip_marker)
-            continue
-
-        def body(*vals, _eqns=body_eqns, _ins=ins, _outs=outs):
-            inner = dict(zip(_ins, vals, strict=True))
-            eval_eqns(_eqns, inner, override=_skip_marker)
-            return [read(inner, v) for v in _outs]
-
-        # prevent_cse=False: the backward that recomputes runs in a jaxpr of its own
-        # (another branch, another tick), so there is no forward to merge it with, and
-        # the barrier that would prevent it copies the wrapped inputs (parameters).
-        results = jax.checkpoint(body, policy=pol, prevent_cse=False)(*[env[v] for v in ins])
-        env.update(zip(outs, results, strict=True))
-
-
 def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, const_vals,
                  is_last, names, groups, policy) -> StageFn:
     p_vars = [jaxpr.invars[i] for i in p_ids]
@@ -387,14 +300,14 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
     if is_last and not do[0]:
         raise PipelineError("the loss must be a floating-point scalar.")
 
-    io = _group_io(eqns, groups, rng[0], carry_out)
+    io = group_io(eqns, groups, rng[0], carry_out)
 
     def run(params, batch, carry):
         env = dict(const_vals)
         env.update(zip(p_vars, params, strict=True))
         env.update(zip(b_vars, batch, strict=True))
         env.update(zip(carry_in, carry, strict=True))
-        _run_groups(eqns, groups, io, rng[0], env)
+        run_groups(eqns, groups, io, rng[0], env)
         return [read(env, v) for v in carry_out]
 
     def pick(xs, mask, keep):
