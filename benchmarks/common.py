@@ -22,6 +22,7 @@ Timing helpers return medians of repeated runs after warm-up, plus the process C
 from __future__ import annotations
 
 import ast
+import json
 import math
 import statistics
 import time
@@ -347,3 +348,13 @@ def gallery_schedules() -> list[tuple[str, Callable[[int, int], jp.Schedule]]]:
             if isinstance(cls, type) and issubclass(cls, jp.Schedule):
                 out.append((f"{cls.__name__}", lambda p, m, cls=cls: cls(p, m)))
     return out
+
+
+def write_json(out_dir: str | Path, name: str, data: Any, indent: int = 2,
+               default: Callable[[Any], Any] | None = None) -> Path:
+    """Write ``data`` as JSON to ``out_dir / name`` (the folder made if missing)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(data, indent=indent, default=default))
+    return path

@@ -22,7 +22,6 @@ to StableHLO, XLA backend compile) plus the Python time of ``jp.pipeline`` itsel
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -202,9 +201,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res = measure(ints(args.layers), ints(args.ps), ints(args.vs),
                   [x for x in args.variants.split(",") if x], args.remat,
                   {"auto": "auto", "on": True, "off": False}[args.fuse_fb])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compile_time.json").write_text(json.dumps(res, indent=2))
+    from benchmarks import common as C
+
+    C.write_json(args.out, "compile_time.json", res)
     print(markdown(res))
     return res
 

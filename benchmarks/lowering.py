@@ -21,7 +21,6 @@ does where devices run concurrently). Deterministic: no timing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -160,10 +159,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["scale"] = section_scale()
         for r in res["scale"]["rows"]:
             print(r)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from benchmarks import common as C
+
     name = "lowering_scale.json" if args.scale_only else "lowering.json"
-    (out / name).write_text(json.dumps(res, indent=1, default=str))
+    C.write_json(args.out, name, res, indent=1, default=str)
     return res
 
 

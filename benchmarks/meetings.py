@@ -27,7 +27,6 @@ Deterministic: no timing. Writes ``meetings.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -125,9 +124,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     rows = measure(args.schedules.split(","), [int(x) for x in args.ps.split(",")])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "meetings.json").write_text(json.dumps(rows, indent=2))
+    from benchmarks import common as C
+
+    C.write_json(args.out, "meetings.json", rows)
     return rows
 
 

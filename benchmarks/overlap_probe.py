@@ -21,7 +21,7 @@ runs T ticks in which the two devices alternate a heavy and a light amount of wo
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
@@ -98,11 +98,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"median ms: nocomm {med['nocomm'] * 1e3:.1f}, sync {med['sync'] * 1e3:.1f}, "
               f"async {med['async'] * 1e3:.1f}; async / sync {res['async_over_sync']:.3f} "
               f"(full overlap would approach nocomm / sync {res['nocomm_over_sync']:.3f})")
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "overlap_probe.json").write_text(json.dumps(res, indent=2))
+        from benchmarks import common as C
+
+        C.write_json(args.out, "overlap_probe.json", res)
     return res
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
     main()

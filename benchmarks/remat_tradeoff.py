@@ -18,7 +18,6 @@ its own B in one step (``SpmdRuntime(fuse_fb=)``, which stores nothing for that 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -91,9 +90,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   [x for x in args.policies.split(",") if x], args.layers, args.d_model,
                   tuple({"auto": "auto", "on": True, "off": False}[x]
                         for x in args.fuse_fb.split(",") if x))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "remat_tradeoff.json").write_text(json.dumps(res, indent=2))
+    from benchmarks import common as C
+
+    C.write_json(args.out, "remat_tradeoff.json", res)
     return res
 
 

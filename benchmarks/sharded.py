@@ -23,7 +23,6 @@ head by vocabulary). Two measurements:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -158,9 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     o = res["p1_overhead"]
     print(f"p=1 composed overhead ({o['mesh']}, public value_and_grad / plain JAX, same "
           f"shardings, CPU time): {o['ratio_cpu']:.3f} (wall {o['ratio_wall']:.3f})")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sharded.json").write_text(json.dumps(res, indent=1))
+    from benchmarks import common as C
+
+    C.write_json(args.out, "sharded.json", res, indent=1)
     return res
 
 

@@ -19,7 +19,6 @@ Timings are medians of interleaved repeats (``benchmarks.common.time_interleaved
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -138,9 +137,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"I+W / B step time, {name}: {r['ratio_cpu']:.3f} (wall {r['ratio_wall']:.3f}); "
               f"W in its I's tick: {r['same_tick_ratio_cpu']:.3f} "
               f"(wall {r['same_tick_ratio_wall']:.3f})")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "step_overhead.json").write_text(json.dumps(res, indent=1))
+    from benchmarks import common as C
+
+    C.write_json(args.out, "step_overhead.json", res, indent=1)
     return res
 
 
