@@ -237,3 +237,34 @@ def test_identical_stages_share_one_compiled_body():
     # (here stage 4, the first of the second round, keeps a body of its own)
     assert len(shared.executor.bodies) <= 4
     assert max(len(b.stages) for b in shared.executor.bodies) >= 4
+
+
+def test_small_residuals_move_in_runs_of_rows():
+    """A packing writes and reads small leaves of one class by runs of consecutive rows,
+    one dynamic update / slice per run (XLA:CPU compiles a kernel per update, and a
+    stage stores ~120 residual leaves), and large leaves one by one (a run is built in a
+    temporary buffer first); every leaf comes back as written, at a traced base row."""
+    from jaxpipe.runtime.spmd.layout import Packing
+
+    small = jax.ShapeDtypeStruct((4, 8), jnp.float32)  # 128 bytes
+    large = jax.ShapeDtypeStruct((64, 128), jnp.float32)  # 32 KiB
+    avals = [small, small, large, small, large, small]
+    pk = Packing(avals)
+    leaves = [jnp.full(a.shape, i + 1.0, a.dtype) for i, a in enumerate(avals)]
+    skip = frozenset({3})  # written elsewhere (by a scan): splits the small run
+
+    def roundtrip(base):
+        bufs = {c: c.zeros(2 * n) for c, n in pk.counts.items()}
+        at = dict.fromkeys(pk.counts, base)
+        out = pk.read(pk.write(bufs, at, leaves, skip), at, skip)
+        return [x for x in out if x is not None]
+
+    jaxpr = jax.make_jaxpr(roundtrip)(1)
+    prims = [e.primitive.name for e in jaxpr.eqns]
+    # runs: small rows {0, 1}, small row {3}, large {0}, large {1}
+    assert prims.count("dynamic_update_slice") == 4
+    assert prims.count("dynamic_slice") == 4
+    got = jax.jit(roundtrip)(1)
+    want = [x for i, x in enumerate(leaves) if i not in skip]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)

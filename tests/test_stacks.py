@@ -216,18 +216,42 @@ def test_four_devices_auto_cut(model, expected):
     assert_matches(pipe.value_and_grad(params, batch), expected)
 
 
-def test_middle_stages_of_a_stack_share_one_body():
-    """6 scanned layers after an embedding, on 4 stages cut at the markers: the two
-    middle stages scan 2 layers each and compute the same function (their cut markers'
-    names differ, ``scan[2]`` vs ``scan[4]``), so they run through one compiled body with
-    their own rows of the stacked weights; the result stays exact."""
+@pytest.fixture(scope="module")
+def four():
+    """6 scanned layers after an embedding, on 4 stages cut at the markers."""
     loss_fn, params, batch = scan_model(6)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(4), schedule=jp.OneFOneB(4, M),
                        cut="markers")
+    return pipe, loss_fn, params, batch
+
+
+def test_middle_stages_of_a_stack_share_one_body(four):
+    """The two middle stages scan 2 layers each and compute the same function (their cut
+    markers' names differ, ``scan[2]`` vs ``scan[4]``), so they run through one compiled
+    body with their own rows of the stacked weights; the result stays exact."""
+    pipe, loss_fn, params, batch = four
     assert [_layer_scans(st.fwd) for st in pipe.stages] == [[1], [2], [2], [1]]
     assert pipe.executor.body_of_stage[1] == pipe.executor.body_of_stage[2]
     assert len(pipe.executor.bodies) == 3
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
+
+
+def test_slots_fill_and_empty_without_a_branch_per_device(four):
+    """The public value_and_grad moves the user's leaves into slots and the gradients back
+    inside its program. A stacked leaf's rows reach each device's slot by one dynamic
+    slice (XLA folds the views back into the leaf), and gradients leave by one all_gather
+    per slot; only the whole leaves (embedding, head) go through a switch over devices.
+    A switch for everything, each branch also zero-filling every other device's
+    gradients, grew with leaves x devices (1.4 s of XLA compile at 8 devices, 64 scanned
+    layers; benchmarks/README.md)."""
+    pipe, _, params, batch = four
+    public = pipe.value_and_grad_fn.lower(params, batch).as_text()
+    staged = pipe.staged_value_and_grad_fn.lower(pipe.shard(params), batch).as_text()
+    assert public.count("stablehlo.case") == staged.count("stablehlo.case") + 1
+    assert public.count("stablehlo.all_gather") == len(pipe.executor.layouts.slots)
+    back = pipe.unshard(pipe.shard(params))
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -78,6 +78,10 @@ def value_class(aval: Any, dims: Dims = ()) -> ValueClass:
                       tuple(dims) if any(dims) else ())
 
 
+#: Leaves up to this many bytes are read and written by runs of rows (Packing.write).
+_GROUP_BYTES = 16384
+
+
 class Packing:
     """A list of values grouped by class: where each leaf lives within its class's group.
 
@@ -103,26 +107,48 @@ class Packing:
     def nbytes(self) -> int:
         return sum(aval_bytes(a) for a in self.avals)
 
+    def _runs(self, skip: frozenset[int]) -> list[tuple[ValueClass, int, list[int]]]:
+        """``(class, first row, leaves)`` of each run of consecutive rows of a class (but
+        the leaves in ``skip``); leaves over ``_GROUP_BYTES`` run alone."""
+        runs: list[tuple[ValueClass, int, list[int]]] = []
+        open_run: dict[ValueClass, tuple[int, list[int]]] = {}
+        for i, (c, r) in enumerate(zip(self.classes, self.rows, strict=True)):
+            if i in skip:
+                continue
+            start, idx = open_run.get(c, (-1, []))
+            if not idx or r != start + len(idx) or c.nbytes > _GROUP_BYTES:
+                start, idx = r, []
+                runs.append((c, start, idx))
+                open_run[c] = (start, idx)
+            idx.append(i)
+        return runs
+
     def read(self, bufs: Mapping[ValueClass, jax.Array], base: Mapping[ValueClass, Any],
              skip: frozenset[int] = frozenset()) -> list[jax.Array | None]:
         """Leaf ``i`` = ``bufs[class][base[class] + rows[i]]`` (base may be traced);
         ``None`` for the leaves in ``skip`` (read elsewhere)."""
-        return [None if i in skip else
-                jax.lax.dynamic_index_in_dim(bufs[c], base[c] + r, 0, keepdims=False,
-                                             allow_negative_indices=False)
-                for i, (c, r) in enumerate(zip(self.classes, self.rows, strict=True))]
+        out: list[jax.Array | None] = [None] * len(self.avals)
+        for c, start, idx in self._runs(skip):
+            rows = jax.lax.dynamic_slice_in_dim(bufs[c], base[c] + start, len(idx), 0,
+                                                allow_negative_indices=False)
+            for j, i in enumerate(idx):
+                out[i] = rows[j]
+        return out
 
     def write(self, bufs: dict[ValueClass, jax.Array], base: Mapping[ValueClass, Any],
               leaves: Sequence[jax.Array | None], skip: frozenset[int] = frozenset()
               ) -> dict[ValueClass, jax.Array]:
-        """In-place updates of the rows of ``leaves`` (one per leaf), but those in
-        ``skip`` (already written)."""
+        """In-place updates of the rows of ``leaves``, but those in ``skip`` (already
+        written). Small leaves go in by runs of consecutive rows, one update per run:
+        XLA:CPU compile time is mostly per kernel, and for a small leaf the kernel costs
+        more than its bytes. A run is first built in a temporary buffer, so large leaves
+        go one by one, each computed straight into its row (grouping all of them measured
+        +25% compiled memory)."""
         bufs = dict(bufs)
-        for i, (c, r, x) in enumerate(zip(self.classes, self.rows, leaves, strict=True)):
-            if i in skip:
-                continue
-            bufs[c] = jax.lax.dynamic_update_index_in_dim(
-                bufs[c], jnp.asarray(x, c.dtype), base[c] + r, 0, allow_negative_indices=False)
+        for c, start, idx in self._runs(skip):
+            bufs[c] = jax.lax.dynamic_update_slice_in_dim(
+                bufs[c], jnp.stack([jnp.asarray(leaves[i], c.dtype) for i in idx]),
+                base[c] + start, 0, allow_negative_indices=False)
         return bufs
 
     def location(self, i: int, base: Mapping[ValueClass, Any]) -> tuple[ValueClass, Any, int]:
