@@ -182,7 +182,8 @@ class RecompileWarning(UserWarning):
 def check_alive(tree: Any, what: str, fix: str) -> None:
     """Raise :class:`PipelineError` if an array of ``tree`` was donated or deleted."""
     for path, x in jax.tree.flatten_with_path(tree)[0]:
-        if isinstance(x, jax.Array) and x.is_deleted():
+        # a tracer (the caller's own jit) has no buffers to lose
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
             raise PipelineError(
                 f"{what}{jax.tree_util.keystr(path)} was donated to an earlier train_step "
                 f"(or deleted): its buffers are gone. {fix}"
@@ -226,6 +227,8 @@ class Placement:
 
     def put(self, x: Any, sharding: jax.sharding.Sharding, what: str) -> jax.Array:
         """``x`` on ``sharding``; a clear error if it cannot get there."""
+        if isinstance(x, jax.core.Tracer):  # inside the caller's jit: a sharding constraint
+            return jax.device_put(x, sharding)
         if isinstance(x, jax.Array) and x.sharding == sharding:
             return x
         if jax.dtypes.issubdtype(getattr(x, "dtype", None) or np.float32, jax.dtypes.prng_key):

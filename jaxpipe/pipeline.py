@@ -297,7 +297,9 @@ class Pipeline:
 
         ``key``: with ``rng=True``, the PRNG key of this call (microbatch ``i`` gets
         ``jax.random.fold_in(key, i)``); otherwise ``None``. Inputs are moved onto the
-        pipeline's mesh first, wherever they are.
+        pipeline's mesh first, wherever they are. It may be called inside your own
+        ``jax.jit`` (e.g. with an optax update around it); inputs are then placed by
+        sharding constraints.
         """
         params = self._place_params(params)
         batch = self._place_batch(batch)

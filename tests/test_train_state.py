@@ -63,3 +63,25 @@ def test_state_of_another_pipeline_is_refused(setup):
     state = other.init(params, optax.sgd(0.1))
     with pytest.raises(jp.PipelineError, match="another pipeline"):
         pipe.train_step(state, batch)
+
+
+def test_pipeline_runs_inside_the_callers_jit(setup):
+    """A user's own ``jax.jit`` step may call the pipeline (value_and_grad with an optax
+    update around it, shard / unshard, train_step): its inputs are then tracers, which have
+    no buffers to check and are placed by sharding constraints. Same results as eager."""
+    loss_fn, params, batch, pipe = setup
+    sgd = optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = pipe.value_and_grad(params, batch)
+        updates, opt_state = sgd.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    new, _, loss = step(params, sgd.init(params), batch)
+    want_loss, _ = reference(loss_fn, params, batch, M)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    _close(new, _plain_steps(loss_fn, params, batch, sgd, 1))
+    _close(jax.jit(lambda p: pipe.unshard(pipe.shard(p)))(params), params)
+    state, _ = jax.jit(pipe.train_step)(pipe.init(params, sgd), batch)
+    _close(pipe.params(state), _plain_steps(loss_fn, params, batch, sgd, 1))
