@@ -2,7 +2,8 @@
 
 The per-stage update itself is :class:`jaxpipe.train.StageOptimizer`; this module places
 it: each device updates its own stages (a ``lax.switch`` over the device index picks
-the device's stage list), tied parameters get the sum of their gradients over the
+the device's stage list; devices whose updates trace to the same computation on their
+own slots share one branch), tied parameters get the sum of their gradients over the
 stages holding them, and the global gradient norm (for clipping, skipping non-finite
 steps and the metrics) is a ``psum`` over the pipe axis.
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxpipe.runtime.base import RuntimeSpec
@@ -76,8 +78,14 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
     owners = spec.param_owners
 
     def per_device(fn: Callable, *args: Any) -> Any:
-        return lax.switch(lax.axis_index(axis),
-                          [lambda *a, d=d: fn(d, *a) for d in range(sched.num_devices)], *args)
+        """``fn(d, *args)`` on device ``d``: a switch over the devices whose computations
+        differ (the middle devices of a model usually compute the same thing on their own
+        slots: one branch, not one per device, to compile)."""
+        branches, pick = _distinct(
+            [lambda *a, d=d: fn(d, *a) for d in range(sched.num_devices)], args)
+        if len(branches) == 1:
+            return branches[0](*args)
+        return lax.switch(jnp.asarray(pick)[lax.axis_index(axis)], branches, *args)
 
     def leaves(s: int) -> list[tuple[int, int]]:
         """(leaf id, slot) of every parameter leaf of stage ``s``."""
@@ -147,3 +155,30 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
 
     return epilogue
 
+
+def _distinct(fns: list[Callable], args: tuple) -> tuple[list[Callable], list[int]]:
+    """The functions of ``fns`` that compute different things on ``args`` (traced and
+    compared: same equations on the same inputs, same constants), and for each function
+    the position of its representative."""
+    keep: list[Callable] = []
+    seen: list[Any] = []
+    pick: list[int] = []
+    for f in fns:
+        closed = jax.make_jaxpr(f)(*args)
+        key = (str(closed.jaxpr), closed.consts)
+        for i, other in enumerate(seen):
+            if other[0] == key[0] and _same_consts(other[1], key[1]):
+                pick.append(i)
+                break
+        else:
+            seen.append(key)
+            keep.append(f)
+            pick.append(len(keep) - 1)
+    return keep, pick
+
+
+def _same_consts(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        x is y or (isinstance(x, np.ndarray | np.generic) and isinstance(y, np.ndarray | np.generic)
+                   and x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y))
+        for x, y in zip(a, b, strict=True))
