@@ -69,6 +69,13 @@ def _model(layers: int, scanned: bool) -> tuple[Any, Any, Any]:
     return C.gpt_loss(cfg, scanned=scanned), params, cfg
 
 
+def _opt() -> Any:
+    """The optimizer of the train-step measurement."""
+    import optax
+
+    return optax.adamw(1e-3)
+
+
 def _wall(fn: Any, *args: Any) -> tuple[Any, float]:
     import jax
 
@@ -77,8 +84,10 @@ def _wall(fn: Any, *args: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def _plain(loss_fn: Any, params: Any, batch: Any, m: int, ev: _Events) -> dict[str, Any]:
+def _plain(loss_fn: Any, params: Any, batch: Any, m: int, ev: _Events,
+           train: bool = False) -> dict[str, Any]:
     import jax
+    import optax
 
     from benchmarks import common as C
 
@@ -87,12 +96,28 @@ def _plain(loss_fn: Any, params: Any, batch: Any, m: int, ev: _Events) -> dict[s
     _, first = _wall(f, params, batch)
     parts = ev.take()
     _, steady = _wall(f, params, batch)
-    return {"compile_s": first - steady, "steady_s": steady, **parts}
+    out = {"compile_s": first - steady, "steady_s": steady, **parts}
+    if train:
+        vg, opt = C.plain_value_and_grad(loss_fn, m), _opt()
+
+        @jax.jit
+        def step(params, opt_state, batch):
+            loss, grads = vg(params, batch)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        t0 = time.perf_counter()
+        state = opt.init(params)
+        p1, o1, _ = jax.block_until_ready(step(params, state, batch))
+        first = time.perf_counter() - t0
+        _, steady = _wall(step, p1, o1, batch)
+        out["train_compile_s"] = first - steady
+    return out
 
 
 def _jaxpipe(loss_fn: Any, params: Any, batch: Any, p: int, v: int, m: int, ev: _Events,
-             layers: int = 0, remat: str = "none", fuse_fb: bool | str = "auto"
-             ) -> dict[str, Any]:
+             layers: int = 0, remat: str = "none", fuse_fb: bool | str = "auto",
+             train: bool = False) -> dict[str, Any]:
     import jax
 
     import jaxpipe as jp
@@ -115,12 +140,22 @@ def _jaxpipe(loss_fn: Any, params: Any, batch: Any, p: int, v: int, m: int, ev: 
     _, first = _wall(pipe.value_and_grad, params, batch)
     parts = ev.take()
     _, steady = _wall(pipe.value_and_grad, params, batch)
-    return {"compile_s": build + first - steady, "pipeline_s": build,
-            "pipeline_trace_s": build_parts["trace_s"], "steady_s": steady, **parts}
+    out = {"compile_s": build + first - steady, "pipeline_s": build,
+           "pipeline_trace_s": build_parts["trace_s"], "steady_s": steady, **parts}
+    if train:  # init + first train_step - a steady train_step (the pipeline is built)
+        t0 = time.perf_counter()
+        state, _ = jax.block_until_ready(pipe.train_step(pipe.init(params, _opt()), batch))
+        first = time.perf_counter() - t0
+        _, steady = _wall(pipe.train_step, state, batch)
+        out["train_compile_s"] = first - steady
+    return out
 
 
 def measure(layers: list[int], ps: list[int], vs: list[int], variants: list[str],
-            remat: str = "none", fuse_fb: bool | str = "auto") -> dict[str, Any]:
+            remat: str = "none", fuse_fb: bool | str = "auto", train: bool = False
+            ) -> dict[str, Any]:
+    """Compile seconds per point; ``train``: also ``pipe.init`` + the first
+    ``train_step`` (adamw) against plain JAX's jitted value_and_grad + optax update."""
     from benchmarks import common as C
 
     ev = _Events()
@@ -137,13 +172,16 @@ def measure(layers: list[int], ps: list[int], vs: list[int], variants: list[str]
                     batch = C.make_gpt_batch(cfg, 4 * m)
                     key = (variant, L, m)
                     if key not in plain_cache:
-                        plain_cache[key] = _plain(loss_fn, params, batch, m, ev)
+                        plain_cache[key] = _plain(loss_fn, params, batch, m, ev, train)
                     row: dict[str, Any] = {"variant": variant, "layers": L, "p": p, "v": v,
                                            "m": m, "plain": plain_cache[key]}
                     try:
                         row["jaxpipe"] = _jaxpipe(loss_fn, params, batch, p, v, m, ev,
-                                                  L, remat, fuse_fb)
+                                                  L, remat, fuse_fb, train)
                         row["ratio"] = row["jaxpipe"]["compile_s"] / row["plain"]["compile_s"]
+                        if train:
+                            row["train_ratio"] = (row["jaxpipe"]["train_compile_s"]
+                                                  / row["plain"]["train_compile_s"])
                     except Exception as e:  # noqa: BLE001 - recorded, e.g. a refused scan
                         row["jaxpipe"], row["ratio"] = None, None
                         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -162,6 +200,8 @@ def _log(row: dict[str, Any]) -> None:
           f"xla {jp_.get('xla_s', float('nan')):5.1f}s) "
           f"plain {row['plain']['compile_s']:5.1f}s "
           f"ratio {row['ratio'] if row['ratio'] is None else round(row['ratio'], 2)}"
+          + (f" train {jp_['train_compile_s']:5.1f}s vs {row['plain']['train_compile_s']:5.1f}s"
+             if "train_compile_s" in jp_ else "")
           + (f"  [{row['error']}]" if "error" in row else ""), file=sys.stderr, flush=True)
 
 
@@ -176,7 +216,10 @@ def markdown(res: dict[str, Any]) -> str:
             continue
         lines.append(f"| {r['variant']} | {r['layers']} | {r['p']} | {r['v']} | "
                      f"{j['compile_s']:.1f} | {j['pipeline_s']:.1f} / {j['xla_s']:.1f} | "
-                     f"{r['plain']['compile_s']:.1f} | {r['ratio']:.2f} |")
+                     f"{r['plain']['compile_s']:.1f} | {r['ratio']:.2f} |"
+                     + (f" train step {j['train_compile_s']:.1f} s vs "
+                        f"{r['plain']['train_compile_s']:.1f} s ({r['train_ratio']:.2f}) |"
+                        if "train_ratio" in r else ""))
     return "\n".join(lines)
 
 
@@ -193,6 +236,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--fuse-fb", default="auto", choices=["auto", "on", "off"],
                     help="SpmdRuntime(fuse_fb=): the last stage's F and B in one step "
                          "('auto': only where that stores no more bytes)")
+    ap.add_argument("--train-step", action="store_true",
+                    help="also pipe.init + the first train_step (adamw) against plain JAX's "
+                         "jitted value_and_grad + optax update")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -200,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     res = measure(ints(args.layers), ints(args.ps), ints(args.vs),
                   [x for x in args.variants.split(",") if x], args.remat,
-                  {"auto": "auto", "on": True, "off": False}[args.fuse_fb])
+                  {"auto": "auto", "on": True, "off": False}[args.fuse_fb], args.train_step)
     from benchmarks import common as C
 
     C.write_json(args.out, "compile_time.json", res)

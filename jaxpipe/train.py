@@ -273,34 +273,44 @@ def check_rows_separable(optimizer: optax.GradientTransformation, spec: RuntimeS
     for pid, a in enumerate(spec.param_avals):
         if is_differentiable(a):
             inputs_of.setdefault(spec.tree_leaf(pid), []).append(pid)
+    split = sorted(leaf for leaf, pids in inputs_of.items() if len(pids) >= 2)
+    if not split:
+        return
     n = spec.params_treedef.num_leaves
     rng = np.random.default_rng(0)
-    for leaf, pids in sorted(inputs_of.items()):
-        if len(pids) < 2:
-            continue
-        a = spec.param_avals[pids[0]]
+    probes = []
+    for leaf in split:
+        a = spec.param_avals[inputs_of[leaf][0]]
         shape = (2, *a.shape[1:])
-        param = rng.standard_normal(shape).astype(a.dtype)
-        grad = rng.standard_normal(shape).astype(a.dtype)
+        probes.append((rng.standard_normal(shape).astype(a.dtype),
+                       rng.standard_normal(shape).astype(a.dtype)))
 
-        def step(p: np.ndarray, g: np.ndarray, leaf: int = leaf) -> Any:
-            full: list = [None] * n
+    def step(p: jax.Array, g: jax.Array, leaf: int) -> jax.Array:
+        """One update of ``leaf`` alone (the others ``None``)."""
+        full: list = [None] * n
 
-            def tree(x: Any) -> Any:
-                full[leaf] = jnp.asarray(x)
-                return jax.tree.unflatten(spec.params_treedef, full)
+        def tree(x: Any) -> Any:
+            full[leaf] = x
+            return jax.tree.unflatten(spec.params_treedef, full)
 
-            updates, _ = optimizer.update(tree(g), optimizer.init(tree(p)), tree(p))
-            return jax.tree.leaves(updates)[0]
+        updates, _ = optimizer.update(tree(g), optimizer.init(tree(p)), tree(p))
+        return jax.tree.leaves(updates)[0]
 
-        try:
-            whole = np.asarray(step(param, grad))
-            rows = np.concatenate([np.asarray(step(param[i:i + 1], grad[i:i + 1]))
-                                   for i in range(2)])
-        except Exception:  # the optimizer's own error comes from the real step
-            return
+    @jax.jit  # one compile for every leaf (op by op, it compiled each operation per shape)
+    def both(probes: list) -> list:
+        return [(step(p, g, leaf),
+                 jnp.concatenate([step(p[i:i + 1], g[i:i + 1], leaf) for i in range(2)]))
+                for leaf, (p, g) in zip(split, probes, strict=True)]
+
+    try:
+        results = both(probes)
+    except Exception:  # the optimizer's own error comes from the real step
+        return
+    for leaf, (whole, rows) in zip(split, results, strict=True):
+        whole, rows = np.asarray(whole), np.asarray(rows)
         if np.allclose(whole, rows, rtol=1e-5, atol=1e-6 * (np.abs(whole).max() + 1e-12)):
             continue
+        pids = inputs_of[leaf]
         path = jax.tree_util.keystr(jax.tree.flatten_with_path(
             jax.tree.unflatten(spec.params_treedef, list(range(n))))[0][leaf][0])
         stages = sorted({spec.param_owners[pid][0] for pid in pids})
