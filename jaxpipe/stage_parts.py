@@ -238,15 +238,26 @@ def _covers(frags: Fragments, vals: list, e: int, alias: dict) -> bool:
             and {alias.get(v, v) for v in frags.carry_at(e)} <= set(vals))
 
 
+def _ref_carries(frags: Fragments, ref: tuple[int, int], span: tuple[int, int]
+                 ) -> tuple[list | None, list | None, dict] | None:
+    """If the equations ``span`` match the middle stage ``ref`` one to one: ``ref``'s
+    carries in and out as ``span``'s values (``None`` where one has no counterpart) and
+    ``span``'s aliases; else ``None``."""
+    match = _Match(frags, ref, span)
+    if match.to_cand is None:
+        return None
+    return (match.cand(frags.carry_at(ref[0])), match.cand(frags.carry_at(ref[1])),
+            match.cand_alias)
+
+
 def _first_core(frags: Fragments, ref: tuple[int, int], ref_key: tuple, x: int, b0: int,
                 policy: Remat) -> tuple[int, list] | None:
     """``(x, carry at x)`` if the first stage's equations ``[x, b0)`` compute the middle
     stage ``ref``'s function (``ref_key``) with its signature; else ``None``."""
-    match = _Match(frags, ref, (x, b0))
-    if match.to_cand is None:
+    matched = _ref_carries(frags, ref, (x, b0))
+    if matched is None:
         return None
-    cin, cout = match.cand(frags.carry_at(ref[0])), match.cand(frags.carry_at(ref[1]))
-    alias = match.cand_alias
+    cin, cout, alias = matched
     if (cin is None or cout != [alias.get(v, v) for v in frags.carry_at(b0)]
             or not _covers(frags, cin, x, alias)
             or frags.key(x, b0, policy, False, cin) != ref_key):
@@ -258,11 +269,10 @@ def _last_core(frags: Fragments, ref: tuple[int, int], ref_key: tuple, aL: int, 
                policy: Remat) -> tuple[int, list] | None:
     """``(y, carry at y)`` if the last stage's equations ``[aL, y)`` compute the middle
     stage ``ref``'s function (``ref_key``) with its signature; else ``None``."""
-    match = _Match(frags, ref, (aL, y))
-    if match.to_cand is None:
+    matched = _ref_carries(frags, ref, (aL, y))
+    if matched is None:
         return None
-    cin, cout = match.cand(frags.carry_at(ref[0])), match.cand(frags.carry_at(ref[1]))
-    alias = match.cand_alias
+    cin, cout, alias = matched
     if cout is None or cin != frags.carry_at(aL) or not _covers(frags, cout, y, alias):
         return None
     cout = _live_names(frags, cout, y, alias)

@@ -28,12 +28,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend import core as jcore
 
 from jaxpipe.markers import boundary_p
 
-__all__ = ["fragment_key", "unprinted"]
+__all__ = ["fragment_key", "same_function", "unprinted"]
 
 
 def _param(value: Any, out: list) -> None:
@@ -73,6 +74,38 @@ def unprinted(jaxpr: jcore.Jaxpr | jcore.ClosedJaxpr) -> tuple:
     out: list = []
     _eqns(getattr(jaxpr, "jaxpr", jaxpr).eqns, out)
     return tuple(out)
+
+
+def same_function(x: jcore.ClosedJaxpr, y: jcore.ClosedJaxpr,
+                  text: dict[int, str] | None = None) -> bool:
+    """Whether closed jaxprs ``x`` and ``y`` compute the same function: the same printed
+    form, the same :func:`unprinted` parts, and equal constants (one object, or equal
+    concrete arrays; a tracer of an enclosing trace equals only itself).
+
+    ``text`` caches printed forms by ``id``: the caller keeps the jaxprs in it alive.
+    """
+    if x is y:
+        return True
+    text = {} if text is None else text
+    for f in (x, y):
+        if id(f) not in text:
+            text[id(f)] = str(f.jaxpr)
+    return (text[id(x)] == text[id(y)] and unprinted(x) == unprinted(y)
+            and _same_consts(list(x.consts), list(y.consts)))
+
+
+def _same_consts(a: list, b: list) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x is y:
+            continue
+        if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
+            return False
+        xa, ya = np.asarray(x), np.asarray(y)
+        if xa.shape != ya.shape or xa.dtype != ya.dtype or not np.array_equal(xa, ya):
+            return False
+    return True
 
 
 def fragment_key(jaxpr: jcore.Jaxpr, eqns: Sequence[jcore.JaxprEqn],

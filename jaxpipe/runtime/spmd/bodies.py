@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxpipe.runtime.spmd.layout import SlotLayout, ValueClass
 from jaxpipe.stages import StageFn
-from jaxpipe.structure import unprinted
+from jaxpipe.structure import same_function
 
 __all__ = ["Body", "group_bodies"]
 
@@ -76,18 +76,6 @@ class Body:
                          for x in self.param_slot[:, j]], np.int32)
 
 
-def _same_consts(a: list, b: list) -> bool:
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b, strict=True):
-        if x is y:
-            continue
-        xa, ya = np.asarray(x), np.asarray(y)
-        if xa.shape != ya.shape or xa.dtype != ya.dtype or not np.array_equal(xa, ya):
-            return False
-    return True
-
-
 _JAXPRS = ("fwd", "bwd", "bwd_i", "bwd_w")
 
 
@@ -112,17 +100,7 @@ def _same_jaxprs(a: StageFn, b: StageFn, text: dict[int, str]) -> bool:
     """The four jaxprs of ``a`` and ``b`` are equal. Stages that ``split`` traced once
     share the objects; others are compared by their printed form (printed once each) and
     what printing does not show (:func:`jaxpipe.structure.unprinted`)."""
-    for k in _JAXPRS:
-        x, y = getattr(a, k), getattr(b, k)
-        if x is y:
-            continue
-        for f in (x, y):
-            if id(f) not in text:
-                text[id(f)] = str(f.jaxpr)
-        if (text[id(x)] != text[id(y)] or unprinted(x) != unprinted(y)
-                or not _same_consts(list(x.consts), list(y.consts))):
-            return False
-    return True
+    return all(same_function(getattr(a, k), getattr(b, k), text) for k in _JAXPRS)
 
 
 def group_bodies(stages: Sequence[StageFn], slots: SlotLayout, share: bool = True

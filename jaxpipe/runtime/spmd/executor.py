@@ -221,9 +221,13 @@ class SpmdExecutor(Executor):
 
         def branch(d: int):
             def f(lv):  # every branch returns its values sharded alike (XLA demands it)
-                return [constrain(jnp.asarray(lv[holds[d, k]], c.dtype) if holds[d, k] >= 0
-                                  else jnp.zeros(c.shape, c.dtype), c.dims)
-                        for k, c in ((k, slots.classes[k]) for k in rest)]
+                out = []
+                for k in rest:
+                    c = slots.classes[k]
+                    x = (jnp.asarray(lv[holds[d, k]], c.dtype) if holds[d, k] >= 0
+                         else jnp.zeros(c.shape, c.dtype))
+                    out.append(constrain(x, c.dims))
+                return out
             return f
 
         def local(lv):

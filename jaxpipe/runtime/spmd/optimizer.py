@@ -21,12 +21,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxpipe.runtime.base import RuntimeSpec
 from jaxpipe.runtime.spmd.layout import SlotLayout
 from jaxpipe.sharding import Dims, constrain
+from jaxpipe.structure import same_function
 from jaxpipe.train import StageOptimizer, TrainOptions, global_norm_scale, sq_norm
 
 __all__ = ["make_epilogue", "opt_slots"]
@@ -158,27 +158,17 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
 
 def _distinct(fns: list[Callable], args: tuple) -> tuple[list[Callable], list[int]]:
     """The functions of ``fns`` that compute different things on ``args`` (traced and
-    compared: same equations on the same inputs, same constants), and for each function
-    the position of its representative."""
-    keep: list[Callable] = []
-    seen: list[Any] = []
+    compared, :func:`jaxpipe.structure.same_function`), and for each function the
+    position of its representative."""
+    traced = [jax.make_jaxpr(f)(*args) for f in fns]  # alive while ``text`` holds ids
+    text: dict[int, str] = {}
+    reps: list[int] = []  # positions in ``fns`` of the functions kept
     pick: list[int] = []
-    for f in fns:
-        closed = jax.make_jaxpr(f)(*args)
-        key = (str(closed.jaxpr), closed.consts)
-        for i, other in enumerate(seen):
-            if other[0] == key[0] and _same_consts(other[1], key[1]):
-                pick.append(i)
-                break
-        else:
-            seen.append(key)
-            keep.append(f)
-            pick.append(len(keep) - 1)
-    return keep, pick
-
-
-def _same_consts(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(
-        x is y or (isinstance(x, np.ndarray | np.generic) and isinstance(y, np.ndarray | np.generic)
-                   and x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y))
-        for x, y in zip(a, b, strict=True))
+    for i, closed in enumerate(traced):
+        same = next((j for j, r in enumerate(reps)
+                     if same_function(traced[r], closed, text)), None)
+        if same is None:
+            reps.append(i)
+            same = len(reps) - 1
+        pick.append(same)
+    return [fns[r] for r in reps], pick
