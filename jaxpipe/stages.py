@@ -157,6 +157,7 @@ class Fragments:
         self.param_index = {v: i for i, v in enumerate(jaxpr.invars[:self.n_p])}
         self.batch_index = {v: i for i, v in enumerate(jaxpr.invars[self.n_p:])}
         self.const_vals = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
+        self._texts: dict = {}  # printed sub-jaxprs, shared by every fragment's key
         # where each intermediate value is defined, and the last equation that reads it
         self.defined: dict = {}
         self.last_use: dict = {}
@@ -239,7 +240,8 @@ class Fragments:
             return rank[k]
 
         key = (fragment_key(jaxpr, body, p_vars + b_vars + list(carry_in),
-                            [alias.get(v, v) for v in carry_out], self.const_vals),
+                            [alias.get(v, v) for v in carry_out], self.const_vals,
+                            self._texts),
                len(p_vars), len(b_vars), tuple((at(x), at(y), pol) for x, y, pol in groups),
                policy, is_last)
         return key, p_ids, b_ids, list(carry_in), list(carry_out), groups

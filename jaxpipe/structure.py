@@ -110,22 +110,74 @@ def _same_consts(a: list, b: list) -> bool:
 
 def fragment_key(jaxpr: jcore.Jaxpr, eqns: Sequence[jcore.JaxprEqn],
                  invars: Sequence[jcore.Var], outvars: Sequence[Any],
-                 const_vals: Mapping[jcore.Var, Any]) -> Hashable:
+                 const_vals: Mapping[jcore.Var, Any],
+                 texts: dict[int, tuple[Any, str]] | None = None) -> Hashable:
     """A key equal for two fragments only if they compute the same function.
 
     ``eqns`` are equations of ``jaxpr``; ``invars`` and ``outvars`` fix the fragment's
     signature (positions matter); ``const_vals`` maps ``jaxpr``'s constvars to their
-    values (a constant enters the key by identity).
+    values (a constant enters the key by identity). ``texts`` caches printed sub-jaxprs
+    by ``id`` (with the object, so a reused ``id`` is not mistaken) across calls.
     """
     consts: list[jcore.Var] = []
     for eqn in eqns:
         for v in eqn.invars:
             if isinstance(v, jcore.Var) and v in const_vals and v not in consts:
                 consts.append(v)
-    unnamed = [e.replace(params={**e.params, "name": None}) if e.primitive is boundary_p
-               else e for e in eqns]
+    subs: list[str] = []
+    texts = {} if texts is None else texts
+    printed = [_printable(e, subs, texts) for e in eqns]
     text = str(jaxpr.replace(constvars=consts, invars=list(invars), outvars=list(outvars),
-                             eqns=unnamed, debug_info=jaxpr.debug_info.with_unknown_names()))
+                             eqns=printed, debug_info=jaxpr.debug_info.with_unknown_names()))
     opaque: list = [id(const_vals[v]) for v in consts]
     _eqns(eqns, opaque)
-    return text, tuple(opaque)
+    return text, tuple(subs), tuple(opaque)
+
+
+class _Sub:
+    """Prints in place of a sub-jaxpr parameter: its position in the key's list of
+    printed sub-jaxprs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __str__(self) -> str:
+        return f"<sub-jaxpr {self.n}>"
+
+
+def _sub_text(value: Any, texts: dict[int, tuple[Any, str]]) -> str:
+    if isinstance(value, tuple):
+        return "\n".join(_sub_text(v, texts) for v in value)
+    j = getattr(value, "jaxpr", value)  # printing a closed jaxpr prints its jaxpr
+    hit = texts.get(id(j))
+    if hit is None or hit[0] is not j:
+        hit = texts[id(j)] = (j, str(j))
+    return hit[1]
+
+
+def _is_sub(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return bool(value) and all(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))
+                                   for v in value)
+    return isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr))
+
+
+def _printable(eqn: jcore.JaxprEqn, subs: list[str],
+               texts: dict[int, tuple[Any, str]]) -> jcore.JaxprEqn:
+    """``eqn`` as the key prints it: a marker's name left out, and the sub-jaxprs of
+    control flow (a scan's body: the same object in every piece of a scanned stack)
+    printed once per object and shown as their position in ``subs``."""
+    if eqn.primitive is boundary_p:
+        return eqn.replace(params={**eqn.params, "name": None})
+    if eqn.primitive.name not in _CONTROL:  # others may have printing rules of their own
+        return eqn
+    params = dict(eqn.params)
+    for name, value in eqn.params.items():
+        if _is_sub(value):
+            subs.append(_sub_text(value, texts))
+            params[name] = _Sub(len(subs) - 1)
+    return eqn.replace(params=params)
+
+
+#: Primitives whose sub-jaxpr parameters print as plain ``name=jaxpr`` pairs.
+_CONTROL = frozenset({"scan", "while", "cond", "checkpoint", "remat"})

@@ -252,6 +252,23 @@ def test_slots_fill_and_empty_without_a_branch_per_device(four):
     back = pipe.unshard(pipe.shard(params))
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
+    # Devices holding the same whole leaves in the same slots share a branch: the tied
+    # embedding is in one slot on the first and the last device, the two middle devices
+    # hold none. Two branches for four devices.
+    assert _cond_branches(jax.make_jaxpr(pipe.shard)(params).jaxpr) == [2]
+
+
+def _cond_branches(jaxpr) -> list[int]:
+    """The number of branches of every conditional in ``jaxpr``, at any depth."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "cond":
+            out.append(len(e.params["branches"]))
+        for v in e.params.values():
+            for j in v if isinstance(v, tuple) else (v,):
+                if isinstance(j, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    out += _cond_branches(getattr(j, "jaxpr", j))
+    return out
 
 
 @pytest.mark.parametrize("split", [False, True])

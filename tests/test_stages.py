@@ -195,6 +195,35 @@ def test_equation_context_enters_the_key():
     assert key_of(draw) != key_of(other)
 
 
+def test_scan_bodies_enter_the_key_printed_once():
+    """A scan's body enters the key as its own printed text, printed once per body object
+    (``texts``): bodies computing other things give other keys, also one level down."""
+    from jaxpipe.structure import fragment_key
+
+    def scanned(inner):
+        def fn(x):
+            def body(c, _):
+                return jax.lax.scan(lambda d, _: (inner(d), None), c, None, length=2)[0], None
+            return jax.lax.scan(body, x, None, length=3)[0]
+        return fn
+
+    def key_of(fn, texts=None):
+        cj = jax.make_jaxpr(fn)(jnp.ones(4))
+        j = cj.jaxpr
+        return fragment_key(j, j.eqns, j.invars, j.outvars,
+                            dict(zip(j.constvars, cj.consts, strict=True)), texts)
+
+    assert key_of(scanned(jnp.sin)) == key_of(scanned(jnp.sin))  # traced twice: equal
+    assert key_of(scanned(jnp.sin)) != key_of(scanned(jnp.cos))  # the inner body differs
+    cj = jax.make_jaxpr(scanned(jnp.sin))(jnp.ones(4))
+    j, texts = cj.jaxpr, {}
+    (body,) = [e.params["jaxpr"].jaxpr for e in j.eqns if e.primitive.name == "scan"]
+    first = fragment_key(j, j.eqns, j.invars, j.outvars, {}, texts)
+    assert list(texts) == [id(body)]  # the body, printed (inner scan and all) once
+    assert fragment_key(j, j.eqns, j.invars, j.outvars, {}, texts) == first
+    assert str(body) in first[1]
+
+
 def _run_stages(stages, params, batch):
     """Loss and parameter gradients of ``stages`` run one after the other: every forward,
     then every backward in reverse (what a pipeline does for one microbatch)."""

@@ -235,7 +235,14 @@ class SpmdExecutor(Executor):
             dev = lax.axis_index(spec.axis)
             out: list = [None] * len(slots)
             if rest:
-                got = lax.switch(dev, [branch(d) for d in range(sched.num_devices)], lv)
+                # devices holding the same leaves in the same slots share a branch (the
+                # middle devices of a deep model: only the ends hold whole leaves)
+                keys = [tuple(holds[d, rest]) for d in range(sched.num_devices)]
+                firsts = list(dict.fromkeys(keys))
+                which = np.array([firsts.index(key) for key in keys], np.int32)
+                branches = [branch(keys.index(key)) for key in firsts]
+                got = (branches[0](lv) if len(branches) == 1
+                       else lax.switch(jnp.asarray(which)[dev], branches, lv))
                 for k, x in zip(rest, got, strict=True):
                     out[k] = x
             for k in rows:
