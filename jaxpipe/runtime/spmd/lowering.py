@@ -16,7 +16,8 @@ The lowering runs in small steps, each a function of its own:
    reader's step; a message from its arrival to the step that reads it. Slots are
    assigned first-fit, so a buffer has as many slots as are live at once on the busiest
    device.
-5. :func:`fill_table` — one row per (step, device) of the typed :class:`TickTable`.
+5. :func:`~.table.fill_table` (:mod:`.table`) — one row per (step, device) of the
+   typed :class:`~.table.TickTable`.
 
 The result, :class:`Lowering`, is read by name by the program (:mod:`.program`).
 """
@@ -27,11 +28,18 @@ import functools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
 from jaxpipe.runtime.spmd.allocate import Allocation, Pool, allocate
 from jaxpipe.runtime.spmd.fusion import fused_backwards, fusing_saves_memory
+from jaxpipe.runtime.spmd.table import (
+    IDLE,
+    PROGRAM_KINDS,
+    TickTable,
+    branch_id,
+    fill_table,
+    offset_index,
+)
 from jaxpipe.schedule import ACTION_KINDS, Action, Schedule
 from jaxpipe.schedule.graph import ScheduleGraph, paused_gc
 
@@ -55,75 +63,7 @@ __all__ = [
     "lower",
 ]
 
-#: Branch id of a step in which a device does nothing.
-IDLE = 0
-
-#: What a program step runs: a schedule action kind, or ``"FB"``, a forward and its own
-#: backward in one step (see :func:`fused_backwards`).
-PROGRAM_KINDS = (*ACTION_KINDS, "FB")
-
-_KIND = {kind: i for i, kind in enumerate(PROGRAM_KINDS)}  # kind -> its index
-
-
-def branch_id(kind: str, body: int, num_bodies: int) -> int:
-    """The program branch that runs ``kind`` (one of :data:`PROGRAM_KINDS`) for ``body``
-    (:data:`IDLE` is 0)."""
-    return 1 + PROGRAM_KINDS.index(kind) * num_bodies + body
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class TickTable:
-    """Integer fields of every (step, device); the program scans over the steps.
-
-    Every array's leading axes are ``[steps, devices]``. A pytree, so the program passes
-    it to ``lax.scan`` whole and reads a row's fields by name.
-
-    Attributes:
-      branch: the branch to run (:func:`branch_id`, or :data:`IDLE`).
-      stage: the action's stage (selects a shared body's parameters).
-      microbatch: the action's microbatch.
-      in_slot: inbox slot holding the action's input message (stage carry or cotangent).
-      local_slot: inbox slot for the action's output message when it stays on the
-        device (the turn of a V); the dummy slot otherwise (not written).
-      out_unit: ``[steps, devices, offsets]``: the unit of the outbox of each direction
-        the action's output message goes to (``units[j]``, one past the last unit, when
-        it sends nothing that way: the program writes no outbox then).
-      recv_slot: ``[steps, devices, offsets, units]``: inbox slot for each unit arriving
-        over each permutation offset at the end of the step (the dummy slot if none).
-      pool_base: per (pool, class), the first slot of that class where the action writes
-        or reads that pool's part of its stored values.
-      exchange: ``[steps, devices, offsets]`` bool (same for every device): the
-        permutation over that offset runs at the end of the step.
-    """
-
-    branch: np.ndarray
-    stage: np.ndarray
-    microbatch: np.ndarray
-    in_slot: np.ndarray
-    local_slot: np.ndarray
-    out_unit: np.ndarray
-    recv_slot: np.ndarray
-    pool_base: dict[tuple[Pool, Hashable], np.ndarray]
-    exchange: np.ndarray
-
-    @property
-    def num_steps(self) -> int:
-        return int(self.branch.shape[0])
-
-    def bases(self, pool: Pool) -> dict:
-        """Per class, the first slot of ``pool``'s part (of a row: where it reads or
-        writes)."""
-        return {c: v for (p, c), v in self.pool_base.items() if p is pool}
-
-    def digest_bytes(self) -> bytes:
-        """Every field, in a fixed order (for cross-process consistency checks)."""
-        parts = [self.branch, self.stage, self.microbatch, self.in_slot, self.local_slot,
-                 self.out_unit,
-                 self.recv_slot, self.exchange]
-        parts += [self.pool_base[k] for k in sorted(self.pool_base, key=repr)]
-        return b"".join(np.ascontiguousarray(p).tobytes() + str(p.shape).encode()
-                        for p in parts)
+_KIND = {kind: i for i, kind in enumerate(ACTION_KINDS)}  # the graph's kind codes
 
 
 @dataclass(frozen=True)
@@ -352,62 +292,6 @@ def list_messages(ticks: Ticks) -> Messages:
     return Messages(p, c, src, dst, sent, ticks.step[c])
 
 
-# ----------------------------------------------------------------------------- step 5
-def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
-               perm_offsets: Sequence[int], units: Sequence[int],
-               body_of_stage: Sequence[int], num_bodies: int,
-               pool_classes: Mapping[Pool, Sequence[Hashable]]) -> TickTable:
-    """One row per (step, device); idle rows point at the dummy inbox slot."""
-    graph = ticks.graph
-    D = len(graph.lists)
-    T = ticks.num_steps
-    dummy = alloc.num_inbox
-    shape = (T, D)
-    # a fused B shares its F's row, which runs the FB branch
-    rows = np.flatnonzero(~ticks.fused)
-    kind = graph.kinds.copy()
-    kind[graph.prev[ticks.fused]] = _KIND["FB"]
-    kind, stage_of, mb_of = kind[rows], graph.stages[rows], graph.microbatches[rows]
-    t, d = ticks.step[rows], ticks.device[rows]
-    branch = np.full(shape, IDLE, np.int32)
-    branch[t, d] = 1 + kind * num_bodies + np.asarray(body_of_stage, np.int64)[stage_of]
-    stage = np.zeros(shape, np.int32)
-    stage[t, d] = stage_of
-    microbatch = np.zeros(shape, np.int32)
-    microbatch[t, d] = mb_of
-    pool_base = {}
-    for pool in Pool:
-        for c in pool_classes[pool]:
-            col = np.zeros(shape, np.int32)
-            b = alloc.base[(pool, c)][rows]
-            used = b >= 0
-            col[t[used], d[used]] = b[used]
-            pool_base[(pool, c)] = col
-    in_slot = np.full(shape, dummy, np.int32)
-    local_slot = np.full(shape, dummy, np.int32)
-    out_unit = np.zeros((T, D, len(perm_offsets)), np.int32)
-    out_unit[:] = np.asarray(units, np.int32)  # the dummy unit of each direction
-    recv_slot = np.full((T, D, len(perm_offsets), max(units, default=0)), dummy, np.int32)
-    exchange = np.zeros((T, D, len(perm_offsets)), bool)
-    slot = alloc.message_slot
-    in_slot[messages.read, messages.dst] = slot
-    p_step, p_tick = ticks.step[messages.producer], ticks.tick[messages.producer]
-    local = messages.src == messages.dst
-    local_slot[p_step[local], messages.src[local]] = slot[local]
-    # a message to another device goes out in unit r of its direction: the r-th message its
-    # device sends that way in the tick
-    remote = np.flatnonzero(~local)
-    src, dst = messages.src[remote], messages.dst[remote]
-    j = _offset_index(perm_offsets, (dst - src) % D)
-    r = _rank_in_group((p_tick[remote] * D + src) * len(perm_offsets) + j)
-    out_unit[p_step[remote], src, j] = r
-    end = ticks.tick_end[p_tick[remote]]
-    recv_slot[end, dst, j, r] = slot[remote]
-    exchange[end, :, j] = True
-    return TickTable(branch, stage, microbatch, in_slot, local_slot, out_unit, recv_slot,
-                     pool_base, exchange)
-
-
 def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
           body_of_stage: Sequence[int] | None = None, *, split_backward: bool = False,
           iw_same_tick: bool = False, fuse_fb: bool | str = False) -> Lowering:
@@ -451,7 +335,7 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
     remote = messages.src != messages.dst
     offsets = tuple(sorted({int(x) for x in (messages.dst - messages.src)[remote] % D}))
     src, dst = messages.src[remote], messages.dst[remote]
-    j = _offset_index(offsets, (dst - src) % D)
+    j = offset_index(offsets, (dst - src) % D)
     # per direction, the most messages one device sends that way in one tick
     send = (ticks.tick[messages.producer[remote]] * D + src) * len(offsets) + j
     sends, per_send = np.unique(send, return_counts=True)
@@ -481,21 +365,6 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
         split_backward=split,
         fused_stages=frozenset(int(x) for x in ticks.graph.stages[ticks.fused]),
     )
-
-
-def _offset_index(offsets: Sequence[int], offset: np.ndarray) -> np.ndarray:
-    """The index in ``offsets`` of every entry of ``offset`` (each one of them)."""
-    return np.searchsorted(np.asarray(offsets, np.int64), offset)
-
-
-def _rank_in_group(key: np.ndarray) -> np.ndarray:
-    """For every entry, how many earlier entries have the same key."""
-    order = np.argsort(key, kind="stable")
-    sorted_key = key[order]
-    first = np.searchsorted(sorted_key, sorted_key)  # the start of each entry's group
-    rank = np.empty(len(key), np.int64)
-    rank[order] = np.arange(len(key)) - first
-    return rank
 
 
 def _tick_of_step(ticks: Ticks) -> np.ndarray:
