@@ -3,6 +3,7 @@
     python benchmarks/compile_time.py                    # full grid (long: tens of minutes)
     python benchmarks/compile_time.py --layers 8,32 --ps 2,4 --vs 1
     python benchmarks/compile_time.py --quick            # one tiny point
+    python benchmarks/compile_time.py --layers 64 --ps 8 --vs 1 --variants scanned --repeats 3
 
 *Compile time* = (pipeline construction + first call) - a steady call, for
 ``Pipeline.value_and_grad`` (1F1B or Interleaved1F1B, m = 2p, ``cut="markers"``, one
@@ -152,10 +153,17 @@ def _jaxpipe(loss_fn: Any, params: Any, batch: Any, p: int, v: int, m: int, ev: 
 
 
 def measure(layers: list[int], ps: list[int], vs: list[int], variants: list[str],
-            remat: str = "none", fuse_fb: bool | str = "auto", train: bool = False
-            ) -> dict[str, Any]:
+            remat: str = "none", fuse_fb: bool | str = "auto", train: bool = False,
+            repeats: int = 1) -> dict[str, Any]:
     """Compile seconds per point; ``train``: also ``pipe.init`` + the first
-    ``train_step`` (adamw) against plain JAX's jitted value_and_grad + optax update."""
+    ``train_step`` (adamw) against plain JAX's jitted value_and_grad + optax update.
+
+    ``repeats`` > 1: plain JAX and jaxpipe are compiled afresh one after the other that
+    many times per point; the row keeps the median sample of each and the
+    median of the per-repeat ratios, so a machine whose speed drifts over minutes (5-20%
+    here) moves both sides of a ratio alike."""
+    if repeats > 1:
+        return _measure_repeated(layers, ps, vs, variants, remat, fuse_fb, train, repeats)
     from benchmarks import common as C
 
     ev = _Events()
@@ -190,6 +198,58 @@ def measure(layers: list[int], ps: list[int], vs: list[int], variants: list[str]
     return {"rows": rows, "remat": remat, "fuse_fb": fuse_fb,
             "targets": {"unrolled_ratio": 1.5, "scanned_ratio": 2.0,
                         "scanned_L64_over_L8": 1.2}}
+
+
+def _measure_repeated(layers: list[int], ps: list[int], vs: list[int], variants: list[str],
+                      remat: str, fuse_fb: bool | str, train: bool, repeats: int
+                      ) -> dict[str, Any]:
+    import statistics
+
+    from benchmarks import common as C
+
+    ev = _Events()
+    rows = []
+    for variant in variants:
+        for L in layers:
+            loss_fn, params, cfg = _model(L, variant == "scanned")
+            for v in vs:
+                for p in ps:
+                    if L < p * v:
+                        continue
+                    m = 2 * p
+                    batch = C.make_gpt_batch(cfg, 4 * m)
+                    row: dict[str, Any] = {"variant": variant, "layers": L, "p": p, "v": v,
+                                           "m": m, "repeats": repeats}
+                    plain, piped = [], []
+                    try:
+                        for _ in range(repeats):  # fresh functions: compiled afresh
+                            plain.append(_plain(loss_fn, params, batch, m, ev, train))
+                            piped.append(_jaxpipe(loss_fn, params, batch, p, v, m, ev, L,
+                                                  remat, fuse_fb, train))
+                    except Exception as e:  # noqa: BLE001 - recorded, e.g. a refused scan
+                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    row["plain"] = _median(plain or [_plain(loss_fn, params, batch, m, ev,
+                                                            train)])
+                    row["jaxpipe"] = _median(piped) if len(piped) == repeats else None
+                    ratios = [j["compile_s"] / q["compile_s"]
+                              for q, j in zip(plain, piped, strict=False)]
+                    row["ratios"] = ratios
+                    row["ratio"] = statistics.median(ratios) if row["jaxpipe"] else None
+                    if train and row["jaxpipe"]:
+                        row["train_ratio"] = statistics.median(
+                            j["train_compile_s"] / q["train_compile_s"]
+                            for q, j in zip(plain, piped, strict=True))
+                    _log(row)
+                    rows.append(row)
+    return {"rows": rows, "remat": remat, "fuse_fb": fuse_fb, "repeats": repeats,
+            "targets": {"unrolled_ratio": 1.5, "scanned_ratio": 2.0,
+                        "scanned_L64_over_L8": 1.2}}
+
+
+def _median(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sample of median compile time (an odd count: the middle one)."""
+    ranked = sorted(samples, key=lambda s: s["compile_s"])
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def _log(row: dict[str, Any]) -> None:
@@ -239,6 +299,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--train-step", action="store_true",
                     help="also pipe.init + the first train_step (adamw) against plain JAX's "
                          "jitted value_and_grad + optax update")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="compile plain JAX and jaxpipe one after the other this many times "
+                         "per point and keep medians: ratios robust to a "
+                         "machine whose speed drifts")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -246,7 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     res = measure(ints(args.layers), ints(args.ps), ints(args.vs),
                   [x for x in args.variants.split(",") if x], args.remat,
-                  {"auto": "auto", "on": True, "off": False}[args.fuse_fb], args.train_step)
+                  {"auto": "auto", "on": True, "off": False}[args.fuse_fb], args.train_step,
+                  args.repeats)
     from benchmarks import common as C
 
     C.write_json(args.out, "compile_time.json", res)
