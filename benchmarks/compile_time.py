@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,88 +163,55 @@ def measure(layers: list[int], ps: list[int], vs: list[int], variants: list[str]
     many times per point; the row keeps the median sample of each and the
     median of the per-repeat ratios, so a machine whose speed drifts over minutes (5-20%
     here) moves both sides of a ratio alike."""
-    if repeats > 1:
-        return _measure_repeated(layers, ps, vs, variants, remat, fuse_fb, train, repeats)
-    from benchmarks import common as C
+    import statistics
 
     ev = _Events()
     rows = []
     plain_cache: dict[tuple, dict] = {}
-    for variant in variants:
-        for L in layers:
-            loss_fn, params, cfg = _model(L, variant == "scanned")
-            for v in vs:
-                for p in ps:
-                    if L < p * v:
-                        continue
-                    m = 2 * p
-                    batch = C.make_gpt_batch(cfg, 4 * m)
-                    key = (variant, L, m)
-                    if key not in plain_cache:
-                        plain_cache[key] = _plain(loss_fn, params, batch, m, ev, train)
-                    row: dict[str, Any] = {"variant": variant, "layers": L, "p": p, "v": v,
-                                           "m": m, "plain": plain_cache[key]}
-                    try:
-                        row["jaxpipe"] = _jaxpipe(loss_fn, params, batch, p, v, m, ev,
-                                                  L, remat, fuse_fb, train)
-                        row["ratio"] = row["jaxpipe"]["compile_s"] / row["plain"]["compile_s"]
-                        if train:
-                            row["train_ratio"] = (row["jaxpipe"]["train_compile_s"]
-                                                  / row["plain"]["train_compile_s"])
-                    except Exception as e:  # noqa: BLE001 - recorded, e.g. a refused scan
-                        row["jaxpipe"], row["ratio"] = None, None
-                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    _log(row)
-                    rows.append(row)
-    return {"rows": rows, "remat": remat, "fuse_fb": fuse_fb,
-            "targets": {"unrolled_ratio": 1.5, "scanned_ratio": 2.0,
-                        "scanned_L64_over_L8": 1.2}}
-
-
-def _measure_repeated(layers: list[int], ps: list[int], vs: list[int], variants: list[str],
-                      remat: str, fuse_fb: bool | str, train: bool, repeats: int
-                      ) -> dict[str, Any]:
-    import statistics
-
-    from benchmarks import common as C
-
-    ev = _Events()
-    rows = []
-    for variant in variants:
-        for L in layers:
-            loss_fn, params, cfg = _model(L, variant == "scanned")
-            for v in vs:
-                for p in ps:
-                    if L < p * v:
-                        continue
-                    m = 2 * p
-                    batch = C.make_gpt_batch(cfg, 4 * m)
-                    row: dict[str, Any] = {"variant": variant, "layers": L, "p": p, "v": v,
-                                           "m": m, "repeats": repeats}
-                    plain, piped = [], []
-                    try:
-                        for _ in range(repeats):  # fresh functions: compiled afresh
-                            plain.append(_plain(loss_fn, params, batch, m, ev, train))
-                            piped.append(_jaxpipe(loss_fn, params, batch, p, v, m, ev, L,
-                                                  remat, fuse_fb, train))
-                    except Exception as e:  # noqa: BLE001 - recorded, e.g. a refused scan
-                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    row["plain"] = _median(plain or [_plain(loss_fn, params, batch, m, ev,
-                                                            train)])
-                    row["jaxpipe"] = _median(piped) if len(piped) == repeats else None
-                    ratios = [j["compile_s"] / q["compile_s"]
-                              for q, j in zip(plain, piped, strict=False)]
-                    row["ratios"] = ratios
-                    row["ratio"] = statistics.median(ratios) if row["jaxpipe"] else None
-                    if train and row["jaxpipe"]:
-                        row["train_ratio"] = statistics.median(
-                            j["train_compile_s"] / q["train_compile_s"]
-                            for q, j in zip(plain, piped, strict=True))
-                    _log(row)
-                    rows.append(row)
+    for variant, L, p, v, m, loss_fn, params, batch in _points(layers, ps, vs, variants):
+        row: dict[str, Any] = {"variant": variant, "layers": L, "p": p, "v": v, "m": m,
+                               "repeats": repeats}
+        key = (variant, L, m)
+        plain, piped = [], []
+        for _ in range(repeats):  # fresh functions each time: compiled afresh
+            if repeats > 1 or key not in plain_cache:  # in turn with jaxpipe if repeated
+                plain_cache[key] = _plain(loss_fn, params, batch, m, ev, train)
+            plain.append(plain_cache[key])
+            try:
+                piped.append(_jaxpipe(loss_fn, params, batch, p, v, m, ev, L, remat,
+                                      fuse_fb, train))
+            except Exception as e:  # noqa: BLE001 - recorded, e.g. a refused scan
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                break
+        row["plain"] = _median(plain)
+        row["jaxpipe"] = None if "error" in row else _median(piped)
+        row["ratios"] = [j["compile_s"] / q["compile_s"]  # (none after an error)
+                         for q, j in zip(plain, piped, strict=False)]
+        row["ratio"] = statistics.median(row["ratios"]) if row["jaxpipe"] else None
+        if train and row["jaxpipe"]:
+            row["train_ratio"] = statistics.median(
+                j["train_compile_s"] / q["train_compile_s"]
+                for q, j in zip(plain, piped, strict=True))
+        _log(row)
+        rows.append(row)
     return {"rows": rows, "remat": remat, "fuse_fb": fuse_fb, "repeats": repeats,
             "targets": {"unrolled_ratio": 1.5, "scanned_ratio": 2.0,
                         "scanned_L64_over_L8": 1.2}}
+
+
+def _points(layers: list[int], ps: list[int], vs: list[int], variants: list[str]
+            ) -> Iterator[tuple]:
+    """``(variant, L, p, v, m, loss_fn, params, batch)`` of every point of the grid."""
+    from benchmarks import common as C
+
+    for variant in variants:
+        for L in layers:
+            loss_fn, params, cfg = _model(L, variant == "scanned")
+            for v in vs:
+                for p in ps:
+                    if L >= p * v:
+                        m = 2 * p
+                        yield variant, L, p, v, m, loss_fn, params, C.make_gpt_batch(cfg, 4 * m)
 
 
 def _median(samples: list[dict[str, Any]]) -> dict[str, Any]:
