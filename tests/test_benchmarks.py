@@ -149,3 +149,32 @@ def test_remat_tradeoff_measures_every_policy() -> None:
     off, on = RT.measure([1], ["none"], layers=2, d_model=32, fuses=(False, True))["rows"]
     assert (off["fused_stages"], on["fused_stages"]) == ([], [0])
     assert on["temp_bytes"] < off["temp_bytes"]
+
+
+def test_late_delivery_prices_the_lowering_as_the_sync_model_does() -> None:
+    """benchmarks/late_delivery.py's what-if starts from the library's sync model: with
+    every message exchanged at the end of its tick it gives the lowered makespan
+    (transfers included), a tick-late exchange where the reader has slack is never slower,
+    and its "late" ticks put every reader two ticks after another device's writer."""
+    import jaxpipe as jp
+    from benchmarks import late_delivery as LD
+    from jaxpipe.runtime.spmd.lowering import expand, lower
+    from jaxpipe.runtime.spmd.sync import lowered_makespan, split_cost
+    from jaxpipe.schedule.simulate import resolve_costs
+
+    cost = resolve_costs(None)
+    dualpipe = jp.load_schedule(str(REPO / "schedules" / "dualpipe_v.py:DualPipeV"))
+    for sched in (jp.OneFOneB(4, 8), dualpipe(4, 8)):
+        run, split = expand(sched, True)
+        graph, c = run.graph(), split_cost(cost, split)
+        ticks = LD.reader_ticks(graph, 1)
+        low = lower(sched, {}, split_backward=True)
+        for transfer in (0.0, 0.3):
+            now = LD.makespan(graph, ticks, c, transfer, "none")
+            assert now == pytest.approx(lowered_makespan(low, cost, transfer))
+            assert LD.makespan(graph, ticks, c, transfer, "slack") <= now + 1e-9
+        late = LD.reader_ticks(graph, 2)
+        for k in range(len(graph.actions)):
+            for q in graph.data_deps[k]:
+                if q >= 0 and graph.devices[q] != graph.devices[k]:
+                    assert late[k] >= late[q] + 2
