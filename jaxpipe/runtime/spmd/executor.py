@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.runtime.spmd.bodies import group_bodies
+from jaxpipe.runtime.spmd.gate import by_device
 from jaxpipe.runtime.spmd.layout import SlotLayout, StageLayouts
 from jaxpipe.runtime.spmd.lowering import Lowering, lower
 from jaxpipe.runtime.spmd.optimizer import make_epilogue, opt_slots
@@ -239,10 +240,8 @@ class SpmdExecutor(Executor):
                 # middle devices of a deep model: only the ends hold whole leaves)
                 keys = [tuple(holds[d, rest]) for d in range(sched.num_devices)]
                 firsts = list(dict.fromkeys(keys))
-                which = np.array([firsts.index(key) for key in keys], np.int32)
-                branches = [branch(keys.index(key)) for key in firsts]
-                got = (branches[0](lv) if len(branches) == 1
-                       else lax.switch(jnp.asarray(which)[dev], branches, lv))
+                got = by_device([branch(keys.index(key)) for key in firsts],
+                                [firsts.index(key) for key in keys], spec.axis, lv)
                 for k, x in zip(rest, got, strict=True):
                     out[k] = x
             for k in rows:

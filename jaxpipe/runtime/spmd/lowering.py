@@ -40,8 +40,8 @@ from jaxpipe.runtime.spmd.table import (
     fill_table,
     offset_index,
 )
-from jaxpipe.schedule import ACTION_KINDS, Action, Schedule
-from jaxpipe.schedule.graph import ScheduleGraph, paused_gc
+from jaxpipe.schedule import Action, Schedule
+from jaxpipe.schedule.graph import KB, KF, KI, KW, ScheduleGraph, paused_gc
 
 __all__ = [
     "IDLE",
@@ -62,8 +62,6 @@ __all__ = [
     "list_messages",
     "lower",
 ]
-
-_KIND = {kind: i for i, kind in enumerate(ACTION_KINDS)}  # the graph's kind codes
 
 
 @dataclass(frozen=True)
@@ -234,8 +232,8 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
     if iw_same_tick:
         # a W whose device's previous action is its own I
         prev = np.maximum(graph.prev, 0)
-        packed = ((graph.kinds == _KIND["W"]) & (graph.prev >= 0)
-                  & (graph.kinds[prev] == _KIND["I"]) & (graph.stages[prev] == graph.stages)
+        packed = ((graph.kinds == KW) & (graph.prev >= 0)
+                  & (graph.kinds[prev] == KI) & (graph.stages[prev] == graph.stages)
                   & (graph.microbatches[prev] == graph.microbatches))
         partner[packed] = graph.prev[packed]
     starts, _ = graph.run_costs(np.where(packed | fused, 0, 1).tolist())
@@ -281,8 +279,8 @@ def list_messages(ticks: Ticks) -> Messages:
     ordered by the producer's step and device."""
     graph = ticks.graph
     kind, data = graph.kinds, graph.data_deps
-    carry = (kind == _KIND["F"]) & (data[:, 0] >= 0)
-    cotangent = ((kind == _KIND["B"]) | (kind == _KIND["I"])) & (data[:, 1] >= 0)
+    carry = (kind == KF) & (data[:, 0] >= 0)
+    cotangent = ((kind == KB) | (kind == KI)) & (data[:, 1] >= 0)
     c = np.flatnonzero(carry | cotangent)
     p = np.where(carry[c], data[c, 0], data[c, 1])
     order = np.lexsort((c, ticks.device[p], ticks.step[p]))

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpipe.runtime.base import RuntimeSpec
+from jaxpipe.runtime.spmd.gate import by_device
 from jaxpipe.runtime.spmd.layout import SlotLayout
 from jaxpipe.sharding import Dims, constrain
 from jaxpipe.structure import same_function
@@ -83,9 +84,7 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
         slots: one branch, not one per device, to compile)."""
         branches, pick = _distinct(
             [lambda *a, d=d: fn(d, *a) for d in range(sched.num_devices)], args)
-        if len(branches) == 1:
-            return branches[0](*args)
-        return lax.switch(jnp.asarray(pick)[lax.axis_index(axis)], branches, *args)
+        return by_device(branches, pick, axis, *args)
 
     def leaves(s: int) -> list[tuple[int, int]]:
         """(leaf id, slot) of every parameter leaf of stage ``s``."""
