@@ -3,9 +3,9 @@
     python benchmarks/late_delivery.py             # table + results/late_delivery.json
     python benchmarks/late_delivery.py --transfer 0,0.1,0.3 --ps 4,8
 
-The program exchanges a tick's messages at its end: every device on an active
-permutation meets its neighbours there and pays the transfer before the next tick starts
-(the sync model, :mod:`jaxpipe.runtime.spmd.sync`). Where collectives run on their own
+The program exchanges a tick's messages at its end: every pair that exchanges a message
+then meets and pays the transfer before the next tick starts (the sync model,
+:mod:`jaxpipe.runtime.spmd.sync`). Where collectives run on their own
 stream, the exchange of tick ``t``'s messages could run during tick ``t + 1`` and be read
 from ``t + 2`` on: a device then waits, at the end of ``t + 1``, for its partners' end of
 ``t`` plus the transfer. This script prices three programs under that model, in the
@@ -60,30 +60,34 @@ def makespan(graph: Any, tick: np.ndarray, cost: Any, transfer: float, late: str
     for k in range(len(graph.actions)):
         for q in graph.data_deps[k]:
             if q >= 0 and graph.devices[q] != graph.devices[k]:
-                off = int((graph.devices[k] - graph.devices[q]) % D)
+                pair = (int(graph.devices[q]), int(graph.devices[k]))
                 slack = tick[k] >= tick[q] + 2
-                (later if late == "all" or (late == "slack" and slack) else now)[tick[q]].add(off)
+                (later if late == "all" or (late == "slack" and slack) else now)[tick[q]].add(pair)
     clock, pending = np.zeros(D), None
     for t in range(n_ticks):
         done = clock + work[t]
         new = done.copy()
         if pending is not None:  # last tick's late messages arrive by the end of this one
-            offs, base = pending
-            for off in offs:
-                new = np.maximum(new, _met(base, off) + transfer)
+            pairs, base = pending
+            new = np.maximum(new, _met(base, pairs, transfer))
         if now[t]:
-            met = done.copy()
-            for off in now[t]:
-                met = np.maximum(met, _met(done, off))
-            new = np.maximum(new, met + transfer)
+            new = np.maximum(new, _met(done, now[t], transfer))
         pending = (later[t], done) if later[t] else None
         clock = new
     return float(clock.max())
 
 
-def _met(clock: np.ndarray, off: int) -> np.ndarray:
-    """Each device's clock after meeting its partners over ``off`` (both directions)."""
-    return np.maximum(clock, np.maximum(np.roll(clock, off), np.roll(clock, -off)))
+def _met(clock: np.ndarray, pairs: set[tuple[int, int]], transfer: float) -> np.ndarray:
+    """Each device's clock after meeting the partners it exchanges with (pairs), plus the
+    transfer where it exchanges anything."""
+    from jaxpipe.runtime.spmd.sync import meet
+
+    src, dst = (np.array(x, np.int64) for x in zip(*sorted(pairs), strict=True))
+    out = meet(clock, src, dst)
+    involved = np.zeros(len(clock), bool)
+    involved[src] = involved[dst] = True
+    out[involved] += transfer
+    return out
 
 
 def measure(ps: tuple[int, ...], transfers: tuple[float, ...], layers: int = 16

@@ -3,20 +3,20 @@
     python benchmarks/meetings.py                  # V schedules and 1F1B, p in {4, 8}
     python benchmarks/meetings.py --ps 8 --schedules DualPipeV
 
-The sync model (:mod:`jaxpipe.runtime.spmd.sync`) says: at the end of a tick in which a
-permutation is active, every device meets its source and target over that offset. The
-program runs one ``lax.ppermute`` per offset over *all* devices (``d -> d + offset``
-around the ring), so a V schedule's device 0 also meets device p-1, with which it never
-exchanges a message, and every device meets its neighbours at every tick someone sends.
-This script evaluates the lowered makespan under three meeting rules and two ways of
-choosing ticks, for the GPT benchmark model's per-stage costs with every backward run as
-I then W (``split_backward=True``, what the runtime does where devices run concurrently):
+Until the program's permutations listed only the pairs that exchange at a tick (what the
+sync model, :mod:`jaxpipe.runtime.spmd.sync`, now describes: rule ``tick`` below), it ran
+one ``lax.ppermute`` per offset over *all* devices (``d -> d + offset`` around the ring),
+so a V schedule's device 0 also met device p-1, with which it never exchanges a message,
+and every device met its neighbours at every tick someone sent. This script evaluates the
+lowered makespan under three meeting rules and two ways of choosing ticks, for the GPT
+benchmark model's per-stage costs with every backward run as I then W
+(``split_backward=True``, what the runtime does where devices run concurrently):
 
-- meetings ``offset``: the model as the program runs today;
+- meetings ``offset``: the program before per-tick permutations;
 - ``pair``: only pairs that exchange some message ever meet (a ``ppermute`` whose
   permutation lists those pairs only);
-- ``tick``: only pairs that exchange a message at that tick meet (one gated
-  ``ppermute`` per pair);
+- ``tick``: only pairs that exchange a message at that tick meet (the program now: one
+  ``ppermute`` per direction and tick, listing those pairs);
 - ticks ``unit``: the lowering's (each action at its unit-cost simulation start);
 - ticks ``grid``: each action at its start in the schedule's own simulation with the real
   costs, in steps of the cheapest action, later where a message or its device needs it.

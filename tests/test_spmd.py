@@ -179,15 +179,22 @@ def _count_eqns(jaxpr) -> int:
 
 
 def test_program_size_independent_of_microbatches():
+    """The program is the same for any m, except that it holds one permutation per sender
+    set of each direction (a ``ppermute`` of one equation each); those sets stop growing
+    once the pipeline has a steady state (m >= 2p) and never exceed ``4p + 4``."""
     loss_fn, params, _ = MODELS["mlp"](4)
     mesh = jax.make_mesh((4,), ("pipe",))
-    sizes = []
-    for m in (4, 64):
+    sizes, perms = [], []
+    for m in (4, 8, 64):
         batch = MODELS["mlp"](4, batch=m)[2]
         pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, m),
                            cut="markers")
         sizes.append(_count_eqns(jax.make_jaxpr(pipe.value_and_grad_fn)(params, batch).jaxpr))
-    assert sizes[0] == sizes[1]
+        patterns = pipe.executor.lowering.perm_patterns
+        assert all(len(x) <= 4 * 4 + 4 for x in patterns)
+        perms.append(sum(len(x) for x in patterns))
+    assert perms[1] == perms[2]
+    assert [s - n for s, n in zip(sizes, perms, strict=True)] == [sizes[2] - perms[2]] * 3
 
 
 def test_bad_mesh_errors():

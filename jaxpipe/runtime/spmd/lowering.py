@@ -100,6 +100,9 @@ class Lowering:
       num_devices, num_stages, num_microbatches: of the schedule.
       stages_per_device: the most stages any device holds.
       perm_offsets: each permutation sends device d to (d + offset) % devices.
+      perm_patterns: per offset, the sets of devices that send over it at some tick end
+        (``table.exchange`` numbers them from 1): a permutation lists only the pairs
+        that carry a message then.
       units: outbox units per offset (the most messages a device sends over it in a tick).
       slots: per class, slots of stored values per device (the maximum over devices, since
         all devices run one program).
@@ -124,6 +127,7 @@ class Lowering:
     num_microbatches: int
     stages_per_device: int
     perm_offsets: tuple[int, ...]
+    perm_patterns: tuple[tuple[tuple[int, ...], ...], ...]
     units: tuple[int, ...]
     slots: dict[Hashable, int]
     num_inbox: int
@@ -292,7 +296,8 @@ def list_messages(ticks: Ticks) -> Messages:
 
 def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
           body_of_stage: Sequence[int] | None = None, *, split_backward: bool = False,
-          iw_same_tick: bool = False, fuse_fb: bool | str = False) -> Lowering:
+          iw_same_tick: bool = False, fuse_fb: bool | str = False,
+          max_patterns: int | None = None) -> Lowering:
     """Lower ``schedule`` (validated here) given what each stage stores per microbatch.
 
     Args:
@@ -306,15 +311,19 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
       fuse_fb: a last stage's B right after its own F runs in the F's step, storing no
         residuals (:func:`.fusion.fused_backwards`). ``"auto"``: only where that does
         not raise the stored bytes (:func:`.fusion.fusing_saves_memory`).
+      max_patterns: the most sender sets per direction the program holds a permutation
+        for (:func:`.table.exchange_patterns`); default ``min(4 * devices + 4, 64)``,
+        every sender set of every built-in and gallery schedule up to p = 8 (the fill,
+        the steady state and the drain each have their own).
     """
     with paused_gc():
         return _lower(schedule, pool_counts, body_of_stage, split_backward, iw_same_tick,
-                      fuse_fb)
+                      fuse_fb, max_patterns)
 
 
 def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
            body_of_stage: Sequence[int] | None, split_backward: bool,
-           iw_same_tick: bool, fuse_fb: bool | str) -> Lowering:
+           iw_same_tick: bool, fuse_fb: bool | str, max_patterns: int | None) -> Lowering:
     schedule.graph()  # validates (once per schedule: the graph is cached)
     S, D = schedule.num_stages, schedule.num_devices
     if body_of_stage is None:
@@ -341,8 +350,10 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
                   for jj in range(len(offsets)))
     pool_classes = {pool: sorted({c for row in counts[pool] for c in row}, key=repr)
                     for pool in Pool}
-    table = fill_table(ticks, messages, alloc, offsets, units, body_of_stage,
-                       max(body_of_stage) + 1, pool_classes)
+    if max_patterns is None:
+        max_patterns = min(4 * D + 4, 64)
+    table, patterns = fill_table(ticks, messages, alloc, offsets, units, body_of_stage,
+                                 max(body_of_stage) + 1, pool_classes, max_patterns)
     return Lowering(
         table=table,
         ticks=ticks,
@@ -355,6 +366,7 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
         num_microbatches=schedule.num_microbatches,
         stages_per_device=max(len(schedule.device_stages(d)) for d in range(D)),
         perm_offsets=offsets,
+        perm_patterns=patterns,
         units=units,
         slots=alloc.slots,
         num_inbox=alloc.num_inbox,

@@ -12,7 +12,9 @@ residuals passed straight from one to the other):
 - an output message goes into the outbox unit of its direction (or into an inbox slot
   when it stays on the device, the turn of a V). At the end of a tick's last step, every
   permutation someone uses runs once (``lax.ppermute`` of that direction's whole outbox)
-  and the arriving units land in inbox slots.
+  and the arriving units land in inbox slots. That ``ppermute`` lists only the pairs that
+  carry a message at that tick (one permutation per sender set, picked by the table), so
+  a device waits only for the devices it exchanges with.
 
 Branch selection is a chain of zero-or-one-trip ``while_loop``s rather than
 ``lax.switch``: XLA copies every buffer that an untaken ``conditional`` branch passes
@@ -23,6 +25,7 @@ a few scalar comparisons.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -87,7 +90,11 @@ def build_step(
     m = lowering.num_microbatches
     L = layouts
     D = lowering.num_devices
-    perms = [[(d, (d + off) % D) for d in range(D)] for off in lowering.perm_offsets]
+    # per offset, one permutation per sender set: it lists only the pairs that carry a
+    # message at that tick end, so no device waits for a neighbour it exchanges nothing with
+    perms = [[[(d, (d + off) % D) for d in senders] for senders in patterns]
+             for off, patterns in zip(lowering.perm_offsets, lowering.perm_patterns,
+                                      strict=True)]
     unit = L.unit
     units = lowering.units
     num_bodies = len(bodies)
@@ -145,17 +152,21 @@ def build_step(
             outbox = [gated(row.out_unit[j] != units[j],
                             lambda box, j=j: write_unit(box, msg, row.out_unit[j]), box)
                       for j, box in enumerate(outbox)]
-            # End of a tick: every permutation someone sends over runs once (the flag is
-            # the same on every device); the units that arrive go to their inbox slots.
+            # End of a tick: every direction someone sends over runs once, over the pairs
+            # that carry a message (the pattern number is the same on every device); the
+            # units that arrive go to their inbox slots.
             for j, perm in enumerate(perms):
                 def exchange(inbox, ob, j=j, perm=perm):
-                    recv = lax.ppermute(ob, axis, perm)
+                    recv = (lax.ppermute(ob, axis, perm[0]) if len(perm) == 1 else
+                            lax.switch(row.exchange[j] - 1,
+                                       [functools.partial(lax.ppermute, axis_name=axis,
+                                                          perm=pk) for pk in perm], ob))
                     for r in range(units[j]):
                         inbox = write_unit(inbox, {
                             c: lax.slice_in_dim(recv[c], r * n, (r + 1) * n)
                             for c, n in unit.items()}, row.recv_slot[j, r])
                     return inbox
-                inbox = gated(row.exchange[j], exchange, inbox, outbox[j])
+                inbox = gated(row.exchange[j] > 0, exchange, inbox, outbox[j])
             return (store, inbox, outbox, gbuf, loss), None
 
         init = (store, inbox, outbox, gbuf, jnp.zeros((), jnp.float32))

@@ -1,11 +1,12 @@
 """How long the lowered program takes when devices run concurrently: the sync model.
 
 Devices are not held in a global barrier. Each runs its steps back to back; at the end
-of a tick in which a permutation is active, every device runs that ``ppermute`` and so
-meets its source and its target over that offset (a send completes when the receiver is
-there, a receive when the sender is). So after a tick, a device's clock is the latest of
-its own and those of its partners over every active offset (plus the transfer time, if
-given). The *lowered makespan* is the largest clock at the end; comparing it with the
+of a tick in which messages move, every pair that exchanges a message then meets (the
+program's ``ppermute`` over each direction lists only those pairs: a send completes when
+the receiver is there, a receive when the sender is). So after a tick, a device's clock
+is the latest of its own and those of the devices it sends to or receives from at that
+tick (plus the transfer time, if given); a device that exchanges nothing waits for
+nobody. The *lowered makespan* is the largest clock at the end; comparing it with the
 schedule's own asynchronous makespan (``Schedule.simulate`` with the same costs) gives
 the *lowered efficiency*: 1.0 means the one SPMD program loses nothing to lock-step
 against an ideal MPMD runtime with free communication.
@@ -25,8 +26,8 @@ import numpy as np
 from jaxpipe.runtime.spmd.lowering import Lowering
 from jaxpipe.schedule import Action, Schedule, Timeline, TimelineEvent
 
-__all__ = ["SyncReport", "lowered_makespan", "lowered_timeline", "lowered_times", "split_cost",
-           "sync_report", "tick_table"]
+__all__ = ["SyncReport", "lowered_makespan", "lowered_timeline", "lowered_times", "meet",
+           "split_cost", "sync_report", "tick_pairs", "tick_table"]
 
 Cost = Callable[[Action], float]
 
@@ -42,21 +43,35 @@ def split_cost(cost: Cost, split: frozenset) -> Cost:
     return f
 
 
-def _active(lowering: Lowering) -> np.ndarray:
-    """``[ticks, offsets]``: permutations that run at the end of each tick."""
-    active = np.zeros((lowering.num_ticks, len(lowering.perm_offsets)), bool)
+def tick_pairs(lowering: Lowering) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per tick, ``(senders, receivers)``: the pairs that exchange a message at its end
+    (the pairs its permutations list)."""
+    D = lowering.num_devices
+    out = [(np.zeros(0, np.int64), np.zeros(0, np.int64))] * lowering.num_ticks
     ex = lowering.table.exchange[:, 0, :]  # same for every device
     for step in np.flatnonzero(ex.any(axis=1)):
-        active[lowering.tick_of_step[step]] |= ex[step]
-    return active
+        used = [(np.asarray(lowering.perm_patterns[j][k - 1], np.int64), off)
+                for j, (k, off) in enumerate(zip(ex[step], lowering.perm_offsets, strict=True))
+                if k]
+        out[lowering.tick_of_step[step]] = (np.concatenate([s for s, _ in used]),
+                                            np.concatenate([(s + off) % D for s, off in used]))
+    return out
+
+
+def meet(clock: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Clocks after every pair ``(src[i], dst[i])`` has met (each waits for the other)."""
+    new = clock.copy()
+    np.maximum.at(new, src, clock[dst])
+    np.maximum.at(new, dst, clock[src])
+    return new
 
 
 def lowered_times(lowering: Lowering, cost: Cost, transfer: float = 0.0
                   ) -> dict[Action, tuple[float, float]]:
     """``action -> (start, end)`` of the lowered program under the sync model.
 
-    ``cost(action)`` is the schedule's cost of an action; ``transfer`` is added at every
-    active permutation.
+    ``cost(action)`` is the schedule's cost of an action; ``transfer`` is added to every
+    device that exchanges a message at a tick's end.
     """
     D = lowering.num_devices
     c = split_cost(cost, lowering.split_backward)
@@ -64,7 +79,7 @@ def lowered_times(lowering: Lowering, cost: Cost, transfer: float = 0.0
                                          for _ in range(lowering.num_ticks)]
     for a, tm in sorted(lowering.actions.items(), key=lambda kv: kv[1].step):
         by_tick[tm.tick][tm.device].append(a)
-    active = _active(lowering)
+    pairs = tick_pairs(lowering)
     clock = np.zeros(D)
     out = {}
     for t in range(lowering.num_ticks):
@@ -72,12 +87,12 @@ def lowered_times(lowering: Lowering, cost: Cost, transfer: float = 0.0
             for a in by_tick[t][d]:
                 out[a] = (float(clock[d]), float(clock[d]) + c(a))
                 clock[d] += c(a)
-        offs = [off for off, on in zip(lowering.perm_offsets, active[t], strict=True) if on]
-        if offs:
-            new = clock.copy()
-            for off in offs:
-                new = np.maximum(new, np.maximum(np.roll(clock, off), np.roll(clock, -off)))
-            clock = new + transfer
+        src, dst = pairs[t]
+        if len(src):
+            clock = meet(clock, src, dst)
+            involved = np.zeros(D, bool)
+            involved[src] = involved[dst] = True
+            clock[involved] += transfer
     return out
 
 

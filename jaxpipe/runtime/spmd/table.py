@@ -20,7 +20,8 @@ from jaxpipe.schedule import ACTION_KINDS
 if TYPE_CHECKING:
     from jaxpipe.runtime.spmd.lowering import Messages, Ticks
 
-__all__ = ["IDLE", "PROGRAM_KINDS", "TickTable", "branch_id", "fill_table", "offset_index"]
+__all__ = ["IDLE", "PROGRAM_KINDS", "TickTable", "branch_id", "exchange_patterns", "fill_table",
+           "offset_index"]
 
 #: Branch id of a step in which a device does nothing.
 IDLE = 0
@@ -60,8 +61,9 @@ class TickTable:
         over each permutation offset at the end of the step (the dummy slot if none).
       pool_base: per (pool, class), the first slot of that class where the action writes
         or reads that pool's part of its stored values.
-      exchange: ``[steps, devices, offsets]`` bool (same for every device): the
-        permutation over that offset runs at the end of the step.
+      exchange: ``[steps, devices, offsets]`` int (same for every device): ``0``, or
+        ``1 + k`` where the permutation over that offset runs at the end of the step
+        with the ``k``-th sender set of that offset (:func:`exchange_patterns`).
     """
 
     branch: np.ndarray
@@ -96,8 +98,11 @@ class TickTable:
 def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
                perm_offsets: Sequence[int], units: Sequence[int],
                body_of_stage: Sequence[int], num_bodies: int,
-               pool_classes: Mapping[Pool, Sequence[Hashable]]) -> TickTable:
-    """One row per (step, device); idle rows point at the dummy inbox slot."""
+               pool_classes: Mapping[Pool, Sequence[Hashable]],
+               max_patterns: int | None = None
+               ) -> tuple[TickTable, tuple[tuple[tuple[int, ...], ...], ...]]:
+    """One row per (step, device); idle rows point at the dummy inbox slot. Also returns
+    each offset's sender sets (:func:`exchange_patterns`)."""
     graph = ticks.graph
     D = len(graph.lists)
     T = ticks.num_steps
@@ -128,7 +133,6 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
     out_unit = np.zeros((T, D, len(perm_offsets)), np.int32)
     out_unit[:] = np.asarray(units, np.int32)  # the dummy unit of each direction
     recv_slot = np.full((T, D, len(perm_offsets), max(units, default=0)), dummy, np.int32)
-    exchange = np.zeros((T, D, len(perm_offsets)), bool)
     slot = alloc.message_slot
     in_slot[messages.read, messages.dst] = slot
     p_step, p_tick = ticks.step[messages.producer], ticks.tick[messages.producer]
@@ -143,9 +147,59 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
     out_unit[p_step[remote], src, j] = r
     end = ticks.tick_end[p_tick[remote]]
     recv_slot[end, dst, j, r] = slot[remote]
-    exchange[end, :, j] = True
-    return TickTable(branch, stage, microbatch, in_slot, local_slot, out_unit, recv_slot,
-                     pool_base, exchange)
+    exchange, patterns = exchange_patterns(end, j, src, T, D, len(perm_offsets),
+                                           max_patterns)
+    table = TickTable(branch, stage, microbatch, in_slot, local_slot, out_unit, recv_slot,
+                      pool_base, exchange)
+    return table, patterns
+
+
+def exchange_patterns(end: np.ndarray, j: np.ndarray, src: np.ndarray, num_steps: int,
+                      num_devices: int, num_offsets: int, max_patterns: int | None = None
+                      ) -> tuple[np.ndarray, tuple[tuple[tuple[int, ...], ...], ...]]:
+    """Which devices send over each offset at the end of each step, as pattern numbers.
+
+    A permutation lists only the pairs that carry a message at that step, so a device
+    waits for the devices it exchanges with, not for every neighbour whenever anyone
+    sends that way (the sync model, :mod:`.sync`). ``end``, ``j``, ``src``: per remote
+    message, the step at whose end it moves, its offset index and its sender.
+    ``max_patterns``: per offset, keep the most used sender sets and let the other steps
+    use every device that ever sends that way (a superset: more meetings, same data).
+
+    Returns ``exchange`` (``[steps, devices, offsets]``: 0, or 1 + the pattern) and, per
+    offset, its sender sets.
+    """
+    senders = np.zeros((num_steps, num_offsets, num_devices), bool)
+    senders[end, j, src] = True
+    exchange = np.zeros((num_steps, num_devices, num_offsets), np.int32)
+    patterns = []
+    for jj in range(num_offsets):
+        steps = np.flatnonzero(senders[:, jj].any(axis=1))
+        rows, first, inverse, count = np.unique(senders[steps, jj], axis=0, return_index=True,
+                                                return_inverse=True, return_counts=True)
+        inverse = inverse.reshape(-1)
+        if max_patterns is not None and len(rows) > max_patterns:
+            keep = np.argsort(-count, kind="stable")[:max_patterns - 1]
+            everyone = rows.any(axis=0)
+            kept = np.zeros(len(rows), bool)
+            kept[keep] = True
+            if not (rows[keep] == everyone).all(axis=1).any():
+                rows = np.concatenate([rows, everyone[None]])
+                first = np.append(first, len(steps))
+                kept = np.append(kept, True)
+            full = int(np.flatnonzero((rows == everyone).all(axis=1) & kept)[0])
+            inverse = np.where(kept[inverse], inverse, full)
+            used = np.flatnonzero(kept)
+            remap = np.full(len(rows), -1)
+            remap[used] = np.arange(len(used))
+            rows, first, inverse = rows[used], first[used], remap[inverse]
+        order = np.argsort(first, kind="stable")  # number them by first use
+        rank = np.empty(len(order), np.int32)
+        rank[order] = np.arange(len(order), dtype=np.int32)
+        exchange[steps, :, jj] = 1 + rank[inverse][:, None]
+        patterns.append(tuple(tuple(int(d) for d in np.flatnonzero(rows[k]))
+                              for k in order))
+    return exchange, tuple(patterns)
 
 
 def offset_index(offsets: Sequence[int], offset: np.ndarray) -> np.ndarray:
