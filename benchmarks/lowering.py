@@ -15,7 +15,9 @@ Two cost models: uniform F:B:I:W = 1:2:1:1, and the cost model's own per-stage c
 the GPT benchmark model (embedding in the first stage, head and loss in the last; the
 cutter's ``CutResult.action_cost``). Each with the full backward run as one step
 (``split_backward=False``, what the runtime does on CPU) and as I then W (``True``, what it
-does where devices run concurrently). Deterministic: no timing.
+does where devices run concurrently), lowered with the costs it is priced under, as the
+runtime lowers with the cutter's (ticks follow the costs where that runs faster).
+Deterministic: no timing.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def section_lowering(ps: tuple[int, ...] = (2, 4, 8), layers: int = 16,
     """Lowered efficiency for every schedule, p in ``ps``, m in {p, 2p, 4p}."""
     from jaxpipe.runtime.spmd.lowering import lower
     from jaxpipe.runtime.spmd.sync import sync_report
+    from jaxpipe.schedule.simulate import resolve_costs
 
     rows = []
     for name, make in schedules():
@@ -84,15 +87,18 @@ def section_lowering(ps: tuple[int, ...] = (2, 4, 8), layers: int = 16,
                     row["skipped"] = f"{type(e).__name__}: {e}"
                     rows.append(row)
                     continue
-                costs: dict[str, Any] = {"uniform": None}
+                costs: dict[str, Any] = {"uniform": resolve_costs(None)}
                 if gpt and sched.num_stages <= layers:
                     costs["gpt"] = gpt_costs(sched, layers)
                 for split in (False, True):
-                    low = lower(sched, {}, split_backward=split)
+                    tag = "split" if split else "b"
                     for cname, cost in costs.items():
+                        # the runtime lowers with the cutter's costs (ticks by cost where
+                        # that runs faster)
+                        low = lower(sched, {}, split_backward=split, costs=cost)
                         rep = sync_report(sched, low, cost)
-                        row[f"{cname}_{'split' if split else 'b'}"] = rep.efficiency
-                    row[f"ticks_{'split' if split else 'b'}"] = low.num_ticks
+                        row[f"{cname}_{tag}"] = rep.efficiency
+                        row[f"{cname}_ticks_{tag}"] = low.num_ticks
                 rows.append(row)
     done = [r for r in rows if "skipped" not in r]
     summary = {k: min((r[k] for r in done if k in r), default=None)

@@ -78,6 +78,7 @@ class Staging:
             param_dims=(tuple(param_dims[v.leaf] for v in self.views.views)
                         if any(any(d) for d in param_dims) else ()),
             param_axes=mesh_axes.param_axes,
+            action_cost=self.cut_report.action_cost,
         )
 
 

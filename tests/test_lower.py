@@ -24,7 +24,7 @@ from jaxpipe.runtime.spmd.lowering import (
     list_messages,
     lower,
 )
-from jaxpipe.runtime.spmd.sync import sync_report
+from jaxpipe.runtime.spmd.sync import split_cost, sync_report
 from jaxpipe.schedule.graph import grouped_peaks
 
 A, B = "clsA", "clsB"  # two value classes (the lowering treats classes as opaque keys)
@@ -55,9 +55,15 @@ def _peaks_without(run, stages):
                          g.positions[last[units]], run.num_devices)
 
 
-def _check_lowering(schedule, split=False, same_tick=False, fuse=False):
-    run, _ = expand(schedule, split)
-    ticks = assign_ticks(run, same_tick, fuse)
+def _skewed(a):
+    """Costs whose stages differ (what ticks by cost react to)."""
+    return {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[a.kind] * (1 + 0.37 * (a.stage % 3))
+
+
+def _check_lowering(schedule, split=False, same_tick=False, fuse=False, cost=None):
+    run, units = expand(schedule, split)
+    costs = None if cost is None else [split_cost(cost, units)(a) for a in run.graph().actions]
+    ticks = assign_ticks(run, same_tick, fuse, costs)
     when = ticks.timing()
     D = schedule.num_devices
     fused = {a for a, f in zip(ticks.graph.actions, ticks.fused, strict=True) if f}
@@ -121,7 +127,8 @@ def _check_lowering(schedule, split=False, same_tick=False, fuse=False):
     if not fused:
         assert list(alloc.residual_peak) == list(schedule.simulate().peak_in_flight)
 
-    low = lower(schedule, counts, split_backward=split, iw_same_tick=same_tick, fuse_fb=fuse)
+    low = lower(schedule, counts, split_backward=split, iw_same_tick=same_tick, fuse_fb=fuse,
+                costs=cost)
     assert low.fused_stages == fused_stages
     t = low.table
     # rows decode back to exactly the program's actions
@@ -184,9 +191,9 @@ def test_lowering_steps_builtin(make, split, same_tick, fuse):
 
 
 @settings(max_examples=30, deadline=None)
-@given(schedules(), st.booleans(), st.booleans(), st.booleans())
-def test_lowering_steps_random_schedules(schedule, split, same_tick, fuse):
-    _check_lowering(schedule, split, same_tick, fuse)
+@given(schedules(), st.booleans(), st.booleans(), st.booleans(), st.booleans())
+def test_lowering_steps_random_schedules(schedule, split, same_tick, fuse, by_cost):
+    _check_lowering(schedule, split, same_tick, fuse, _skewed if by_cost else None)
 
 
 def test_last_stage_runs_f_and_b_in_one_step():
@@ -299,3 +306,33 @@ def test_rare_sender_sets_share_the_full_permutation():
     _check_messages(capped, 8)
     eff = [sync_report(sched, low).efficiency for low in (capped, exact)]
     assert 0.8 < eff[0] < eff[1] == pytest.approx(1.0)
+
+
+def test_ticks_follow_costs_where_that_runs_faster():
+    """With per-action costs the lowering also tries ticks from the simulation with those
+    costs and keeps them where the sync model says they run faster: DualPipeV with a
+    heavier last stage (head + loss) on device 0. Same residual peaks, no more buffer
+    slots, and the messages still arrive where and when their readers look."""
+    from pathlib import Path
+
+    dualpipe = jp.load_schedule(str(Path(__file__).resolve().parent.parent / "schedules"
+                                    / "dualpipe_v.py:DualPipeV"))
+    sched = dualpipe(4, 8)
+
+    def cost(a):
+        return {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[a.kind] * (1.16 if a.stage == 7 else 1)
+
+    counts = _counts(sched)
+    unit = lower(sched, counts, split_backward=True)
+    by_cost = lower(sched, counts, split_backward=True, costs=cost)
+    assert by_cost.ticks.tick.tolist() != unit.ticks.tick.tolist()
+    eff = [sync_report(sched, low, cost).efficiency for low in (unit, by_cost)]
+    assert eff[1] > eff[0] + 0.01
+    assert list(by_cost.residual_peak) == list(unit.residual_peak)
+    assert by_cost.num_inbox <= unit.num_inbox
+    assert all(n <= unit.slots[c] for c, n in by_cost.slots.items())
+    _check_messages(by_cost, 4)
+    # uniform costs: the unit-cost ticks already run as fast, and they are kept
+    uniform = lower(sched, counts, split_backward=True,
+                    costs=lambda a: {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[a.kind])
+    assert uniform.ticks.tick.tolist() == unit.ticks.tick.tolist()

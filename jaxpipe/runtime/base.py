@@ -30,7 +30,7 @@ from jaxpipe.sharding import Dims, MeshAxes
 
 if TYPE_CHECKING:
     from jaxpipe.cut import MemoryModel
-    from jaxpipe.schedule import Schedule
+    from jaxpipe.schedule import Action, Schedule
     from jaxpipe.stages import StageFn
     from jaxpipe.train import TrainOptions
 
@@ -69,6 +69,9 @@ class RuntimeSpec:
       param_axes: the mesh axes some parameter is sharded over (see
         :class:`jaxpipe.sharding.MeshAxes`: the program is manual over the pipe axis and
         the other batch axes, and leaves these to JAX's sharding inside the stages).
+      action_cost: the cutter's cost of every action (``CutResult.action_cost``), or
+        ``None``. The SPMD runtime groups actions into ticks by it where that runs
+        faster under its sync model (:func:`jaxpipe.runtime.spmd.lowering.lower`).
     """
 
     stages: tuple[StageFn, ...]
@@ -83,6 +86,7 @@ class RuntimeSpec:
     param_tree_leaves: tuple[int, ...] = ()
     param_dims: tuple[Dims, ...] = ()
     param_axes: tuple[str, ...] = ()
+    action_cost: Callable[[Action], float] | None = None
 
     @property
     def mesh_axes(self) -> MeshAxes:

@@ -139,7 +139,7 @@ class SpmdExecutor(Executor):
         self.lowering: Lowering = lower(sched, self.layouts.pool_counts(), self.body_of_stage,
                                         split_backward=runtime.resolve_split(),
                                         iw_same_tick=runtime.iw_same_tick,
-                                        fuse_fb=runtime.fuse_fb)
+                                        fuse_fb=runtime.fuse_fb, costs=spec.action_cost)
         self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
                                 spec.mesh_axes, len(spec.microbatch_avals))
 

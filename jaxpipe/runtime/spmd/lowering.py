@@ -8,7 +8,9 @@ The lowering runs in small steps, each a function of its own:
 2. :func:`assign_ticks` — when every action runs: its tick, and its step within the
    tick (a tick may hold several actions of one device; they run one per step).
    Messages move at the end of a tick: an action reads another device's output only
-   from an earlier tick, and its own device's outputs from any earlier step.
+   from an earlier tick, and its own device's outputs from any earlier step. Given
+   per-action costs, ticks follow the simulation with those costs instead where the
+   sync model (:mod:`.sync`) says that runs faster.
 3. :func:`list_messages` — every value that crosses from one action to another: the
    stage carry (F -> next stage's F) and the cotangent (B/I -> previous stage's B/I).
 4. :func:`allocate` (:mod:`.allocate`) — buffers sized by liveness, per value class
@@ -17,7 +19,8 @@ The lowering runs in small steps, each a function of its own:
    assigned first-fit, so a buffer has as many slots as are live at once on the busiest
    device.
 5. :func:`~.table.fill_table` (:mod:`.table`) — one row per (step, device) of the
-   typed :class:`~.table.TickTable`.
+   typed :class:`~.table.TickTable`, and each direction's sender sets (the
+   permutation of a tick lists only the pairs that exchange then).
 
 The result, :class:`Lowering`, is read by name by the program (:mod:`.program`).
 """
@@ -25,7 +28,7 @@ The result, :class:`Lowering`, is read by name by the program (:mod:`.program`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -216,7 +219,7 @@ class Ticks:
 
 
 def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
-                 fuse_fb: bool = False) -> Ticks:
+                 fuse_fb: bool = False, costs: Sequence[float] | None = None) -> Ticks:
     """One action per device per tick, ticks from the unit-cost simulation's start times
     (each device runs its actions in order, each as soon as its inputs exist).
 
@@ -225,6 +228,12 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
     move after both). Fewer ticks, the same steps.
 
     ``fuse_fb``: the B actions :func:`fused_backwards` picks run in their F's step.
+
+    ``costs`` (per action of ``schedule.graph()``): ticks from the simulation with these
+    costs instead, in steps of the cheapest action: an action's tick is its start time
+    over that step, or later where its device's previous action or another device's
+    producer needs it (then empty ticks are dropped). Devices with cheap actions then
+    run ahead in ticks, as they would in time.
     """
     graph = schedule.graph()
     n = len(graph.actions)
@@ -240,9 +249,12 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
                   & (graph.kinds[prev] == KI) & (graph.stages[prev] == graph.stages)
                   & (graph.microbatches[prev] == graph.microbatches))
         partner[packed] = graph.prev[packed]
-    starts, _ = graph.run_costs(np.where(packed | fused, 0, 1).tolist())
-    start = np.array(starts, np.int64)
-    tick = start[partner]
+    merged = packed | fused
+    if costs is None:
+        starts, _ = graph.run_costs(np.where(merged, 0, 1).tolist())
+        tick = np.array(starts, np.int64)[partner]
+    else:
+        tick = _cost_grid(graph, np.asarray(costs, np.float64), merged, partner)
     sub = packed.astype(np.int64)
     n_ticks = int(tick.max()) + 1 if n else 0
     per_tick = np.ones(n_ticks, np.int64)
@@ -250,6 +262,31 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
     first = np.concatenate([[0], np.cumsum(per_tick)[:-1]]).astype(np.int64)
     return Ticks(graph, graph.devices, tick, first[tick] + sub,
                  first + per_tick - 1, fused)
+
+
+def _cost_grid(graph: ScheduleGraph, costs: np.ndarray, merged: np.ndarray,
+               partner: np.ndarray) -> np.ndarray:
+    """Ticks from the simulation with ``costs`` (see :func:`assign_ticks`)."""
+    costs = np.where(merged, 0.0, costs)
+    starts, _ = graph.run_costs(costs.tolist())
+    positive = costs[costs > 0]
+    step = positive.min() if len(positive) else 1.0
+    grid = np.floor(np.asarray(starts) / step + 1e-9).astype(np.int64).tolist()
+    devices, prev, data = graph.devices.tolist(), graph.prev.tolist(), graph.data_deps.tolist()
+    part = partner.tolist()
+    tick = [0] * len(grid)
+    for k in range(len(grid)):  # graph order: producers and device predecessors first
+        if part[k] != k:
+            tick[k] = tick[part[k]]
+            continue
+        t = grid[k]
+        if prev[k] >= 0:
+            t = max(t, tick[prev[k]] + 1)
+        for q in data[k]:
+            if q >= 0 and devices[q] != devices[k]:
+                t = max(t, tick[q] + 1)
+        tick[k] = t
+    return np.unique(np.asarray(tick, np.int64), return_inverse=True)[1].reshape(-1)
 
 
 # ----------------------------------------------------------------------------- step 3
@@ -297,7 +334,8 @@ def list_messages(ticks: Ticks) -> Messages:
 def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
           body_of_stage: Sequence[int] | None = None, *, split_backward: bool = False,
           iw_same_tick: bool = False, fuse_fb: bool | str = False,
-          max_patterns: int | None = None) -> Lowering:
+          max_patterns: int | None = None,
+          costs: Callable[[Action], float] | None = None) -> Lowering:
     """Lower ``schedule`` (validated here) given what each stage stores per microbatch.
 
     Args:
@@ -318,27 +356,24 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
     """
     with paused_gc():
         return _lower(schedule, pool_counts, body_of_stage, split_backward, iw_same_tick,
-                      fuse_fb, max_patterns)
+                      fuse_fb, max_patterns, costs)
 
 
 def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
            body_of_stage: Sequence[int] | None, split_backward: bool,
-           iw_same_tick: bool, fuse_fb: bool | str, max_patterns: int | None) -> Lowering:
+           iw_same_tick: bool, fuse_fb: bool | str, max_patterns: int | None,
+           costs: Callable[[Action], float] | None) -> Lowering:
     schedule.graph()  # validates (once per schedule: the graph is cached)
     S, D = schedule.num_stages, schedule.num_devices
     if body_of_stage is None:
         body_of_stage = list(range(S))
     counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
     run, split = expand(schedule, split_backward)
-    ticks = assign_ticks(run, iw_same_tick, fuse_fb is True)
-    messages = list_messages(ticks)
-    alloc = allocate(ticks, messages, counts)
+    ticks, messages, alloc = _placed(run, split, iw_same_tick, fuse_fb is True, counts, costs)
     if fuse_fb == "auto" and fused_backwards(ticks.graph).any():
-        fused = assign_ticks(run, iw_same_tick, True)
-        fused_messages = list_messages(fused)
-        fused_alloc = allocate(fused, fused_messages, counts)
-        if fusing_saves_memory(alloc, fused_alloc, fused, counts):
-            ticks, messages, alloc = fused, fused_messages, fused_alloc
+        fused = _placed(run, split, iw_same_tick, True, counts, costs)
+        if fusing_saves_memory(alloc, fused[2], fused[0], counts):
+            ticks, messages, alloc = fused
     remote = messages.src != messages.dst
     offsets = tuple(sorted({int(x) for x in (messages.dst - messages.src)[remote] % D}))
     src, dst = messages.src[remote], messages.dst[remote]
@@ -375,6 +410,33 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
         split_backward=split,
         fused_stages=frozenset(int(x) for x in ticks.graph.stages[ticks.fused]),
     )
+
+
+def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
+            counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
+            costs: Callable[[Action], float] | None) -> tuple[Ticks, Messages, Allocation]:
+    """Ticks, messages and buffers: the unit-cost ticks, or with ``costs`` the
+    cost-grid ticks (:func:`assign_ticks`) where the sync model says they run faster and
+    they need no more buffer slots."""
+    ticks = assign_ticks(run, iw_same_tick, fuse_fb)
+    messages = list_messages(ticks)
+    alloc = allocate(ticks, messages, counts)
+    if costs is None:
+        return ticks, messages, alloc
+    # sync imports this module (for the Lowering it reads)
+    from jaxpipe.runtime.spmd.sync import split_cost, ticks_makespan
+
+    cost = split_cost(costs, split)
+    c = np.array([cost(a) for a in ticks.graph.actions], np.float64)
+    grid = assign_ticks(run, iw_same_tick, fuse_fb, c)
+    grid_messages = list_messages(grid)
+    if ticks_makespan(grid, grid_messages, c) >= ticks_makespan(ticks, messages, c) * (1 - 1e-9):
+        return ticks, messages, alloc
+    grid_alloc = allocate(grid, grid_messages, counts)
+    if (grid_alloc.num_inbox > alloc.num_inbox
+            or any(n > alloc.slots.get(k, 0) for k, n in grid_alloc.slots.items())):
+        return ticks, messages, alloc
+    return grid, grid_messages, grid_alloc
 
 
 def _tick_of_step(ticks: Ticks) -> np.ndarray:

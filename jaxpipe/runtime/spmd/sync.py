@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpipe.runtime.spmd.lowering import Lowering
+from jaxpipe.runtime.spmd.lowering import Lowering, Messages, Ticks
 from jaxpipe.schedule import Action, Schedule, Timeline, TimelineEvent
 
 __all__ = ["SyncReport", "lowered_makespan", "lowered_timeline", "lowered_times", "meet",
-           "split_cost", "sync_report", "tick_pairs", "tick_table"]
+           "split_cost", "sync_report", "tick_pairs", "tick_table", "ticks_makespan"]
 
 Cost = Callable[[Action], float]
 
@@ -64,6 +64,27 @@ def meet(clock: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     np.maximum.at(new, src, clock[dst])
     np.maximum.at(new, dst, clock[src])
     return new
+
+
+def ticks_makespan(ticks: Ticks, messages: Messages, costs: np.ndarray) -> float:
+    """The sync model's makespan of a tick assignment before it is lowered to a table
+    (``costs``: per action of ``ticks.graph``, as the program runs it): what
+    :func:`~.lowering.lower` compares tick assignments by."""
+    D = len(ticks.graph.lists)
+    work = np.zeros((ticks.num_ticks, D))
+    np.add.at(work, (ticks.tick, ticks.device), costs)
+    remote = messages.src != messages.dst
+    at = ticks.tick[messages.producer[remote]]
+    order = np.argsort(at, kind="stable")
+    at, src, dst = at[order], messages.src[remote][order], messages.dst[remote][order]
+    bounds = np.searchsorted(at, np.arange(ticks.num_ticks + 1))
+    clock = np.zeros(D)
+    for t in range(ticks.num_ticks):
+        clock += work[t]
+        lo, hi = bounds[t], bounds[t + 1]
+        if hi > lo:
+            clock = meet(clock, src[lo:hi], dst[lo:hi])
+    return float(clock.max())
 
 
 def lowered_times(lowering: Lowering, cost: Cost, transfer: float = 0.0
