@@ -387,6 +387,9 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
                     for pool in Pool}
     if max_patterns is None:
         max_patterns = min(4 * D + 4, 64)
+    if max_patterns < 1:
+        raise ValueError(f"max_patterns must be at least 1 (one permutation per direction), "
+                         f"got {max_patterns}")
     table, patterns = fill_table(ticks, messages, alloc, offsets, units, body_of_stage,
                                  max(body_of_stage) + 1, pool_classes, max_patterns)
     return Lowering(

@@ -179,20 +179,15 @@ def exchange_patterns(end: np.ndarray, j: np.ndarray, src: np.ndarray, num_steps
                                                 return_inverse=True, return_counts=True)
         inverse = inverse.reshape(-1)
         if max_patterns is not None and len(rows) > max_patterns:
-            keep = np.argsort(-count, kind="stable")[:max_patterns - 1]
+            # the rarest sets share one permutation over every device sending this way
             everyone = rows.any(axis=0)
-            kept = np.zeros(len(rows), bool)
-            kept[keep] = True
-            if not (rows[keep] == everyone).all(axis=1).any():
-                rows = np.concatenate([rows, everyone[None]])
-                first = np.append(first, len(steps))
-                kept = np.append(kept, True)
-            full = int(np.flatnonzero((rows == everyone).all(axis=1) & kept)[0])
-            inverse = np.where(kept[inverse], inverse, full)
-            used = np.flatnonzero(kept)
-            remap = np.full(len(rows), -1)
-            remap[used] = np.arange(len(used))
-            rows, first, inverse = rows[used], first[used], remap[inverse]
+            keep = np.argsort(-count, kind="stable")[:max_patterns - 1]
+            keep = keep[~(rows[keep] == everyone).all(axis=1)]
+            remap = np.full(len(rows), len(keep))
+            remap[keep] = np.arange(len(keep))
+            inverse = remap[inverse]
+            first = np.append(first[keep], first[remap == len(keep)].min())
+            rows = np.concatenate([rows[keep], everyone[None]])
         order = np.argsort(first, kind="stable")  # number them by first use
         rank = np.empty(len(order), np.int32)
         rank[order] = np.arange(len(order), dtype=np.int32)
