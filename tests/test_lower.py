@@ -60,10 +60,11 @@ def _skewed(a):
     return {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[a.kind] * (1 + 0.37 * (a.stage % 3))
 
 
-def _check_lowering(schedule, split=False, same_tick=False, fuse=False, cost=None):
+def _check_lowering(schedule, split=False, same_tick=False, fuse=False, cost=None,
+                    nearest=False):
     run, units = expand(schedule, split)
     costs = None if cost is None else [split_cost(cost, units)(a) for a in run.graph().actions]
-    ticks = assign_ticks(run, same_tick, fuse, costs)
+    ticks = assign_ticks(run, same_tick, fuse, costs, nearest)
     when = ticks.timing()
     D = schedule.num_devices
     fused = {a for a, f in zip(ticks.graph.actions, ticks.fused, strict=True) if f}
@@ -191,9 +192,13 @@ def test_lowering_steps_builtin(make, split, same_tick, fuse):
 
 
 @settings(max_examples=30, deadline=None)
-@given(schedules(), st.booleans(), st.booleans(), st.booleans(), st.booleans())
-def test_lowering_steps_random_schedules(schedule, split, same_tick, fuse, by_cost):
-    _check_lowering(schedule, split, same_tick, fuse, _skewed if by_cost else None)
+@given(schedules(), st.booleans(), st.booleans(), st.booleans(),
+       st.sampled_from(["unit", "floor", "nearest"]))
+def test_lowering_steps_random_schedules(schedule, split, same_tick, fuse, ticks):
+    """Ticks from the unit-cost simulation, or from one with stage-dependent costs (either
+    rounding): the dependency rules, buffers and table hold for every one."""
+    _check_lowering(schedule, split, same_tick, fuse, None if ticks == "unit" else _skewed,
+                    nearest=ticks == "nearest")
 
 
 def test_last_stage_runs_f_and_b_in_one_step():

@@ -219,7 +219,8 @@ class Ticks:
 
 
 def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
-                 fuse_fb: bool = False, costs: Sequence[float] | None = None) -> Ticks:
+                 fuse_fb: bool = False, costs: Sequence[float] | None = None,
+                 nearest: bool = False) -> Ticks:
     """One action per device per tick, ticks from the unit-cost simulation's start times
     (each device runs its actions in order, each as soon as its inputs exist).
 
@@ -231,9 +232,10 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
 
     ``costs`` (per action of ``schedule.graph()``): ticks from the simulation with these
     costs instead, in steps of the cheapest action: an action's tick is its start time
-    over that step, or later where its device's previous action or another device's
-    producer needs it (then empty ticks are dropped). Devices with cheap actions then
-    run ahead in ticks, as they would in time.
+    over that step (rounded down, or to the nearest with ``nearest``), or later where
+    its device's previous action or another device's producer needs it (then empty ticks
+    are dropped). Devices with cheap actions then run ahead in ticks, as they would in
+    time.
     """
     graph = schedule.graph()
     n = len(graph.actions)
@@ -254,7 +256,7 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
         starts, _ = graph.run_costs(np.where(merged, 0, 1).tolist())
         tick = np.array(starts, np.int64)[partner]
     else:
-        tick = _cost_grid(graph, np.asarray(costs, np.float64), merged, partner)
+        tick = _cost_grid(graph, np.asarray(costs, np.float64), merged, partner, nearest)
     sub = packed.astype(np.int64)
     n_ticks = int(tick.max()) + 1 if n else 0
     per_tick = np.ones(n_ticks, np.int64)
@@ -265,13 +267,14 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
 
 
 def _cost_grid(graph: ScheduleGraph, costs: np.ndarray, merged: np.ndarray,
-               partner: np.ndarray) -> np.ndarray:
+               partner: np.ndarray, nearest: bool) -> np.ndarray:
     """Ticks from the simulation with ``costs`` (see :func:`assign_ticks`)."""
     costs = np.where(merged, 0.0, costs)
     starts, _ = graph.run_costs(costs.tolist())
     positive = costs[costs > 0]
     step = positive.min() if len(positive) else 1.0
-    grid = np.floor(np.asarray(starts) / step + 1e-9).astype(np.int64).tolist()
+    at = np.asarray(starts) / step
+    grid = (np.round(at) if nearest else np.floor(at + 1e-9)).astype(np.int64).tolist()
     devices, prev, data = graph.devices.tolist(), graph.prev.tolist(), graph.data_deps.tolist()
     part = partner.tolist()
     tick = [0] * len(grid)
@@ -418,9 +421,9 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
 def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
             counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
             costs: Callable[[Action], float] | None) -> tuple[Ticks, Messages, Allocation]:
-    """Ticks, messages and buffers: the unit-cost ticks, or with ``costs`` the
-    cost-grid ticks (:func:`assign_ticks`) where the sync model says they run faster and
-    they need no more buffer slots."""
+    """Ticks, messages and buffers: the unit-cost ticks, or with ``costs`` whichever of
+    them and the cost-grid ticks (:func:`assign_ticks`, both roundings) the sync model
+    says runs fastest among those that need no more buffer slots."""
     ticks = assign_ticks(run, iw_same_tick, fuse_fb)
     messages = list_messages(ticks)
     alloc = allocate(ticks, messages, counts)
@@ -431,15 +434,18 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
 
     cost = split_cost(costs, split)
     c = np.array([cost(a) for a in ticks.graph.actions], np.float64)
-    grid = assign_ticks(run, iw_same_tick, fuse_fb, c)
-    grid_messages = list_messages(grid)
-    if ticks_makespan(grid, grid_messages, c) >= ticks_makespan(ticks, messages, c) * (1 - 1e-9):
-        return ticks, messages, alloc
-    grid_alloc = allocate(grid, grid_messages, counts)
-    if (grid_alloc.num_inbox > alloc.num_inbox
-            or any(n > alloc.slots.get(k, 0) for k, n in grid_alloc.slots.items())):
-        return ticks, messages, alloc
-    return grid, grid_messages, grid_alloc
+    best, best_time = (ticks, messages, alloc), ticks_makespan(ticks, messages, c)
+    for nearest in (False, True):
+        grid = assign_ticks(run, iw_same_tick, fuse_fb, c, nearest)
+        grid_messages = list_messages(grid)
+        time = ticks_makespan(grid, grid_messages, c)
+        if time >= best_time * (1 - 1e-9):
+            continue
+        grid_alloc = allocate(grid, grid_messages, counts)
+        if (grid_alloc.num_inbox <= alloc.num_inbox
+                and all(n <= alloc.slots.get(k, 0) for k, n in grid_alloc.slots.items())):
+            best, best_time = (grid, grid_messages, grid_alloc), time
+    return best
 
 
 def _tick_of_step(ticks: Ticks) -> np.ndarray:
