@@ -99,11 +99,13 @@ def _print_lowered(schedule, args: argparse.Namespace):
     from jaxpipe.runtime.spmd.sync import lowered_timeline, sync_report, tick_table
     from jaxpipe.schedule.simulate import resolve_costs
 
-    low = lower(schedule, {}, split_backward=args.split_backward)
+    # with costs given, ticks follow them where that runs faster (as the runtime does)
+    low = lower(schedule, {}, split_backward=args.split_backward,
+                costs=resolve_costs(args.costs) if args.costs else None)
     report = sync_report(schedule, low, args.costs)
     print()
-    print("lowered SPMD program (devices wait only at active permutations, for their "
-          "partners):")
+    print("lowered SPMD program (at a tick's end a device waits only for the devices it "
+          "exchanges a message with):")
     print(tick_table(low, max_ticks=args.width // 5 if args.width else None))
     print(report.summary())
     return lowered_timeline(low, resolve_costs(args.costs))
