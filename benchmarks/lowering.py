@@ -15,8 +15,9 @@ Two cost models: uniform F:B:I:W = 1:2:1:1, and the cost model's own per-stage c
 the GPT benchmark model (embedding in the first stage, head and loss in the last; the
 cutter's ``CutResult.action_cost``). Each with the full backward run as one step
 (``split_backward=False``, what the runtime does on CPU) and as I then W (``True``, what it
-does where devices run concurrently), lowered with the costs it is priced under, as the
-runtime lowers with the cutter's (ticks follow the costs where that runs faster).
+does where devices run concurrently), lowered with the costs it is priced under and the
+local search over ticks, as the runtime lowers where devices run concurrently (ticks
+follow the cutter's costs where that runs faster; :mod:`jaxpipe.runtime.spmd.refine`).
 Deterministic: no timing.
 """
 
@@ -71,6 +72,7 @@ def gpt_costs(schedule: Any, layers: int) -> Callable[[Any], float]:
 def section_lowering(ps: tuple[int, ...] = (2, 4, 8), layers: int = 16,
                      gpt: bool = True) -> dict[str, Any]:
     """Lowered efficiency for every schedule, p in ``ps``, m in {p, 2p, 4p}."""
+    from jaxpipe.runtime.spmd.executor import REFINE_EVALS
     from jaxpipe.runtime.spmd.lowering import lower
     from jaxpipe.runtime.spmd.sync import sync_report
     from jaxpipe.schedule.simulate import resolve_costs
@@ -95,7 +97,8 @@ def section_lowering(ps: tuple[int, ...] = (2, 4, 8), layers: int = 16,
                     for cname, cost in costs.items():
                         # the runtime lowers with the cutter's costs (ticks by cost where
                         # that runs faster)
-                        low = lower(sched, {}, split_backward=split, costs=cost)
+                        low = lower(sched, {}, split_backward=split, costs=cost,
+                                    refine=REFINE_EVALS)
                         rep = sync_report(sched, low, cost)
                         row[f"{cname}_{tag}"] = rep.efficiency
                         row[f"{cname}_ticks_{tag}"] = low.num_ticks

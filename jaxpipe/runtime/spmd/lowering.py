@@ -60,6 +60,7 @@ __all__ = [
     "allocate",
     "assign_ticks",
     "branch_id",
+    "settle",
     "expand",
     "fill_table",
     "list_messages",
@@ -275,14 +276,22 @@ def _cost_grid(graph: ScheduleGraph, costs: np.ndarray, merged: np.ndarray,
     step = positive.min() if len(positive) else 1.0
     at = np.asarray(starts) / step
     grid = (np.round(at) if nearest else np.floor(at + 1e-9)).astype(np.int64).tolist()
+    return settle(graph, grid, partner)
+
+
+def settle(graph: ScheduleGraph, want: Sequence[int], partner: np.ndarray) -> np.ndarray:
+    """Each action's tick: ``want``, or later where its device's previous action (one
+    tick earlier) or another device's producer (one tick earlier) needs it; an action
+    with a partner runs in the partner's tick. Empty ticks are dropped."""
     devices, prev, data = graph.devices.tolist(), graph.prev.tolist(), graph.data_deps.tolist()
     part = partner.tolist()
-    tick = [0] * len(grid)
-    for k in range(len(grid)):  # graph order: producers and device predecessors first
+    want = list(want)
+    tick = [0] * len(want)
+    for k in range(len(want)):  # graph order: producers and device predecessors first
         if part[k] != k:
             tick[k] = tick[part[k]]
             continue
-        t = grid[k]
+        t = want[k]
         if prev[k] >= 0:
             t = max(t, tick[prev[k]] + 1)
         for q in data[k]:
@@ -338,7 +347,7 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
           body_of_stage: Sequence[int] | None = None, *, split_backward: bool = False,
           iw_same_tick: bool = False, fuse_fb: bool | str = False,
           max_patterns: int | None = None,
-          costs: Callable[[Action], float] | None = None) -> Lowering:
+          costs: Callable[[Action], float] | None = None, refine: int = 0) -> Lowering:
     """Lower ``schedule`` (validated here) given what each stage stores per microbatch.
 
     Args:
@@ -359,22 +368,23 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
     """
     with paused_gc():
         return _lower(schedule, pool_counts, body_of_stage, split_backward, iw_same_tick,
-                      fuse_fb, max_patterns, costs)
+                      fuse_fb, max_patterns, costs, refine)
 
 
 def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
            body_of_stage: Sequence[int] | None, split_backward: bool,
            iw_same_tick: bool, fuse_fb: bool | str, max_patterns: int | None,
-           costs: Callable[[Action], float] | None) -> Lowering:
+           costs: Callable[[Action], float] | None, refine: int) -> Lowering:
     schedule.graph()  # validates (once per schedule: the graph is cached)
     S, D = schedule.num_stages, schedule.num_devices
     if body_of_stage is None:
         body_of_stage = list(range(S))
     counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
     run, split = expand(schedule, split_backward)
-    ticks, messages, alloc = _placed(run, split, iw_same_tick, fuse_fb is True, counts, costs)
+    ticks, messages, alloc = _placed(run, split, iw_same_tick, fuse_fb is True, counts, costs,
+                                     refine)
     if fuse_fb == "auto" and fused_backwards(ticks.graph).any():
-        fused = _placed(run, split, iw_same_tick, True, counts, costs)
+        fused = _placed(run, split, iw_same_tick, True, counts, costs, refine)
         if fusing_saves_memory(alloc, fused[2], fused[0], counts):
             ticks, messages, alloc = fused
     remote = messages.src != messages.dst
@@ -420,17 +430,24 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
 
 def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
             counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
-            costs: Callable[[Action], float] | None) -> tuple[Ticks, Messages, Allocation]:
+            costs: Callable[[Action], float] | None,
+            refine_evals: int) -> tuple[Ticks, Messages, Allocation]:
     """Ticks, messages and buffers: the unit-cost ticks, or with ``costs`` whichever of
     them and the cost-grid ticks (:func:`assign_ticks`, both roundings) the sync model
-    says runs fastest among those that need no more buffer slots."""
+    says runs fastest, then refined by a local search (:mod:`.refine`), among those that
+    need no more buffer slots."""
     ticks = assign_ticks(run, iw_same_tick, fuse_fb)
     messages = list_messages(ticks)
     alloc = allocate(ticks, messages, counts)
     if costs is None:
         return ticks, messages, alloc
-    # sync imports this module (for the Lowering it reads)
+    # sync and refine import this module (for the Lowering and Ticks they read)
+    from jaxpipe.runtime.spmd.refine import refine
     from jaxpipe.runtime.spmd.sync import split_cost, ticks_makespan
+
+    def fits(cand: Allocation) -> bool:
+        return (cand.num_inbox <= alloc.num_inbox
+                and all(n <= alloc.slots.get(k, 0) for k, n in cand.slots.items()))
 
     cost = split_cost(costs, split)
     c = np.array([cost(a) for a in ticks.graph.actions], np.float64)
@@ -442,9 +459,16 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
         if time >= best_time * (1 - 1e-9):
             continue
         grid_alloc = allocate(grid, grid_messages, counts)
-        if (grid_alloc.num_inbox <= alloc.num_inbox
-                and all(n <= alloc.slots.get(k, 0) for k, n in grid_alloc.slots.items())):
+        if fits(grid_alloc):
             best, best_time = (grid, grid_messages, grid_alloc), time
+    start = best[0]
+    if refine_evals > 0 and not iw_same_tick and not start.fused.any():
+        refined = refine(start, c, refine_evals)
+        if refined is not start:
+            refined_messages = list_messages(refined)
+            refined_alloc = allocate(refined, refined_messages, counts)
+            if fits(refined_alloc):
+                best = (refined, refined_messages, refined_alloc)
     return best
 
 
