@@ -6,9 +6,9 @@ are good starts but not optimal when stages cost different amounts (a V schedule
 device 0 holds both the embedding and the head). :func:`refine` walks from a start: it
 moves one action a tick later or earlier (:func:`.lowering.settle` then keeps every
 dependency rule), keeps the move when the sync model's makespan does not grow, and stops
-after ``evals`` evaluations or when nothing is left to gain (the asynchronous
-makespan). A fixed seed makes it deterministic: every process of a multi-process
-pipeline lowers to the same table.
+after ``evals`` evaluations (fewer on large schedules: :data:`WORK_LIMIT`) or when
+nothing is left to gain (the asynchronous makespan). A fixed seed makes it
+deterministic: every process of a multi-process pipeline lowers to the same table.
 
 Measured (``python benchmarks/lowering.py``, GPT costs, I+W): DualPipeV p=8 m=16 0.961
 from the cost-grid ticks -> above 0.97 within a few hundred evaluations.
@@ -20,7 +20,11 @@ import numpy as np
 
 from jaxpipe.runtime.spmd.lowering import Ticks, list_messages, settle
 
-__all__ = ["refine"]
+__all__ = ["WORK_LIMIT", "refine"]
+
+#: At most this many action-evaluations in total (an evaluation re-settles and re-times
+#: every action): 400 evaluations at p=8 m=16, a handful at p=64 m=128 (0.1 s each).
+WORK_LIMIT = 400_000
 
 
 def refine(ticks: Ticks, costs: np.ndarray, evals: int, seed: int = 0) -> Ticks:
@@ -33,6 +37,7 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, seed: int = 0) -> Ticks:
 
     graph = ticks.graph
     n = len(graph.actions)
+    evals = min(evals, WORK_LIMIT // max(n, 1))
     if evals <= 0 or n == 0:
         return ticks
     _, ends = graph.run_costs(costs.tolist())
