@@ -313,20 +313,28 @@ def test_rare_sender_sets_share_the_full_permutation():
     assert 0.8 < eff[0] < eff[1] == pytest.approx(1.0)
 
 
+def _dualpipe_heavy_head(p, m):
+    """The gallery's DualPipeV, and costs F:B:I:W = 1:2:1:1 with the last stage (head and
+    loss, on device 0 with the first) 16% heavier, as the GPT benchmark model's."""
+    from pathlib import Path
+
+    dualpipe = jp.load_schedule(str(Path(__file__).resolve().parent.parent / "schedules"
+                                    / "dualpipe_v.py:DualPipeV"))
+    sched = dualpipe(p, m)
+    last = sched.num_stages - 1
+
+    def cost(a):
+        return {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[a.kind] * (1.16 if a.stage == last else 1)
+
+    return sched, cost
+
+
 def test_ticks_follow_costs_where_that_runs_faster():
     """With per-action costs the lowering also tries ticks from the simulation with those
     costs and keeps them where the sync model says they run faster: DualPipeV with a
     heavier last stage (head + loss) on device 0. Same residual peaks, no more buffer
     slots, and the messages still arrive where and when their readers look."""
-    from pathlib import Path
-
-    dualpipe = jp.load_schedule(str(Path(__file__).resolve().parent.parent / "schedules"
-                                    / "dualpipe_v.py:DualPipeV"))
-    sched = dualpipe(4, 8)
-
-    def cost(a):
-        return {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[a.kind] * (1.16 if a.stage == 7 else 1)
-
+    sched, cost = _dualpipe_heavy_head(4, 8)
     counts = _counts(sched)
     unit = lower(sched, counts, split_backward=True)
     by_cost = lower(sched, counts, split_backward=True, costs=cost)
@@ -349,15 +357,7 @@ def test_local_search_over_ticks_is_deterministic_and_never_slower():
     rules, residual peaks and buffer slots hold. DualPipeV p=8 m=16 with its last stage
     16% heavier: below 0.97 from the unit and cost-grid ticks, above it after 400
     evaluations."""
-    from pathlib import Path
-
-    dualpipe = jp.load_schedule(str(Path(__file__).resolve().parent.parent / "schedules"
-                                    / "dualpipe_v.py:DualPipeV"))
-    sched = dualpipe(8, 16)
-
-    def cost(a):
-        return {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[a.kind] * (1.16 if a.stage == 15 else 1)
-
+    sched, cost = _dualpipe_heavy_head(8, 16)
     counts = _counts(sched)
     start = lower(sched, counts, split_backward=True, costs=cost)
     runs = [lower(sched, counts, split_backward=True, costs=cost, refine=400) for _ in range(2)]
