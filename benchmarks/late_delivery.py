@@ -83,11 +83,7 @@ def _met(clock: np.ndarray, pairs: set[tuple[int, int]], transfer: float) -> np.
     from jaxpipe.runtime.spmd.sync import meet
 
     src, dst = (np.array(x, np.int64) for x in zip(*sorted(pairs), strict=True))
-    out = meet(clock, src, dst)
-    involved = np.zeros(len(clock), bool)
-    involved[src] = involved[dst] = True
-    out[involved] += transfer
-    return out
+    return meet(clock, src, dst, transfer)
 
 
 def measure(ps: tuple[int, ...], transfers: tuple[float, ...], layers: int = 16

@@ -58,11 +58,17 @@ def tick_pairs(lowering: Lowering) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def meet(clock: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """Clocks after every pair ``(src[i], dst[i])`` has met (each waits for the other)."""
+def meet(clock: np.ndarray, src: np.ndarray, dst: np.ndarray,
+         transfer: float = 0.0) -> np.ndarray:
+    """Clocks after every pair ``(src[i], dst[i])`` has met (each waits for the other),
+    plus ``transfer`` on every device that took part."""
     new = clock.copy()
     np.maximum.at(new, src, clock[dst])
     np.maximum.at(new, dst, clock[src])
+    if transfer:
+        involved = np.zeros(len(clock), bool)
+        involved[src] = involved[dst] = True
+        new[involved] += transfer
     return new
 
 
@@ -110,10 +116,7 @@ def lowered_times(lowering: Lowering, cost: Cost, transfer: float = 0.0
                 clock[d] += c(a)
         src, dst = pairs[t]
         if len(src):
-            clock = meet(clock, src, dst)
-            involved = np.zeros(D, bool)
-            involved[src] = involved[dst] = True
-            clock[involved] += transfer
+            clock = meet(clock, src, dst, transfer)
     return out
 
 
