@@ -61,6 +61,7 @@ __all__ = [
     "assign_ticks",
     "branch_id",
     "settle",
+    "ticks_of",
     "expand",
     "fill_table",
     "list_messages",
@@ -258,8 +259,15 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
         tick = np.array(starts, np.int64)[partner]
     else:
         tick = _cost_grid(graph, np.asarray(costs, np.float64), merged, partner, nearest)
+    return ticks_of(graph, tick, packed, fused)
+
+
+def ticks_of(graph: ScheduleGraph, tick: np.ndarray, packed: np.ndarray,
+             fused: np.ndarray) -> Ticks:
+    """:class:`Ticks` from each action's tick: a tick's steps are one per action, and a
+    second for a ``packed`` W after its I; a ``fused`` B shares its F's step."""
     sub = packed.astype(np.int64)
-    n_ticks = int(tick.max()) + 1 if n else 0
+    n_ticks = int(tick.max()) + 1 if len(tick) else 0
     per_tick = np.ones(n_ticks, np.int64)
     np.maximum.at(per_tick, tick, sub + 1)
     first = np.concatenate([[0], np.cumsum(per_tick)[:-1]]).astype(np.int64)

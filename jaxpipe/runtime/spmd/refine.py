@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxpipe.runtime.spmd.lowering import Ticks, list_messages, settle
+from jaxpipe.runtime.spmd.lowering import Ticks, list_messages, settle, ticks_of
 
 __all__ = ["WORK_LIMIT", "refine"]
 
@@ -42,7 +42,7 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, seed: int = 0) -> Ticks:
         return ticks
     _, ends = graph.run_costs(costs.tolist())
     bound = max(ends)  # the asynchronous makespan: no tick assignment beats it
-    identity = np.arange(n)
+    identity, no_pairs = np.arange(n), np.zeros(n, bool)
     base = ticks.tick.copy()
     delay = np.zeros(n, np.int64)
     best, best_time = ticks, ticks_makespan(ticks, list_messages(ticks), costs)
@@ -52,7 +52,8 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, seed: int = 0) -> Ticks:
             break
         k, d = int(rng.integers(n)), int(rng.choice((-1, 1)))
         delay[k] += d
-        cand = _plain_ticks(ticks, settle(graph, (base + delay).tolist(), identity))
+        cand = ticks_of(graph, settle(graph, (base + delay).tolist(), identity),
+                        no_pairs, ticks.fused)
         t = ticks_makespan(cand, list_messages(cand), costs)
         if t <= best_time:  # equal moves too: they walk across plateaus
             best, best_time = cand, t
@@ -60,8 +61,3 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, seed: int = 0) -> Ticks:
             delay[k] -= d
     return best
 
-
-def _plain_ticks(like: Ticks, tick: np.ndarray) -> Ticks:
-    """``like`` with ``tick``: one step per tick."""
-    return Ticks(like.graph, like.device, tick, tick, np.arange(int(tick.max()) + 1),
-                 like.fused)
