@@ -387,6 +387,11 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
     S, D = schedule.num_stages, schedule.num_devices
     if body_of_stage is None:
         body_of_stage = list(range(S))
+    if max_patterns is None:
+        max_patterns = min(4 * D + 4, 64)
+    if max_patterns < 1:
+        raise ValueError(f"max_patterns must be at least 1 (one permutation per direction), "
+                         f"got {max_patterns}")
     counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
     run, split = expand(schedule, split_backward)
     ticks, messages, alloc = _placed(run, split, iw_same_tick, fuse_fb is True, counts, costs,
@@ -406,11 +411,6 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
                   for jj in range(len(offsets)))
     pool_classes = {pool: sorted({c for row in counts[pool] for c in row}, key=repr)
                     for pool in Pool}
-    if max_patterns is None:
-        max_patterns = min(4 * D + 4, 64)
-    if max_patterns < 1:
-        raise ValueError(f"max_patterns must be at least 1 (one permutation per direction), "
-                         f"got {max_patterns}")
     table, patterns = fill_table(ticks, messages, alloc, offsets, units, body_of_stage,
                                  max(body_of_stage) + 1, pool_classes, max_patterns)
     return Lowering(
