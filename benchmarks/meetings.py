@@ -46,15 +46,11 @@ def unit_ticks(run: Any) -> np.ndarray:
 
 def grid_ticks(run: Any, costs: np.ndarray) -> np.ndarray:
     """Ticks from the real-cost simulation, one per cheapest action's length, each action
-    at least one tick after a remote producer and after its device's previous action."""
-    g = run.graph()
-    starts, _ = g.run_costs(costs.tolist())
-    tick = np.floor(np.asarray(starts) / costs.min() + 1e-9).astype(np.int64)
-    for k in range(len(tick)):  # graph order: producers and device predecessors first
-        for dep in (*g.data_deps[k], g.prev[k]):
-            if dep >= 0:
-                tick[k] = max(tick[k], tick[dep] + 1)
-    return tick
+    at least one tick after a remote producer and after its device's previous action
+    (the lowering's own cost-grid ticks, :func:`~jaxpipe.runtime.spmd.lowering.assign_ticks`)."""
+    from jaxpipe.runtime.spmd.lowering import assign_ticks
+
+    return np.asarray(assign_ticks(run, costs=costs).tick)
 
 
 def makespan(run: Any, costs: np.ndarray, tick: np.ndarray, meet: str) -> float:
