@@ -546,10 +546,11 @@ def section_lowering(r: Runner) -> dict[str, Any]:
 
 
 def section_step(r: Runner) -> dict[str, Any]:
-    """p=1 overhead and the I/W split (see :mod:`benchmarks.step_overhead`)."""
-    from benchmarks.step_overhead import measure
+    """p=1 overhead and the I/W split (see :mod:`benchmarks.step_overhead`): medians over
+    three fresh processes (one with ``--quick``)."""
+    from benchmarks.step_overhead import measure_processes
 
-    return measure(r.s.quick)
+    return measure_processes(1 if r.s.quick else 3, r.s.quick)
 
 
 def section_compile(r: Runner) -> dict[str, Any]:
