@@ -178,3 +178,20 @@ def test_late_delivery_prices_the_lowering_as_the_sync_model_does() -> None:
             for q in graph.data_deps[k]:
                 if q >= 0 and graph.devices[q] != graph.devices[k]:
                     assert late[k] >= late[q] + 2
+
+
+def test_step_overhead_takes_medians_across_processes() -> None:
+    from benchmarks.step_overhead import RATIOS, across_processes
+
+    def run(x: float) -> dict:
+        row = {"B_cpu_s": x, **{k: 2 * x for k in RATIOS["split_backward"]}}
+        return {"p1_overhead": {"model": "mlp", **{k: x for k in RATIOS["p1_overhead"]}},
+                "split_backward": {"rows": {"mlp": row}}}
+
+    out = across_processes([run(1.0), run(3.0), run(1.5)])
+    assert out["processes"] == 3
+    assert out["p1_overhead"]["ratio_cpu"] == 1.5
+    assert out["p1_overhead"]["ratio_cpu_runs"] == [1.0, 3.0, 1.5]
+    row = out["split_backward"]["rows"]["mlp"]
+    assert row["ratio_cpu"] == 3.0 and row["same_tick_ratio_cpu_runs"] == [2.0, 6.0, 3.0]
+    assert row["B_cpu_s"] == 1.0  # not a ratio: the first process's
