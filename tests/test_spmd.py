@@ -7,8 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import AxisType
 from models import MODELS, assert_matches, reference
+from random_schedules import schedules
 from split_schedule import DeferredW1F1B
 
 import jaxpipe as jp
@@ -275,3 +278,33 @@ def test_small_residuals_move_in_runs_of_rows():
     want = [x for i, x in enumerate(leaves) if i not in skip]
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(schedules(max_devices=4, max_microbatches=4), st.sampled_from(sorted(MODELS)),
+       st.booleans(), st.sampled_from([0, 60]), st.booleans(),
+       st.sampled_from([False, "auto", True]))
+def test_random_schedules_run_exactly(schedule, model, split, refine, same_tick, fuse):
+    """Any valid schedule (random order, loop or V placement, some backwards split with the
+    W deferred), with every runtime option that changes the lowered ticks: exact. The
+    local search over ticks (``refine``) runs where devices are concurrent, which the
+    single-process tests are not, so it is forced here."""
+    loss_fn, params, batch = MODELS[model](schedule.num_stages, batch=2 * schedule.num_microbatches)
+    p = schedule.num_devices
+    pipe = jp.pipeline(loss_fn, params, batch,
+                       mesh=jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p]),
+                       schedule=schedule, cut="markers",
+                       runtime=SpmdRuntime(split_backward=split, refine=refine,
+                                           iw_same_tick=same_tick, fuse_fb=fuse))
+    m = schedule.num_microbatches
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, m))
+
+
+def test_refine_must_be_auto_or_a_count():
+    with pytest.raises(jp.PipelineError, match="refine must be 'auto' or a number"):
+        SpmdRuntime(refine=-1)
+    with pytest.raises(jp.PipelineError, match="refine must be 'auto' or a number"):
+        SpmdRuntime(refine=True)
+    assert SpmdRuntime(refine=7).resolve_refine() == 7
+    assert SpmdRuntime().resolve_refine() == 0  # one process of virtual CPU devices

@@ -64,7 +64,8 @@ class SpmdRuntime(Runtime):
     name: ClassVar[str] = "spmd"
 
     def __init__(self, *, share_bodies: bool = True, split_backward: bool | str = "auto",
-                 iw_same_tick: bool = False, fuse_fb: bool | str = "auto") -> None:
+                 iw_same_tick: bool = False, fuse_fb: bool | str = "auto",
+                 refine: int | str = "auto") -> None:
         if split_backward not in (True, False, "auto"):
             raise PipelineError(
                 f"split_backward must be True, False or 'auto', got {split_backward!r}.")
@@ -72,6 +73,11 @@ class SpmdRuntime(Runtime):
             raise PipelineError(f"iw_same_tick must be True or False, got {iw_same_tick!r}.")
         if fuse_fb not in (True, False, "auto"):
             raise PipelineError(f"fuse_fb must be True, False or 'auto', got {fuse_fb!r}.")
+        if refine != "auto" and (isinstance(refine, bool) or not isinstance(refine, int)
+                                 or refine < 0):
+            raise PipelineError(
+                f"refine must be 'auto' or a number of evaluations >= 0, got {refine!r}.")
+        self.refine = refine
         self.fuse_fb = fuse_fb
         self.share_bodies = bool(share_bodies)
         self.split_backward = split_backward
@@ -85,6 +91,12 @@ class SpmdRuntime(Runtime):
 
     def build(self, spec: RuntimeSpec) -> SpmdExecutor:
         return SpmdExecutor(spec, self)
+
+    def resolve_refine(self) -> int:
+        """Local-search evaluations the lowering runs (``refine="auto"`` resolved)."""
+        if self.refine != "auto":
+            return self.refine
+        return REFINE_EVALS if _concurrent() else 0
 
     def resolve_split(self) -> bool:
         if self.split_backward != "auto":
@@ -100,7 +112,7 @@ class SpmdRuntime(Runtime):
     def __repr__(self) -> str:
         return (f"SpmdRuntime(share_bodies={self.share_bodies}, "
                 f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick}, "
-                f"fuse_fb={self.fuse_fb!r})")
+                f"fuse_fb={self.fuse_fb!r}, refine={self.refine!r})")
 
 
 class _InitOptState:
@@ -140,7 +152,7 @@ class SpmdExecutor(Executor):
                                         split_backward=runtime.resolve_split(),
                                         iw_same_tick=runtime.iw_same_tick,
                                         fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
-                                        refine=REFINE_EVALS if _concurrent() else 0)
+                                        refine=runtime.resolve_refine())
         self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
                                 spec.mesh_axes, len(spec.microbatch_avals))
 
