@@ -53,15 +53,21 @@ def parse_costs(text: str) -> dict[str, Fraction]:
     return costs
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
-    return value
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+    return parse
+
+
+#: argparse types: an int >= 1, an int >= 0.
+_positive_int = _int_at_least(1, "a positive int")
+_nonnegative_int = _int_at_least(0, "an int >= 0")
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
@@ -99,9 +105,11 @@ def _print_lowered(schedule, args: argparse.Namespace):
     from jaxpipe.runtime.spmd.sync import lowered_timeline, sync_report, tick_table
     from jaxpipe.schedule.simulate import resolve_costs
 
-    # with costs given, ticks follow them where that runs faster (as the runtime does)
+    # with costs given, ticks follow them where that runs faster (as the runtime does); the
+    # local search needs costs, so --refine alone prices the default ones
+    costs = args.costs if args.costs or not args.refine else resolve_costs(None)
     low = lower(schedule, {}, split_backward=args.split_backward,
-                costs=resolve_costs(args.costs) if args.costs else None)
+                costs=resolve_costs(costs) if costs else None, refine=args.refine)
     report = sync_report(schedule, low, args.costs)
     print()
     print("lowered SPMD program (at a tick's end a device waits only for the devices it "
@@ -150,6 +158,10 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--split-backward", action="store_true",
                         help="with --lowered: run every B as I then W (as the SPMD runtime "
                         "does on accelerators)")
+    parser.add_argument("--refine", type=_nonnegative_int, default=0, metavar="N",
+                        help="with --lowered: N evaluations of the local search that moves "
+                        "actions between ticks where that runs faster (the SPMD runtime "
+                        "runs 400 where devices run concurrently); default 0")
     parser.set_defaults(func=_run_simulate)
 
 
