@@ -161,7 +161,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--refine", type=_nonnegative_int, default=0, metavar="N",
                         help="with --lowered: N evaluations of the local search that moves "
                         "actions between ticks where that runs faster (the SPMD runtime "
-                        "runs 400 where devices run concurrently); default 0")
+                        "runs 1200 where devices run concurrently); default 0")
     parser.set_defaults(func=_run_simulate)
 
 

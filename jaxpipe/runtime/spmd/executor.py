@@ -402,8 +402,8 @@ class SpmdExecutor(Executor):
 
 
 #: Local-search evaluations over the ticks where devices run concurrently
-#: (:mod:`.refine`): about 0.3-0.7 s of lowering at p=8, m=16-32.
-REFINE_EVALS = 400
+#: (:mod:`.refine`): 0.3-0.7 s of lowering at p=8, m=16-32, at most ~0.8 s at p=64.
+REFINE_EVALS = 1200
 
 
 def _concurrent() -> bool:

@@ -471,12 +471,11 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
             best, best_time = (grid, grid_messages, grid_alloc), time
     start = best[0]
     if refine_evals > 0 and not iw_same_tick and not start.fused.any():
-        refined = refine(start, c, refine_evals)
-        if refined is not start:
+        refined = refine(start, c, refine_evals,
+                         lambda t: fits(allocate(t, list_messages(t), counts)))
+        if refined is not None:
             refined_messages = list_messages(refined)
-            refined_alloc = allocate(refined, refined_messages, counts)
-            if fits(refined_alloc):
-                best = (refined, refined_messages, refined_alloc)
+            best = (refined, refined_messages, allocate(refined, refined_messages, counts))
     return best
 
 
