@@ -72,15 +72,17 @@ class _Walk:
         return tick
 
     def makespan(self, tick: list[int]) -> float:
-        """:func:`.sync.ticks_makespan` of these ticks (empty ticks change nothing)."""
-        T = max(tick) + 1 if tick else 0
+        """:func:`.sync.ticks_makespan` of these ticks (empty ticks change nothing; a
+        walk moving the first actions earlier makes ticks below 0)."""
+        lo = min(tick) if tick else 0
+        T = max(tick) + 1 - lo if tick else 0
         D = self.D
         work = [[0.0] * D for _ in range(T)]
         for t, d, c in zip(tick, self.devices, self.costs, strict=True):
-            work[t][d] += c
+            work[t - lo][d] += c
         meets: list[list[tuple[int, int]]] = [[] for _ in range(T)]
         for p, s, r in self.pairs:
-            meets[tick[p]].append((s, r))
+            meets[tick[p] - lo].append((s, r))
         clock = [0.0] * D
         for t in range(T):
             row = work[t]
