@@ -33,13 +33,15 @@ from jaxpipe.runtime.spmd.lowering import Ticks, list_messages, ticks_of
 __all__ = ["WORK_LIMIT", "refine"]
 
 #: At most this many action-evaluations in total (an evaluation re-settles and re-times
-#: the actions after the one it moves): 1,200 evaluations at p=8 m=16, a handful at
+#: the actions after the one it moves): 1,200 evaluations at p=8 m=16, a few dozen at
 #: p=64 m=128.
 WORK_LIMIT = 1_200_000
 
 
 class _Walk:
-    """The state of the walk: every action's tick before empty ticks are dropped."""
+    """What the walk evaluates against: each action's tick constraints, its cost and the
+    messages between devices. Its ticks are kept as lists before empty ticks are dropped
+    (a move may leave a tick empty or make one below 0)."""
 
     def __init__(self, ticks: Ticks, costs: np.ndarray) -> None:
         graph = ticks.graph
