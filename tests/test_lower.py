@@ -373,24 +373,30 @@ def test_local_search_over_ticks_is_deterministic_and_never_slower():
 @settings(max_examples=25, deadline=None)
 @given(schedules(), st.integers(0, 2**16))
 def test_local_search_times_and_settles_as_the_lowering_does(schedule, seed):
-    """The walk's incremental settle (only what follows the moved action) and its
-    plain-Python timing equal :func:`settle` from scratch and the sync model's."""
-    from jaxpipe.runtime.spmd.lowering import settle, ticks_of
-    from jaxpipe.runtime.spmd.refine import _Walk
-    from jaxpipe.runtime.spmd.sync import ticks_makespan
+    """The walk re-settles only what follows the moved action (:func:`resettle`) and
+    times raw ticks (gaps, ticks below 0) from lists (:func:`clock_makespan`): equal to
+    :func:`settle` from scratch and to :func:`ticks_makespan` on the dense ticks."""
+    from jaxpipe.runtime.spmd.lowering import resettle, settle, tick_constraints, ticks_of
+    from jaxpipe.runtime.spmd.sync import clock_makespan, ticks_makespan
 
     ticks = assign_ticks(schedule)
     graph = ticks.graph
     costs = np.array([_skewed(a) for a in graph.actions])
-    walk = _Walk(ticks, costs)
+    after = tick_constraints(graph)
+    msgs = list_messages(ticks)
+    remote = msgs.src != msgs.dst
+    pairs = list(zip(msgs.producer[remote].tolist(), msgs.src[remote].tolist(),
+                     msgs.dst[remote].tolist(), strict=True))
     rng = np.random.default_rng(seed)
     want = ticks.tick.tolist()
     tick = list(want)
     for _ in range(5):
         k = int(rng.integers(len(want)))
         want[k] += int(rng.choice((-2, -1, 1, 2)))
-        tick = walk.settle(want, tick, k)
+        tick = resettle(after, want, tick, k)
         dense = settle(graph, want, np.arange(len(want)))
         assert (np.unique(tick, return_inverse=True)[1].reshape(-1) == dense).all()
         t = ticks_of(graph, dense, np.zeros(len(want), bool), ticks.fused)
-        assert walk.makespan(tick) == ticks_makespan(t, list_messages(t), costs)
+        raw = clock_makespan(tick, graph.devices.tolist(), costs.tolist(), pairs,
+                             len(graph.lists))
+        assert raw == ticks_makespan(t, list_messages(t), costs)

@@ -12,10 +12,11 @@ does not grow, and stops after ``evals`` evaluations (fewer on large schedules:
 seed makes it deterministic: every process of a multi-process pipeline lowers to the
 same table.
 
-An evaluation re-settles only the actions after the moved one (graph order puts
-producers and device predecessors first, so nothing before it can change) and times the
-ticks with plain Python numbers (a few devices, a few pairs per tick: faster than array
-calls), exactly as :func:`.sync.ticks_makespan` does.
+An evaluation re-settles only the actions after the moved one
+(:func:`.lowering.resettle`: graph order puts producers and device predecessors first, so
+nothing before it can change) and times the ticks from plain lists
+(:func:`.sync.clock_makespan`: :func:`.sync.ticks_makespan`'s model, which
+``tests/test_lower.py`` holds it equal to).
 
 Measured (sync model, GPT benchmark costs, 1,200 evaluations, 0.3-0.7 s): DualPipeV
 p=8 m=16 with I+W 0.961 from the cost-grid ticks -> 0.975; Interleaved1F1B p=8 m=32
@@ -28,7 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxpipe.runtime.spmd.lowering import Ticks, list_messages, ticks_of
+from jaxpipe.runtime.spmd.lowering import Ticks, list_messages, resettle, tick_constraints, ticks_of
+from jaxpipe.runtime.spmd.sync import clock_makespan
 
 __all__ = ["WORK_LIMIT", "refine"]
 
@@ -38,70 +40,8 @@ __all__ = ["WORK_LIMIT", "refine"]
 WORK_LIMIT = 1_200_000
 
 
-class _Walk:
-    """What the walk evaluates against: each action's tick constraints, its cost and the
-    messages between devices. Its ticks are kept as lists before empty ticks are dropped
-    (a move may leave a tick empty or make one below 0)."""
-
-    def __init__(self, ticks: Ticks, costs: np.ndarray) -> None:
-        graph = ticks.graph
-        self.n = len(graph.actions)
-        self.D = len(graph.lists)
-        devices = graph.devices.tolist()
-        self.devices = devices
-        prev, data = graph.prev.tolist(), graph.data_deps.tolist()
-        # per action: the device predecessor (one tick earlier) and remote producers
-        self.after = [([prev[k]] if prev[k] >= 0 else [])
-                      + [q for q in data[k] if q >= 0 and devices[q] != devices[k]]
-                      for k in range(self.n)]
-        self.costs = costs.tolist()
-        messages = list_messages(ticks)
-        remote = messages.src != messages.dst
-        self.pairs = list(zip(messages.producer[remote].tolist(),
-                              messages.src[remote].tolist(), messages.dst[remote].tolist(),
-                              strict=True))
-
-    def settle(self, want: list[int], tick: list[int], first: int) -> list[int]:
-        """``tick`` with actions ``first`` onwards re-settled to ``want`` (a new list)."""
-        tick = tick[:first] + [0] * (self.n - first)
-        after = self.after
-        for k in range(first, self.n):
-            t = want[k]
-            for q in after[k]:
-                if tick[q] >= t:
-                    t = tick[q] + 1
-            tick[k] = t
-        return tick
-
-    def makespan(self, tick: list[int]) -> float:
-        """:func:`.sync.ticks_makespan` of these ticks (empty ticks change nothing; a
-        walk moving the first actions earlier makes ticks below 0)."""
-        lo = min(tick) if tick else 0
-        T = max(tick) + 1 - lo if tick else 0
-        D = self.D
-        work = [[0.0] * D for _ in range(T)]
-        for t, d, c in zip(tick, self.devices, self.costs, strict=True):
-            work[t - lo][d] += c
-        meets: list[list[tuple[int, int]]] = [[] for _ in range(T)]
-        for p, s, r in self.pairs:
-            meets[tick[p] - lo].append((s, r))
-        clock = [0.0] * D
-        for t in range(T):
-            row = work[t]
-            clock = [x + w for x, w in zip(clock, row, strict=True)]
-            if meets[t]:
-                new = list(clock)
-                for s, r in meets[t]:
-                    if clock[r] > new[s]:
-                        new[s] = clock[r]
-                    if clock[s] > new[r]:
-                        new[r] = clock[s]
-                clock = new
-        return max(clock) if clock else 0.0
-
-
-def refine(ticks: Ticks, costs: np.ndarray, evals: int,
-           fits: Callable[[Ticks], bool] | None = None, seed: int = 0) -> Ticks | None:
+def refine(ticks: Ticks, costs: np.ndarray, evals: int, fits: Callable[[Ticks], bool],
+           seed: int = 0) -> Ticks | None:
     """A tick assignment faster than ``ticks`` under the sync model, or ``None``.
 
     ``ticks``: one action per device and step (no fused or packed pairs). ``costs``: per
@@ -119,15 +59,23 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int,
         dense = np.unique(np.asarray(tick, np.int64), return_inverse=True)[1].reshape(-1)
         return ticks_of(graph, dense, np.zeros(n, bool), ticks.fused)
 
-    def ok(t: Ticks) -> bool:
-        return fits is None or fits(t)
+    # the walk's ticks stay lists before empty ticks are dropped (a move may leave a tick
+    # empty or make one below 0)
+    after = tick_constraints(graph)
+    messages = list_messages(ticks)
+    remote = messages.src != messages.dst
+    pairs = list(zip(messages.producer[remote].tolist(), messages.src[remote].tolist(),
+                     messages.dst[remote].tolist(), strict=True))
+    devices, cost_list, D = graph.devices.tolist(), costs.tolist(), len(graph.lists)
 
-    _, ends = graph.run_costs(costs.tolist())
+    def makespan(tick: list[int]) -> float:
+        return clock_makespan(tick, devices, cost_list, pairs, D)
+
+    _, ends = graph.run_costs(cost_list)
     bound = max(ends)  # the asynchronous makespan: no tick assignment beats it
-    walk = _Walk(ticks, costs)
     want = ticks.tick.tolist()
     best = list(want)
-    best_time = walk.makespan(best)
+    best_time = makespan(best)
     last: tuple[list[int], Ticks] | None = None  # the latest improvement that fits
     rng = np.random.default_rng(seed)
     for _ in range(evals):
@@ -135,12 +83,12 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int,
             break
         k, d = int(rng.integers(n)), int(rng.choice((-1, 1)))
         want[k] += d
-        cand = walk.settle(want, best, k)
-        t = walk.makespan(cand)
+        cand = resettle(after, want, best, k)
+        t = makespan(cand)
         accept = t <= best_time  # equal moves too: they walk across plateaus
         if t < best_time:
             cand_ticks = as_ticks(cand)
-            accept = ok(cand_ticks)
+            accept = fits(cand_ticks)
             if accept:
                 last = (cand, cand_ticks)
         if accept:
@@ -152,4 +100,4 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int,
     if best is last[0]:
         return last[1]
     end = as_ticks(best)  # as fast as the last improvement
-    return end if ok(end) else last[1]
+    return end if fits(end) else last[1]
