@@ -167,17 +167,11 @@ def measure_processes(processes: int, quick: bool = False) -> dict[str, Any]:
             out = Path(tmp) / str(i)
             cmd = [sys.executable, str(Path(__file__).resolve()), "--processes", "1",
                    "--out", str(out), *(["--quick"] if quick else []), "--quiet"]
-            subprocess.run(cmd, check=True, env=_child_env())
+            # the child sets its own XLA flags and path (see the bottom of this file)
+            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+            subprocess.run(cmd, check=True, env=env)
             runs.append(json.loads((out / "step_overhead.json").read_text()))
     return across_processes(runs)
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the child sets its own (see the bottom of this file)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep)
-    return env
 
 
 def _runs(r: dict[str, Any], key: str) -> str:

@@ -107,9 +107,9 @@ def _print_lowered(schedule, args: argparse.Namespace):
 
     # with costs given, ticks follow them where that runs faster (as the runtime does); the
     # local search needs costs, so --refine alone prices the default ones
-    costs = args.costs if args.costs or not args.refine else resolve_costs(None)
-    low = lower(schedule, {}, split_backward=args.split_backward,
-                costs=resolve_costs(costs) if costs else None, refine=args.refine)
+    costs = resolve_costs(args.costs) if args.costs or args.refine else None
+    low = lower(schedule, {}, split_backward=args.split_backward, costs=costs,
+                refine=args.refine)
     report = sync_report(schedule, low, args.costs)
     print()
     print("lowered SPMD program (at a tick's end a device waits only for the devices it "
