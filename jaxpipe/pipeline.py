@@ -136,9 +136,8 @@ class Pipeline:
         self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad", check)
         self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad",
                                              check)
-        self._shard_jit = jax.jit(lambda leaves: self.executor.shard(self.views.take(leaves)))
-        self._unshard_jit = jax.jit(
-            lambda staged: self.views.gather(self.executor.unshard(staged)))
+        self._shard_jit = jax.jit(self.executor.shard)
+        self._unshard_jit = jax.jit(self.executor.unshard)
         self._plan = None
         if jax.process_count() > 1:
             # Every process must build the same program, or its collectives never match.
@@ -277,15 +276,15 @@ class Pipeline:
         staged = self._place_staged(staged, "stage_params")
         if hasattr(self.executor, "stage_params"):
             return self.executor.stage_params(staged)
-        leaves = self.executor.unshard(staged)
-        return [[leaves[i] for i in st.param_ids] for st in self.stages]
+        inputs = self.views.take(self.executor.unshard(staged))
+        return [[inputs[i] for i in st.param_ids] for st in self.stages]
 
     # ---------------------------------------------------------------- compute
     def _value_and_grad(self, params: Any, batch: Any, key: Any = None
                         ) -> tuple[jax.Array, Any]:
-        loss, grads = self.executor.value_and_grad(self.views.take(self.check_params(params)),
+        loss, grads = self.executor.value_and_grad(self.check_params(params),
                                                    self.microbatches(batch, key))
-        return loss, self._user_tree(self.views.gather(grads))
+        return loss, self._user_tree(grads)
 
     def _staged_value_and_grad(self, staged: Any, batch: Any, key: Any = None
                                ) -> tuple[jax.Array, Any]:
@@ -341,9 +340,8 @@ class Pipeline:
         params = self._place_params(params)
         key = self._place_key(key, "pipe.reference_value_and_grad")
         loss, grads = self._reference.value_and_grad(
-            self.views.take(self.check_params(params)),
-            self.microbatches(self._place_batch(batch), key))
-        return loss, self._user_tree(self.views.gather(grads))
+            self.check_params(params), self.microbatches(self._place_batch(batch), key))
+        return loss, self._user_tree(grads)
 
     def lower_step(self, params: Any, batch: Any) -> Any:
         """``jax.jit(...).lower`` of the value-and-grad step (for memory/cost inspection)."""
@@ -374,7 +372,7 @@ class Pipeline:
         # Replicated over the mesh, as train_step returns it (else the 2nd step recompiles).
         step = self.placement.put(np.zeros((), np.int32), self.placement.replicated, "step")
         return TrainState(self._shard_jit(jax.tree.leaves(params)),
-                          trainer.init_opt_state(self.views.take(jax.tree.leaves(params))),
+                          trainer.init_opt_state(jax.tree.leaves(params)),
                           step, trainer)
 
     def train_step(self, state: Any, batch: Any, key: Any = None) -> tuple[Any, dict]:

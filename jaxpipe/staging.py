@@ -74,7 +74,7 @@ class Staging:
             microbatch_avals=tuple(boundary_aval(v.aval)
                                    for v in traced.jaxpr.invars[traced.num_params:]),
             param_owners=param_owners(self.stages),
-            param_tree_leaves=() if self.views.is_whole else self.views.leaf_of,
+            param_views=self.views,
             param_dims=(tuple(param_dims[v.leaf] for v in self.views.views)
                         if any(any(d) for d in param_dims) else ()),
             param_axes=mesh_axes.param_axes,

@@ -17,6 +17,7 @@ talks to these two classes.
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from jax.sharding import Mesh
 
 from jaxpipe.avals import aval_bytes
 from jaxpipe.sharding import Dims, MeshAxes
+from jaxpipe.views import ParamViews
 
 if TYPE_CHECKING:
     from jaxpipe.cut import MemoryModel
@@ -60,9 +62,9 @@ class RuntimeSpec:
         one data shard (what a stage function reads).
       param_owners: parameter input -> the stages that read it, ascending. An input read
         by several stages (a tied embedding) lives on each; its gradient is their sum.
-      param_tree_leaves: parameter input -> the leaf of ``params_treedef`` it is (rows
-        of); empty for the identity (every input a whole leaf). A stage holds at most one
-        input of each leaf.
+      param_views: the parameter inputs as views of the user's leaves (which leaf of
+        ``params_treedef`` each is, whole or which rows); ``None`` when every input is a
+        whole leaf. A stage holds at most one input of each leaf.
       param_dims: per parameter input, its sharding over the non-pipe mesh axes as
         :data:`jaxpipe.sharding.Dims` (one tuple of axis names per dimension); empty when
         every parameter is replicated over them.
@@ -83,7 +85,7 @@ class RuntimeSpec:
     params_treedef: Any
     microbatch_avals: tuple[Any, ...]
     param_owners: Mapping[int, tuple[int, ...]]
-    param_tree_leaves: tuple[int, ...] = ()
+    param_views: ParamViews | None = None
     param_dims: tuple[Dims, ...] = ()
     param_axes: tuple[str, ...] = ()
     action_cost: Callable[[Action], float] | None = None
@@ -107,9 +109,18 @@ class RuntimeSpec:
             return ((),) * len(self.param_avals[pid].shape)
         return self.param_dims[pid]
 
+    @functools.cached_property
+    def views(self) -> ParamViews:
+        """The parameter inputs over the user's leaves (see :mod:`jaxpipe.views`)."""
+        return self.param_views or ParamViews.whole(self.param_avals)
+
     def tree_leaf(self, pid: int) -> int:
         """The leaf of ``params_treedef`` parameter input ``pid`` is (rows of)."""
-        return self.param_tree_leaves[pid] if self.param_tree_leaves else pid
+        return self.param_views.views[pid].leaf if self.param_views else pid
+
+    def leaf_dims(self, leaf: int) -> Dims:
+        """The sharding of user leaf ``leaf`` over the non-pipe axes (its views')."""
+        return self.dims(self.views.leaf_of.index(leaf))
 
     @property
     def num_microbatches(self) -> int:
@@ -126,8 +137,10 @@ class Executor(abc.ABC):
     """A runtime bound to one pipeline: its stages, schedule and mesh.
 
     Parameters live in the executor's own *staged* layout (whatever suits it: per-device
-    slot arrays for SPMD, plain leaves for the reference executor). Batches arrive as
-    flat leaves shaped ``[num_microbatches, microbatch, ...]``.
+    slot arrays for SPMD, plain leaves for the reference executor). Outside it they are
+    the flat leaves of the user's pytree (``param_leaves``: a scanned stack's stacked
+    weights whole, not the stages' views of them; ``spec.views`` maps between the two).
+    Batches arrive as flat leaves shaped ``[num_microbatches, microbatch, ...]``.
     """
 
     spec: RuntimeSpec
@@ -152,7 +165,7 @@ class Executor(abc.ABC):
     # -- compute ------------------------------------------------------------------
     @abc.abstractmethod
     def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
-        """Mean loss over microbatches and the gradient of every parameter leaf."""
+        """Mean loss over microbatches and the gradient of every user parameter leaf."""
 
     @abc.abstractmethod
     def staged_value_and_grad(self, staged: Any, batch_mb: list) -> tuple[jax.Array, Any]:

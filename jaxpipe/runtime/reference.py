@@ -125,10 +125,11 @@ class ReferenceExecutor(Executor):
         self.spec = spec
 
     def shard(self, param_leaves: list) -> list:
-        return [jnp.asarray(x) for x in param_leaves]
+        """The stages' parameter inputs (views of the user's leaves), as arrays."""
+        return [jnp.asarray(x) for x in self.spec.views.take(param_leaves)]
 
     def unshard(self, staged: Any) -> list:
-        return list(staged)
+        return self.spec.views.gather(list(staged))
 
     def staged_abstract(self) -> list[jax.ShapeDtypeStruct]:
         return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.spec.param_avals]
@@ -143,23 +144,25 @@ class ReferenceExecutor(Executor):
                 f"parameter leaves {[w[0] for w in want]}), got {type(staged).__name__}.")
 
     def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
-        loss, grads, _ = run_reference(list(self.spec.stages), self.spec.schedule,
-                                       list(param_leaves), batch_mb)
-        return loss, grads
+        loss, grads = self.staged_value_and_grad(self.spec.views.take(param_leaves), batch_mb)
+        return loss, self.spec.views.gather(grads)
 
     def staged_value_and_grad(self, staged: Any, batch_mb: list) -> tuple[jax.Array, list]:
-        return self.value_and_grad(list(staged), batch_mb)
+        loss, grads, _ = run_reference(list(self.spec.stages), self.spec.schedule,
+                                       list(staged), batch_mb)
+        return loss, grads
 
     def make_train_step(self, optimizer: Any, options: TrainOptions) -> tuple[StepFn, Any]:
         spec = self.spec
         stage_opt = StageOptimizer(optimizer, spec)
 
         def init_opt_state(param_leaves: list) -> list:
-            return [stage_opt.init(st.index, [param_leaves[i] for i in st.param_ids])
+            inputs = spec.views.take(param_leaves)
+            return [stage_opt.init(st.index, [inputs[i] for i in st.param_ids])
                     for st in spec.stages]
 
         def step(staged: list, opt_state: list, batch_mb: list) -> tuple:
-            loss, grads = self.value_and_grad(staged, batch_mb)
+            loss, grads = self.staged_value_and_grad(staged, batch_mb)
             gnorm, scale = global_norm_scale(sq_norm(grads), options)
             grads = [(g * scale).astype(g.dtype) for g in grads]
             new_p, new_o = list(staged), []
@@ -184,7 +187,7 @@ class ReferenceExecutor(Executor):
 
     def opt_state_abstract(self, init_opt_state: Any) -> Any:
         return jax.eval_shape(init_opt_state, [
-            jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.spec.param_avals])
+            jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.spec.views.leaf_avals])
 
     def memory_report(self) -> dict[str, Any]:
         return {"buffer_bytes": 0, "device_rows": [

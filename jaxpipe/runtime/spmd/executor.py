@@ -16,19 +16,18 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.runtime.spmd.bodies import group_bodies
-from jaxpipe.runtime.spmd.gate import by_device
 from jaxpipe.runtime.spmd.layout import SlotLayout, StageLayouts
 from jaxpipe.runtime.spmd.lowering import Lowering, lower
+from jaxpipe.runtime.spmd.moves import from_slots, to_slots
 from jaxpipe.runtime.spmd.optimizer import make_epilogue, opt_slots
 from jaxpipe.runtime.spmd.program import build_step, check_stage_collectives, place, place_tree
-from jaxpipe.sharding import constrain, manual_spec, to_spec
+from jaxpipe.sharding import manual_spec, to_spec
 from jaxpipe.train import StageOptimizer, TrainOptions
 
 __all__ = ["SpmdExecutor", "SpmdRuntime"]
@@ -184,9 +183,10 @@ class SpmdExecutor(Executor):
         """Specs of a slot list's arrays: ``P(pipe, *dims)``."""
         return [c.spec(self.spec.axis) for c in slots.classes]
 
-    def _param_specs(self) -> list[P]:
-        """Specs of the parameter inputs (user view leaves), over the non-pipe axes."""
-        return [to_spec(self.spec.dims(pid)) for pid in range(len(self.spec.param_avals))]
+    def _leaf_specs(self) -> list[P]:
+        """Specs of the user's parameter leaves, over the non-pipe axes."""
+        return [to_spec(self.spec.leaf_dims(i))
+                for i in range(len(self.spec.views.leaf_avals))]
 
     # -- parameters -----------------------------------------------------------------
     def staged_shapes(self) -> list[tuple[int, ...]]:
@@ -216,95 +216,19 @@ class SpmdExecutor(Executor):
     def shard(self, param_leaves: list) -> list:
         """User leaves -> one ``[devices, *shape]`` array per slot, sharded like them.
 
-        Runs as a shard_map: each device fills its slots with its own stages' leaves (one
-        copy of its parameters), instead of XLA partitioning a global stack. A slot that
-        holds rows of one stacked leaf on every device (a scanned layer stack) takes them
-        with one dynamic slice of that leaf (:func:`_pick`); the other slots are filled
-        by a switch over devices, each branch copying its leaves. A switch for the stacked
-        slots too would compile a copy per device per slot, plus a slice per view
-        (measured: 1.2 s against 0.4 s of XLA time, 8 devices, 64 scanned layers).
-        """
-        spec, slots = self.spec, self.layouts.slots
-        sched = spec.schedule
-        holds = self._slot_leaves()
-        held = [sorted({int(h) for h in holds[:, k]} - {-1}) for k in range(len(slots))]
-        rows = [k for k, pids in enumerate(held)
-                if len(pids) > 1 and _rows_free(slots.classes[k])
-                and len({spec.tree_leaf(pid) for pid in pids}) == 1]
-        rest = [k for k in range(len(slots)) if k not in rows]
-
-        def branch(d: int):
-            def f(lv):  # every branch returns its values sharded alike (XLA demands it)
-                out = []
-                for k in rest:
-                    c = slots.classes[k]
-                    x = (jnp.asarray(lv[holds[d, k]], c.dtype) if holds[d, k] >= 0
-                         else jnp.zeros(c.shape, c.dtype))
-                    out.append(constrain(x, c.dims))
-                return out
-            return f
-
-        def local(lv):
-            lv = [constrain(x, spec.dims(pid)) for pid, x in enumerate(lv)]
-            dev = lax.axis_index(spec.axis)
-            out: list = [None] * len(slots)
-            if rest:
-                # devices holding the same leaves in the same slots share a branch (the
-                # middle devices of a deep model: only the ends hold whole leaves)
-                keys = [tuple(holds[d, rest]) for d in range(sched.num_devices)]
-                firsts = list(dict.fromkeys(keys))
-                got = by_device([branch(keys.index(key)) for key in firsts],
-                                [firsts.index(key) for key in keys], spec.axis, lv)
-                for k, x in zip(rest, got, strict=True):
-                    out[k] = x
-            for k in rows:
-                which = np.array([held[k].index(h) if h >= 0 else len(held[k])
-                                  for h in holds[:, k]], np.int32)
-                out[k] = _pick([lv[pid] for pid in held[k]], jnp.asarray(which)[dev],
-                               slots.classes[k])
-            return [x[None] for x in slots.constrain(out)]
-
-        fn = self._shard_map(local, (self._param_specs(),), self._slot_specs(slots))
+        Runs as a shard_map: each device fills its slots with its own stages' parameters
+        (one copy of them), instead of XLA partitioning a global stack; a scanned stack's
+        stacked weights come whole and each device slices its rows (:mod:`.moves`)."""
+        slots = self.layouts.slots
+        fn = self._shard_map(lambda lv: to_slots(self.spec, slots, lv),
+                             (self._leaf_specs(),), self._slot_specs(slots))
         return fn(list(param_leaves))
 
-    def _slot_leaves(self) -> np.ndarray:
-        """``[devices, slots]``: the user leaf each slot holds on each device (-1: none)."""
-        spec, slots = self.spec, self.layouts.slots
-        holds = np.full((spec.schedule.num_devices, len(slots)), -1, np.int64)
-        for st in spec.stages:
-            holds[spec.schedule.placement(st.index), slots.where[st.index]] = st.param_ids
-        return holds
-
     def _gather(self, staged: list, owner_only: bool) -> list:
-        """Slots -> user leaves (replicated over the pipe axis, sharded over the others
-        as the parameters are): the sum over the stages holding each leaf (``owner_only``:
-        the first such stage's copy, for parameters).
-
-        Each slot is all-gathered over the pipe axis once and every leaf read from the
-        devices and slots that hold it: the program grows with slots + leaves, not with
-        leaves x devices (as a switch over devices, zero-filling the others' leaves,
-        would)."""
-        spec, slots = self.spec, self.layouts.slots
-        # per leaf: the (slot, device) pairs holding it
-        where: list[list[tuple[int, int]]] = [[] for _ in spec.param_avals]
-        for st in spec.stages:
-            d = spec.schedule.placement(st.index)
-            for pid, k in zip(st.param_ids, slots.where[st.index], strict=True):
-                if not owner_only or spec.param_owners[pid][0] == st.index:
-                    where[pid].append((k, d))
-        used = sorted({k for w in where for k, _ in w})
-
-        def local(buf):
-            buf = [constrain(x[0], c.dims) for x, c in zip(buf, slots.classes, strict=True)]
-            every = {k: _Gathered(buf[k], spec.axis, slots.classes[k]) for k in used}
-            out = []
-            for pid, a in enumerate(spec.param_avals):
-                terms = [every[k].of(d) for k, d in where[pid]]
-                x = sum(terms[1:], terms[0]) if terms else jnp.zeros(a.shape, a.dtype)
-                out.append(constrain(x.astype(a.dtype), spec.dims(pid)))
-            return out
-
-        fn = self._shard_map(local, (self._slot_specs(slots),), self._param_specs())
+        """Slots -> user leaves, replicated over the pipe axis (:func:`.moves.from_slots`)."""
+        slots = self.layouts.slots
+        fn = self._shard_map(lambda buf: from_slots(self.spec, slots, buf, owner_only),
+                             (self._slot_specs(slots),), self._leaf_specs())
         return fn(list(staged))
 
     def unshard(self, staged: list) -> list:
@@ -346,9 +270,10 @@ class SpmdExecutor(Executor):
         def init_opt_state(param_leaves: list) -> list:
             D = spec.schedule.num_devices
             bufs = [ostate.zeros() for _ in range(D)]
+            inputs = spec.views.take(param_leaves)
             for st in spec.stages:
                 d = spec.schedule.placement(st.index)
-                leaves = stage_opt.init(st.index, [param_leaves[i] for i in st.param_ids])
+                leaves = stage_opt.init(st.index, [inputs[i] for i in st.param_ids])
                 bufs[d] = ostate.scatter(bufs[d], st.index, leaves)
             return [jnp.stack([bufs[d][k] for d in range(D)]) for k in range(len(ostate))]
 
@@ -356,7 +281,7 @@ class SpmdExecutor(Executor):
 
     def opt_state_abstract(self, init_opt_state: Any) -> Any:
         shapes = jax.eval_shape(init_opt_state, [
-            jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.spec.param_avals])
+            jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.spec.views.leaf_avals])
         return [jax.ShapeDtypeStruct(s.shape, s.dtype,
                                      sharding=NamedSharding(self.spec.mesh, p))
                 for s, p in zip(shapes, init_opt_state.specs, strict=True)]
@@ -411,36 +336,3 @@ def _concurrent() -> bool:
     processes); virtual CPU devices in one process take turns, and there the grouping of
     actions into ticks costs nothing."""
     return jax.default_backend() != "cpu" or jax.process_count() > 1
-
-
-def _rows_free(c: Any) -> bool:
-    """Whether values of class ``c`` can be cut and joined along their leading axis
-    without resharding (it exists and no mesh axis shards it)."""
-    return bool(c.shape) and not (c.dims and c.dims[0])
-
-
-def _pick(cases: list, which: Any, c: Any) -> jax.Array:
-    """``cases[which]``, or zeros when ``which == len(cases)``; the cases are rows of one
-    stacked leaf, of class ``c`` (leading axis free, :func:`_rows_free`).
-
-    Concatenated along the leading axis and sliced at a dynamic offset: XLA folds the
-    adjacent slices back into the stacked leaf, so this is one dynamic slice of it (a
-    ``select_n`` over as many cases compiles into a slow elementwise kernel).
-    """
-    zeros = jnp.zeros(c.shape, c.dtype)
-    n = c.shape[0]
-    return lax.dynamic_slice_in_dim(jnp.concatenate([*cases, zeros]), which * n, n)
-
-
-class _Gathered:
-    """One slot of every device (``all_gather`` over the pipe axis); ``of(d)`` is device
-    ``d``'s. Gathered tiled along the leading axis, so that the views of a stacked layer
-    read from consecutive devices are adjacent slices, which XLA folds back together when
-    the views are concatenated into the user's leaf."""
-
-    def __init__(self, x: jax.Array, axis: str, c: Any) -> None:
-        self.n = x.shape[0] if _rows_free(c) else None
-        self.all = lax.all_gather(x, axis, tiled=self.n is not None)
-
-    def of(self, d: int) -> jax.Array:
-        return self.all[d] if self.n is None else self.all[d * self.n:(d + 1) * self.n]

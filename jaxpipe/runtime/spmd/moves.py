@@ -1,0 +1,163 @@
+"""Moves between the user's parameter leaves and the SPMD runtime's slots.
+
+Both directions run inside a ``shard_map`` manual over the pipe axis (the executor wraps
+them), and both work on the user's *whole* leaves, not on the stages' views of them
+(:mod:`jaxpipe.views`). A scanned stack cut over every device is one stacked leaf whose
+rows ``[a, b)`` sit in the same slot on each device; taking the stages' views first
+would put one slice per view into the program and pass each view into the
+``shard_map`` as an input of its own (160 at 64 layers, p=8, v=2), where one dynamic
+slice per slot (in) and one tiled ``all_gather`` per slot (out) do:
+
+- :func:`to_slots`: a slot holding rows of one stacked leaf on every device takes them
+  with one dynamic slice of that leaf at a per-device offset; the other slots are
+  filled by a switch over devices, each branch copying its whole leaves (devices that
+  hold the same leaves in the same slots share a branch).
+- :func:`from_slots`: every slot is all-gathered once; each leaf is read back from the
+  devices and slots holding it, and consecutive rows that one gathered slot holds in
+  device order are read as one slice of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxpipe.runtime.base import RuntimeSpec
+from jaxpipe.runtime.spmd.gate import by_device
+from jaxpipe.runtime.spmd.layout import SlotLayout
+from jaxpipe.sharding import constrain
+
+__all__ = ["from_slots", "rows_free", "slot_inputs", "to_slots"]
+
+
+def rows_free(c: Any) -> bool:
+    """Whether values of class ``c`` can be cut and joined along their leading axis
+    without resharding (it exists and no mesh axis shards it)."""
+    return bool(c.shape) and not (c.dims and c.dims[0])
+
+
+def slot_inputs(spec: RuntimeSpec, slots: SlotLayout) -> np.ndarray:
+    """``[devices, slots]``: the parameter input (view) each slot holds on each device
+    (-1: none)."""
+    holds = np.full((spec.schedule.num_devices, len(slots)), -1, np.int64)
+    for st in spec.stages:
+        holds[spec.schedule.placement(st.index), slots.where[st.index]] = st.param_ids
+    return holds
+
+
+def _stacked(spec: RuntimeSpec, slots: SlotLayout, holds: np.ndarray, k: int) -> bool:
+    """Whether slot ``k`` holds rows of one stacked leaf on several devices (and so is
+    filled by one dynamic slice of that leaf)."""
+    pids = {int(h) for h in holds[:, k]} - {-1}
+    return (len(pids) > 1 and rows_free(slots.classes[k])
+            and len({spec.tree_leaf(pid) for pid in pids}) == 1)
+
+
+def to_slots(spec: RuntimeSpec, slots: SlotLayout, leaves: list) -> list[jax.Array]:
+    """User leaves (this device's shards over the non-pipe axes) -> this device's slots,
+    each ``[1, *shape]``. Runs inside a shard_map manual over ``spec.axis``."""
+    views = spec.views.views
+    holds = slot_inputs(spec, slots)
+    stacked = [k for k in range(len(slots)) if _stacked(spec, slots, holds, k)]
+    rest = [k for k in range(len(slots)) if k not in stacked]
+    leaves = [constrain(x, spec.leaf_dims(i)) for i, x in enumerate(leaves)]
+    dev = lax.axis_index(spec.axis)
+    out: list = [None] * len(slots)
+
+    def branch(d: int):
+        def f(lv):  # every branch returns its values sharded alike (XLA demands it)
+            got = []
+            for k in rest:
+                c, pid = slots.classes[k], holds[d, k]
+                x = (jnp.asarray(views[pid].take(lv[views[pid].leaf]), c.dtype) if pid >= 0
+                     else jnp.zeros(c.shape, c.dtype))
+                got.append(constrain(x, c.dims))
+            return got
+        return f
+
+    if rest:
+        keys = [tuple(holds[d, rest]) for d in range(spec.schedule.num_devices)]
+        firsts = list(dict.fromkeys(keys))
+        got = by_device([branch(keys.index(key)) for key in firsts],
+                        [firsts.index(key) for key in keys], spec.axis, leaves)
+        for k, x in zip(rest, got, strict=True):
+            out[k] = x
+    for k in stacked:
+        c = slots.classes[k]
+        leaf = leaves[spec.tree_leaf(int(max(holds[:, k])))]
+        n, total = c.shape[0], leaf.shape[0]
+        if (holds[:, k] < 0).any():  # a device without these rows reads zeros past the end
+            leaf = jnp.concatenate([leaf, jnp.zeros((n, *leaf.shape[1:]), leaf.dtype)])
+        start = np.array([views[h].start if h >= 0 else total for h in holds[:, k]],
+                         np.int32)
+        out[k] = lax.dynamic_slice_in_dim(leaf, jnp.asarray(start)[dev], n).astype(c.dtype)
+    return [x[None] for x in slots.constrain(out)]
+
+
+class _Gathered:
+    """One slot of every device (``all_gather`` over the pipe axis). Gathered tiled
+    along the leading axis where the class allows it (:func:`rows_free`), so the rows
+    of a stacked leaf held by consecutive devices are one slice."""
+
+    def __init__(self, x: jax.Array, axis: str, c: Any) -> None:
+        self.n = x.shape[0] if rows_free(c) else None
+        self.all = lax.all_gather(x, axis, tiled=self.n is not None)
+
+    def of(self, first: int, count: int = 1) -> jax.Array:
+        """Devices ``first .. first + count - 1``'s values (``count > 1``: tiled only)."""
+        if self.n is None:
+            return self.all[first]
+        return self.all[first * self.n:(first + count) * self.n]
+
+
+def from_slots(spec: RuntimeSpec, slots: SlotLayout, bufs: list, owner_only: bool
+               ) -> list[jax.Array]:
+    """This device's slots -> user leaves (replicated over the pipe axis, sharded over
+    the others as the parameters are): each view is the sum over the stages holding it
+    (``owner_only``: the first such stage's copy, for parameters), and a leaf its views
+    joined along the leading axis. Runs inside a shard_map manual over ``spec.axis``.
+
+    The program grows with slots + leaves, not with leaves x devices (as a switch over
+    devices, zero-filling the others' leaves, would)."""
+    views = spec.views
+    # per view: the (slot, device) pairs holding it
+    where: list[list[tuple[int, int]]] = [[] for _ in views.views]
+    for st in spec.stages:
+        d = spec.schedule.placement(st.index)
+        for pid, k in zip(st.param_ids, slots.where[st.index], strict=True):
+            if not owner_only or spec.param_owners[pid][0] == st.index:
+                where[pid].append((k, d))
+    used = sorted({k for w in where for k, _ in w})
+    bufs = [constrain(x[0], c.dims) for x, c in zip(bufs, slots.classes, strict=True)]
+    every = {k: _Gathered(bufs[k], spec.axis, slots.classes[k]) for k in used}
+    parts: list[list[Any]] = [[] for _ in views.leaf_avals]
+    run: tuple[int, int, int, int] | None = None  # (leaf, slot, first device, count)
+
+    def close() -> None:
+        if run is not None:
+            parts[run[0]].append(every[run[1]].of(run[2], run[3]))
+
+    for pid, (w, a) in enumerate(zip(views.views, views.avals, strict=True)):
+        if len(where[pid]) == 1 and every[where[pid][0][0]].n is not None:
+            k, d = where[pid][0]
+            if run is not None and run[:2] == (w.leaf, k) and run[2] + run[3] == d:
+                run = (w.leaf, k, run[2], run[3] + 1)  # the next device's rows: one slice
+                continue
+            close()
+            run = (w.leaf, k, d, 1)
+            continue
+        close()
+        run = None
+        terms = [every[k].of(d) for k, d in where[pid]]
+        parts[w.leaf].append(sum(terms[1:], terms[0]) if terms
+                             else jnp.zeros(a.shape, a.dtype))
+    close()
+    out = []
+    for leaf, a in enumerate(views.leaf_avals):
+        x = parts[leaf][0] if len(parts[leaf]) == 1 else jnp.concatenate(parts[leaf])
+        out.append(constrain(x.astype(a.dtype), spec.leaf_dims(leaf)))
+    return out
