@@ -238,9 +238,9 @@ def test_middle_stages_of_a_stack_share_one_body(four):
 
 def test_slots_fill_and_empty_without_a_branch_per_device(four):
     """The public value_and_grad moves the user's leaves into slots and the gradients back
-    inside its program. A stacked leaf's rows reach each device's slot by one dynamic
-    slice (XLA folds the views back into the leaf), and gradients leave by one all_gather
-    per slot; only the whole leaves (embedding, head) go through a switch over devices.
+    inside its program. A stacked leaf enters whole and its rows reach each device's slot
+    by one dynamic slice, and gradients leave by one all_gather per slot; only the whole
+    leaves (embedding, head) go through a switch over devices.
     A switch for everything, each branch also zero-filling every other device's
     gradients, grew with leaves x devices (1.4 s of XLA compile at 8 devices, 64 scanned
     layers; benchmarks/README.md)."""
@@ -256,6 +256,27 @@ def test_slots_fill_and_empty_without_a_branch_per_device(four):
     # embedding is in one slot on the first and the last device, the two middle devices
     # hold none. Two branches for four devices.
     assert _cond_branches(jax.make_jaxpr(pipe.shard)(params).jaxpr) == [2]
+    # The moves take the user's whole leaves: one shard_map input per leaf on the way in
+    # and one output per leaf on the way out, not one per stage's rows of a stacked leaf.
+    n_leaves = len(jax.tree.leaves(params))
+    assert len(pipe.views.views) > n_leaves
+    (into,) = _eqns(jax.make_jaxpr(pipe.shard)(params).jaxpr, "shard_map")
+    (back_out,) = _eqns(jax.make_jaxpr(pipe.unshard)(pipe.shard(params)).jaxpr, "shard_map")
+    leaf_shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(params))
+    assert sorted(tuple(v.aval.shape) for v in into.invars  # (int32 tables besides)
+                  if v.aval.dtype != np.int32) == leaf_shapes
+    assert sorted(tuple(v.aval.shape) for v in back_out.outvars) == leaf_shapes
+
+
+def _eqns(jaxpr, name: str) -> list:
+    """The equations of primitive ``name`` in ``jaxpr``, at any depth."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == name:
+            out.append(e)
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            out += _eqns(sub, name)
+    return out
 
 
 def _cond_branches(jaxpr) -> list[int]:
