@@ -327,13 +327,18 @@ def test_nnx_partitioning_metadata_gives_the_specs():
     assert pipe.batch_axes == ("data",)
 
 
-def test_scanned_stack_keeps_its_sharding_per_stage():
+@pytest.mark.parametrize("layer_axis", [False, True], ids=["tensor", "layer_axis"])
+def test_scanned_stack_keeps_its_sharding_per_stage(layer_axis):
     """A lax.scan over stacked tensor-parallel weights, cut between iterations: each
-    stage holds its own layers' rows, still sharded over 'model'."""
+    stage holds its own layers' rows, still sharded over 'model'. With the layer axis
+    itself sharded over 'model', the stages' rows are cut outside the moves' shard_map
+    (inside, a cut would move rows between the 'model' devices: a collective the CPU
+    runtime refuses)."""
     ks = jax.random.split(jax.random.key(3), 4)
     params = {"w1": jax.random.normal(ks[0], (4, D, H)) / 5,
               "w2": jax.random.normal(ks[1], (4, H, D)) / 7}
-    specs = {"w1": P(None, None, "model"), "w2": P(None, "model", None)}
+    specs = ({"w1": P("model", None, None), "w2": P("model", None, None)} if layer_axis
+             else {"w1": P(None, None, "model"), "w2": P(None, "model", None)})
     batch = {"x": jax.random.normal(ks[2], (16, D)), "y": jax.random.normal(ks[3], (16, D))}
 
     def loss_fn(p, b):

@@ -24,7 +24,7 @@ from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.runtime.spmd.bodies import group_bodies
 from jaxpipe.runtime.spmd.layout import SlotLayout, StageLayouts
 from jaxpipe.runtime.spmd.lowering import Lowering, lower
-from jaxpipe.runtime.spmd.moves import from_slots, to_slots
+from jaxpipe.runtime.spmd.moves import Crossing, from_slots, to_slots
 from jaxpipe.runtime.spmd.optimizer import make_epilogue, opt_slots
 from jaxpipe.runtime.spmd.program import build_step, check_stage_collectives, place, place_tree
 from jaxpipe.sharding import manual_spec, to_spec
@@ -183,10 +183,10 @@ class SpmdExecutor(Executor):
         """Specs of a slot list's arrays: ``P(pipe, *dims)``."""
         return [c.spec(self.spec.axis) for c in slots.classes]
 
-    def _leaf_specs(self) -> list[P]:
-        """Specs of the user's parameter leaves, over the non-pipe axes."""
-        return [to_spec(self.spec.leaf_dims(i))
-                for i in range(len(self.spec.views.leaf_avals))]
+    @staticmethod
+    def _crossing_specs(crossing: Crossing) -> list[P]:
+        """Specs of what crosses into / out of the moves' shard_maps (non-pipe axes)."""
+        return [to_spec(d) for d in crossing.dims()]
 
     # -- parameters -----------------------------------------------------------------
     def staged_shapes(self) -> list[tuple[int, ...]]:
@@ -219,17 +219,18 @@ class SpmdExecutor(Executor):
         Runs as a shard_map: each device fills its slots with its own stages' parameters
         (one copy of them), instead of XLA partitioning a global stack; a scanned stack's
         stacked weights come whole and each device slices its rows (:mod:`.moves`)."""
-        slots = self.layouts.slots
-        fn = self._shard_map(lambda lv: to_slots(self.spec, slots, lv),
-                             (self._leaf_specs(),), self._slot_specs(slots))
-        return fn(list(param_leaves))
+        slots, crossing = self.layouts.slots, Crossing(self.spec)
+        fn = self._shard_map(lambda flat: to_slots(self.spec, slots, crossing, flat),
+                             (self._crossing_specs(crossing),), self._slot_specs(slots))
+        return fn(crossing.flatten(list(param_leaves)))
 
     def _gather(self, staged: list, owner_only: bool) -> list:
         """Slots -> user leaves, replicated over the pipe axis (:func:`.moves.from_slots`)."""
-        slots = self.layouts.slots
-        fn = self._shard_map(lambda buf: from_slots(self.spec, slots, buf, owner_only),
-                             (self._slot_specs(slots),), self._leaf_specs())
-        return fn(list(staged))
+        slots, crossing = self.layouts.slots, Crossing(self.spec)
+        fn = self._shard_map(
+            lambda buf: from_slots(self.spec, slots, crossing, buf, owner_only),
+            (self._slot_specs(slots),), self._crossing_specs(crossing))
+        return crossing.unflatten(fn(list(staged)))
 
     def unshard(self, staged: list) -> list:
         return self._gather(list(staged), owner_only=True)

@@ -15,6 +15,12 @@ slice per slot (in) and one tiled ``all_gather`` per slot (out) do:
 - :func:`from_slots`: every slot is all-gathered once; each leaf is read back from the
   devices and slots holding it, and consecutive rows that one gathered slot holds in
   device order are read as one slice of it.
+
+The exception is a stacked leaf whose leading (layer) axis is itself sharded over a mesh
+axis: cutting its rows inside the ``shard_map`` would move rows between the devices of
+that axis, a collective inside the manual region (which the CPU runtime refuses). Such a
+leaf crosses the ``shard_map`` as its stages' views, cut and joined outside it by the
+partitioner (:class:`Crossing`).
 """
 
 from __future__ import annotations
@@ -31,13 +37,65 @@ from jaxpipe.runtime.spmd.gate import by_device
 from jaxpipe.runtime.spmd.layout import SlotLayout
 from jaxpipe.sharding import constrain
 
-__all__ = ["from_slots", "rows_free", "slot_inputs", "to_slots"]
+__all__ = ["Crossing", "from_slots", "rows_free", "slot_inputs", "to_slots"]
 
 
 def rows_free(c: Any) -> bool:
     """Whether values of class ``c`` can be cut and joined along their leading axis
     without resharding (it exists and no mesh axis shards it)."""
     return bool(c.shape) and not (c.dims and c.dims[0])
+
+
+class Crossing:
+    """What crosses the moves' ``shard_map`` boundary: the user's leaves whole, except
+    those cut outside it (a stacked leaf with a sharded leading axis), which cross as
+    their views, in view order after the whole leaves.
+
+    Attributes:
+      whole: the user leaves that cross whole.
+      views: the views (parameter inputs) that cross for the other leaves.
+    """
+
+    def __init__(self, spec: RuntimeSpec) -> None:
+        self.spec = spec
+        vs = spec.views
+        cut = {w.leaf for w in vs.views if w.start is not None and spec.leaf_dims(w.leaf)[0]}
+        self.whole = [i for i in range(len(vs.leaf_avals)) if i not in cut]
+        self.views = [pid for pid, w in enumerate(vs.views) if w.leaf in cut]
+
+    def flatten(self, leaves: list) -> list:
+        """User leaves -> what crosses (traceable, outside the shard_map)."""
+        vs = self.spec.views.views
+        return ([leaves[i] for i in self.whole]
+                + [vs[pid].take(leaves[vs[pid].leaf]) for pid in self.views])
+
+    def unflatten(self, flat: list) -> list:
+        """What crossed -> user leaves (the views of a cut leaf joined, outside)."""
+        out: list = [None] * len(self.spec.views.leaf_avals)
+        for i, x in zip(self.whole, flat[:len(self.whole)], strict=True):
+            out[i] = x
+        parts: dict[int, list] = {}
+        for pid, x in zip(self.views, flat[len(self.whole):], strict=True):
+            parts.setdefault(self.spec.views.views[pid].leaf, []).append(x)
+        for leaf, xs in parts.items():
+            out[leaf] = jnp.concatenate(xs)
+        return out
+
+    def dims(self) -> list:
+        """The sharding over the non-pipe axes of everything that crosses."""
+        return ([self.spec.leaf_dims(i) for i in self.whole]
+                + [self.spec.dims(pid) for pid in self.views])
+
+    def view(self, flat: list, pid: int) -> jax.Array:
+        """View ``pid``'s value, from what crossed (inside the shard_map)."""
+        if pid in self.views:
+            return flat[len(self.whole) + self.views.index(pid)]
+        w = self.spec.views.views[pid]
+        return w.take(flat[self.whole.index(w.leaf)])
+
+    def leaf(self, flat: list, leaf: int) -> jax.Array:
+        """Whole leaf ``leaf`` (one that crossed whole), inside the shard_map."""
+        return flat[self.whole.index(leaf)]
 
 
 def slot_inputs(spec: RuntimeSpec, slots: SlotLayout) -> np.ndarray:
@@ -57,14 +115,16 @@ def _stacked(spec: RuntimeSpec, slots: SlotLayout, holds: np.ndarray, k: int) ->
             and len({spec.tree_leaf(pid) for pid in pids}) == 1)
 
 
-def to_slots(spec: RuntimeSpec, slots: SlotLayout, leaves: list) -> list[jax.Array]:
-    """User leaves (this device's shards over the non-pipe axes) -> this device's slots,
-    each ``[1, *shape]``. Runs inside a shard_map manual over ``spec.axis``."""
+def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: list
+             ) -> list[jax.Array]:
+    """What crossed (``crossing.flatten`` of the user's leaves; this device's shards over
+    the non-pipe axes) -> this device's slots, each ``[1, *shape]``. Runs inside a
+    shard_map manual over ``spec.axis``."""
     views = spec.views.views
     holds = slot_inputs(spec, slots)
     stacked = [k for k in range(len(slots)) if _stacked(spec, slots, holds, k)]
     rest = [k for k in range(len(slots)) if k not in stacked]
-    leaves = [constrain(x, spec.leaf_dims(i)) for i, x in enumerate(leaves)]
+    flat = [constrain(x, d) for x, d in zip(flat, crossing.dims(), strict=True)]
     dev = lax.axis_index(spec.axis)
     out: list = [None] * len(slots)
 
@@ -73,7 +133,7 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, leaves: list) -> list[jax.Arr
             got = []
             for k in rest:
                 c, pid = slots.classes[k], holds[d, k]
-                x = (jnp.asarray(views[pid].take(lv[views[pid].leaf]), c.dtype) if pid >= 0
+                x = (jnp.asarray(crossing.view(lv, pid), c.dtype) if pid >= 0
                      else jnp.zeros(c.shape, c.dtype))
                 got.append(constrain(x, c.dims))
             return got
@@ -83,12 +143,12 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, leaves: list) -> list[jax.Arr
         keys = [tuple(holds[d, rest]) for d in range(spec.schedule.num_devices)]
         firsts = list(dict.fromkeys(keys))
         got = by_device([branch(keys.index(key)) for key in firsts],
-                        [firsts.index(key) for key in keys], spec.axis, leaves)
+                        [firsts.index(key) for key in keys], spec.axis, flat)
         for k, x in zip(rest, got, strict=True):
             out[k] = x
-    for k in stacked:
+    for k in stacked:  # rows_free: the leaf crossed whole
         c = slots.classes[k]
-        leaf = leaves[spec.tree_leaf(int(max(holds[:, k])))]
+        leaf = crossing.leaf(flat, spec.tree_leaf(int(max(holds[:, k]))))
         n, total = c.shape[0], leaf.shape[0]
         if (holds[:, k] < 0).any():  # a device without these rows reads zeros past the end
             leaf = jnp.concatenate([leaf, jnp.zeros((n, *leaf.shape[1:]), leaf.dtype)])
@@ -114,11 +174,12 @@ class _Gathered:
         return self.all[first * self.n:(first + count) * self.n]
 
 
-def from_slots(spec: RuntimeSpec, slots: SlotLayout, bufs: list, owner_only: bool
-               ) -> list[jax.Array]:
-    """This device's slots -> user leaves (replicated over the pipe axis, sharded over
-    the others as the parameters are): each view is the sum over the stages holding it
-    (``owner_only``: the first such stage's copy, for parameters), and a leaf its views
+def from_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, bufs: list,
+               owner_only: bool) -> list[jax.Array]:
+    """This device's slots -> what crosses back (``crossing.unflatten`` makes the user's
+    leaves of it; replicated over the pipe axis, sharded over the others as the
+    parameters are): each view is the sum over the stages holding it (``owner_only``:
+    the first such stage's copy, for parameters), and a leaf crossing whole its views
     joined along the leading axis. Runs inside a shard_map manual over ``spec.axis``.
 
     The program grows with slots + leaves, not with leaves x devices (as a switch over
@@ -135,6 +196,8 @@ def from_slots(spec: RuntimeSpec, slots: SlotLayout, bufs: list, owner_only: boo
     bufs = [constrain(x[0], c.dims) for x, c in zip(bufs, slots.classes, strict=True)]
     every = {k: _Gathered(bufs[k], spec.axis, slots.classes[k]) for k in used}
     parts: list[list[Any]] = [[] for _ in views.leaf_avals]
+    viewed_ids = frozenset(crossing.views)
+    viewed: dict[int, jax.Array] = {}  # the views that cross back as views
     run: tuple[int, int, int, int] | None = None  # (leaf, slot, first device, count)
 
     def close() -> None:
@@ -142,7 +205,8 @@ def from_slots(spec: RuntimeSpec, slots: SlotLayout, bufs: list, owner_only: boo
             parts[run[0]].append(every[run[1]].of(run[2], run[3]))
 
     for pid, (w, a) in enumerate(zip(views.views, views.avals, strict=True)):
-        if len(where[pid]) == 1 and every[where[pid][0][0]].n is not None:
+        single = len(where[pid]) == 1 and every[where[pid][0][0]].n is not None
+        if single and pid not in viewed_ids:
             k, d = where[pid][0]
             if run is not None and run[:2] == (w.leaf, k) and run[2] + run[3] == d:
                 run = (w.leaf, k, run[2], run[3] + 1)  # the next device's rows: one slice
@@ -153,11 +217,16 @@ def from_slots(spec: RuntimeSpec, slots: SlotLayout, bufs: list, owner_only: boo
         close()
         run = None
         terms = [every[k].of(d) for k, d in where[pid]]
-        parts[w.leaf].append(sum(terms[1:], terms[0]) if terms
-                             else jnp.zeros(a.shape, a.dtype))
+        x = sum(terms[1:], terms[0]) if terms else jnp.zeros(a.shape, a.dtype)
+        if pid in viewed_ids:
+            viewed[pid] = x
+        else:
+            parts[w.leaf].append(x)
     close()
     out = []
-    for leaf, a in enumerate(views.leaf_avals):
+    for leaf in crossing.whole:
         x = parts[leaf][0] if len(parts[leaf]) == 1 else jnp.concatenate(parts[leaf])
-        out.append(constrain(x.astype(a.dtype), spec.leaf_dims(leaf)))
-    return out
+        out.append(x.astype(views.leaf_avals[leaf].dtype))
+    for pid in crossing.views:
+        out.append(viewed[pid].astype(views.avals[pid].dtype))
+    return [constrain(x, d) for x, d in zip(out, crossing.dims(), strict=True)]
