@@ -120,7 +120,15 @@ class RuntimeSpec:
 
     def leaf_dims(self, leaf: int) -> Dims:
         """The sharding of user leaf ``leaf`` over the non-pipe axes (its views')."""
-        return self.dims(self.views.leaf_of.index(leaf))
+        return self.dims(self._first_view[leaf])
+
+    @functools.cached_property
+    def _first_view(self) -> dict[int, int]:
+        """User leaf -> its first view (parameter input)."""
+        first: dict[int, int] = {}
+        for pid, leaf in enumerate(self.views.leaf_of):
+            first.setdefault(leaf, pid)
+        return first
 
     @property
     def num_microbatches(self) -> int:
