@@ -68,14 +68,20 @@ def _check_lowering(schedule, split=False, same_tick=False, fuse=False, cost=Non
     when = ticks.timing()
     D = schedule.num_devices
     fused = {a for a, f in zip(ticks.graph.actions, ticks.fused, strict=True) if f}
-    fused_stages = {a.stage for a in fused}
-    # a fused B runs in its own F's step, right after it on its device; whole stages only
-    assert fuse or not fused
+    fb = {a for a in fused if a.kind == "B"}
+    fused_stages = {a.stage for a in fb}
+    joined_stages = {a.stage for a in fused if a.kind == "W"}
+    # a fused B runs in its own F's step, a joined W in its own I's, right after it on its
+    # device; whole stages only
+    assert (fuse or not fb) and (same_tick or not joined_stages)
     for a in fused:
-        f = jp.Action("F", a.stage, a.microbatch)
-        assert a.kind == "B" and when[a] == when[f]
-        assert run.actions()[when[a].device].index(a) == run.actions()[when[a].device].index(f) + 1
-    assert {a for a in ticks.graph.actions if a.kind == "B" and a.stage in fused_stages} == fused
+        first = jp.Action({"B": "F", "W": "I"}[a.kind], a.stage, a.microbatch)
+        assert when[a] == when[first]
+        acts = run.actions()[when[a].device]
+        assert acts.index(a) == acts.index(first) + 1
+    assert {a for a in ticks.graph.actions if a.kind == "B" and a.stage in fused_stages} == fb
+    assert {a for a in ticks.graph.actions
+            if a.kind == "W" and a.stage in joined_stages} == fused - fb
     # every action once, on its device, one action per (device, step) but a fused pair,
     # device order kept
     assert set(when) == {a for acts in run.actions().values() for a in acts}
@@ -113,6 +119,8 @@ def _check_lowering(schedule, split=False, same_tick=False, fuse=False, cost=Non
                          if (x.stage, x.microbatch) == (a.stage, a.microbatch)}
                 start = kinds[pool.writer]
                 end = max([kinds[r] for r in pool.readers if r in kinds] or [start])
+                if pool is Pool.HANDOFF and end == start:  # IW: live during the step
+                    start -= 1
                 live.append((c, start, end, int(bases[k]), int(bases[k]) + n))
                 # every reader of the pool reads where the writer wrote
                 for r in pool.readers:
@@ -142,7 +150,7 @@ def _check_lowering(schedule, split=False, same_tick=False, fuse=False, cost=Non
             kind, stage = _decode(b, S)
             assert branch_id(kind, stage, S) == b and int(t.stage[step, d]) == stage
             assert (kind == "FB") == (stage in fused_stages)
-            for k in ("F", "B") if kind == "FB" else (kind,):
+            for k in {"FB": ("F", "B"), "IW": ("I", "W")}.get(kind, (kind,)):
                 seen.add(jp.Action(k, stage, int(t.microbatch[step, d])))
     assert seen == set(low.actions)
     _check_messages(low, D)
@@ -221,18 +229,36 @@ def test_last_stage_runs_f_and_b_in_one_step():
 
 
 def test_w_shares_its_i_tick():
-    """iw_same_tick: 1F1B split into I+W keeps the unsplit tick count (a W that follows
-    its own I runs as the second step of the I's tick), with the same residual peaks."""
+    """iw_same_tick: 1F1B split into I+W keeps the unsplit tick count. Every W of 1F1B
+    directly follows its own I, so each runs in its I's step (IW: the hand-off passed
+    straight on), with the same residual peaks and the unsplit step count.
+    Where a stage has a W away from its I, its Ws that follow their I run as the second
+    step of the I's tick instead."""
     sched = jp.OneFOneB(4, 8)
-    plain = lower(sched, _counts(sched))
-    split = lower(sched, _counts(sched), split_backward=True)
-    packed = lower(sched, _counts(sched), split_backward=True, iw_same_tick=True)
-    assert packed.num_ticks == plain.num_ticks < split.num_ticks
-    assert packed.residual_peak == plain.residual_peak
-    for a, tm in packed.actions.items():
+    counts = _counts(sched)
+    plain = lower(sched, counts)
+    split = lower(sched, counts, split_backward=True)
+    joined = lower(sched, counts, split_backward=True, iw_same_tick=True)
+    assert joined.num_ticks == plain.num_ticks < split.num_ticks
+    assert joined.num_steps == plain.num_steps
+    assert joined.residual_peak == plain.residual_peak
+    for a, tm in joined.actions.items():
         if a.kind == "W":
-            i = packed.actions[jp.Action("I", a.stage, a.microbatch)]
-            assert (tm.tick, tm.device, tm.step) == (i.tick, i.device, i.step + 1)
+            i = joined.actions[jp.Action("I", a.stage, a.microbatch)]
+            assert (tm.tick, tm.device, tm.step) == (i.tick, i.device, i.step)
+    # the program compiles IW branches in place of I and W
+    assert {_decode(b, 4)[0] for b in joined.used_branches - {IDLE}} == {"F", "IW"}
+    # DeferredW1F1B defers most Ws: stages with a W away from its I pack the others
+    zb = DeferredW1F1B(4, 8)
+    low = lower(zb, _counts(zb), iw_same_tick=True)
+    seconds = 0
+    for a, tm in low.actions.items():
+        if a.kind == "W":
+            i = low.actions[jp.Action("I", a.stage, a.microbatch)]
+            if tm.tick == i.tick:
+                assert tm.step == i.step + 1
+                seconds += 1
+    assert seconds > 0
 
 
 def test_split_backward_keeps_order_and_memory():

@@ -165,6 +165,11 @@ def allocate(ticks: Ticks, messages: Messages,
     b_of = index[_KIND["B"], units]
     stores = ~((b_of >= 0) & ticks.fused[np.maximum(b_of, 0)])
     units = units[stores]
+    # a unit whose W runs in its I's step writes and reads its hand-off within that step
+    # (the core passes its own straight on; a shared core's prologue and epilogue store
+    # theirs): live during the step, so it shares slots with no value live then
+    w_of = index[_KIND["W"], units]
+    joined = (w_of >= 0) & ticks.fused[np.maximum(w_of, 0)]
     unit_device = ticks.device[index[0, units]]
     unit_stage = units // m
     # residual sets live from F to the last backward action (the simulator's count)
@@ -184,8 +189,9 @@ def allocate(ticks: Ticks, messages: Messages,
             has = step[w, units] >= 0
             readers = step[[_KIND[r] for r in pool.readers]][:, units]
             last = np.maximum(readers.max(axis=0), step[w, units])
+            first = step[w, units] - (joined if pool is Pool.HANDOFF else 0)
             at = np.flatnonzero(has)
-            rows.append((at, np.full(len(at), int(pool)), step[w, units][at], last[at]))
+            rows.append((at, np.full(len(at), int(pool)), first[at], last[at]))
         at, pools, start, end = (np.concatenate(col) for col in zip(*rows, strict=True))
         order = np.lexsort((pools, at, unit_device[at]))  # by device, then unit, then pool
         at, pools, start, end = at[order], pools[order], start[order], end[order]

@@ -154,16 +154,30 @@ class Branches:
                                                    outs[n:])
             return store, gbuf, self.as_msg(c_back, outs[:n]), loss
 
-        def w_branch(row, pbuf, mbd, inbox, state):
-            store, gbuf, msg, loss = state
+        def weights(row, pbuf, mbd, store, gbuf, handoff):
             params, batch = inputs(row, pbuf, mbd)
-            handoff = io.packing[Pool.HANDOFF].read(store, row.bases(Pool.HANDOFF))
             ct_par, store, gbuf = io.run("bwd_w", row, store, gbuf,
                                          [*params, *batch, *io.load_w(row, store), *handoff])
             store, gbuf = ends.weights(row, pbuf, mbd, store, gbuf)
-            return store, self.accumulate(body, gbuf, row, ct_par), msg, loss
+            return store, self.accumulate(body, gbuf, row, ct_par)
 
-        return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch}[kind]
+        def w_branch(row, pbuf, mbd, inbox, state):
+            store, gbuf, msg, loss = state
+            handoff = io.packing[Pool.HANDOFF].read(store, row.bases(Pool.HANDOFF))
+            store, gbuf = weights(row, pbuf, mbd, store, gbuf, handoff)
+            return store, gbuf, msg, loss
+
+        def iw_branch(row, pbuf, mbd, inbox, state):
+            """I then its own W (fusion.joined_weights): the hand-off goes straight from
+            one to the other, never to storage."""
+            store, gbuf, msg, loss = state
+            outs, store, gbuf = backward("bwd_i", row, pbuf, mbd, inbox, store, gbuf)
+            n = len(st.ct_in_avals())
+            store, gbuf = weights(row, pbuf, mbd, store, gbuf, outs[n:])
+            return store, gbuf, self.as_msg(c_back, outs[:n]), loss
+
+        return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch,
+                "IW": iw_branch}[kind]
 
     def _fused(self, body: Body) -> Branch | None:
         """F and its own B in one step (the last stage, fusion.fused_backwards): the

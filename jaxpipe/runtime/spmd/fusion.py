@@ -1,4 +1,5 @@
-"""Which backwards the program runs in their own forward's step ("FB"), and when that pays.
+"""Which backwards the program runs in their own forward's step ("FB"), and when that pays;
+which W it runs in its own I's step ("IW").
 
 In 1F1B (and at p = 1) the last stage runs every F directly followed by its own B, and
 that B needs no message: its cotangent is the loss's. Run as one step, the stage's
@@ -8,6 +9,12 @@ and B compile as one branch. But buffers are as large as the busiest device need
 the FB step holds the stage's residuals in its scratch while it runs, so fusing saves
 memory only where the fused stage's device sized the buffers (p = 1, or classes only that
 stage stores); :func:`fusing_saves_memory` makes that call for ``fuse_fb="auto"``.
+
+A split backward's W that directly follows its own I can run in the I's step too
+(:func:`joined_weights`, with ``iw_same_tick``): the hand-off goes straight from I to W
+instead of through storage, and the pair takes one step. Its I's cotangent message then
+leaves after W, which is why it comes only with ``iw_same_tick`` (W in its I's tick, the
+tick's messages moving after both anyway).
 """
 
 from __future__ import annotations
@@ -18,12 +25,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxpipe.runtime.spmd.allocate import Allocation, Pool
-from jaxpipe.schedule.graph import KB, KF, ScheduleGraph
+from jaxpipe.schedule.graph import KB, KF, KI, KW, ScheduleGraph
 
 if TYPE_CHECKING:
     from jaxpipe.runtime.spmd.lowering import Ticks
 
-__all__ = ["fused_backwards", "fusing_saves_memory"]
+__all__ = ["fused_backwards", "fusing_saves_memory", "joined_weights"]
 
 
 def fused_backwards(graph: ScheduleGraph) -> np.ndarray:
@@ -43,6 +50,23 @@ def fused_backwards(graph: ScheduleGraph) -> np.ndarray:
     num_stages = int(graph.stages.max()) + 1 if len(kinds) else 0
     mixed = np.zeros(num_stages, bool)
     mixed[graph.stages[(kinds != KF) & ~ok]] = True  # any other backward action
+    return ok & ~mixed[graph.stages]
+
+
+def joined_weights(graph: ScheduleGraph) -> np.ndarray:
+    """Per action (``graph.actions`` order), True for a W the program runs in its own I's
+    step, as one input-gradient and weight-gradient step (``"IW"``).
+
+    A W qualifies when it directly follows its own I on the device. Whole stages only, as
+    for FB: a stage with a W elsewhere would compile I, W and IW branches.
+    """
+    kinds, prev = graph.kinds, graph.prev
+    p = np.maximum(prev, 0)
+    ok = ((kinds == KW) & (prev >= 0) & (kinds[p] == KI) & (graph.stages[p] == graph.stages)
+          & (graph.microbatches[p] == graph.microbatches))
+    num_stages = int(graph.stages.max()) + 1 if len(kinds) else 0
+    mixed = np.zeros(num_stages, bool)
+    mixed[graph.stages[(kinds == KW) & ~ok]] = True  # a W away from its I
     return ok & ~mixed[graph.stages]
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpipe.runtime.spmd.allocate import Allocation, Pool, allocate
-from jaxpipe.runtime.spmd.fusion import fused_backwards, fusing_saves_memory
+from jaxpipe.runtime.spmd.fusion import fused_backwards, fusing_saves_memory, joined_weights
 from jaxpipe.runtime.spmd.table import (
     IDLE,
     PROGRAM_KINDS,
@@ -198,8 +198,9 @@ class Ticks:
       graph: the schedule's :class:`~jaxpipe.schedule.graph.ScheduleGraph`.
       device, tick, step: per action.
       tick_end: per tick, its last step (messages move at its end).
-      fused: per action, True for a B that runs in its own F's step
-        (:func:`fused_backwards`; the two share ``tick`` and ``step``).
+      fused: per action, True for a backward that runs in its predecessor's step: a B in
+        its own F's (:func:`fused_backwards`) or a W in its own I's
+        (:func:`~.fusion.joined_weights`); the two share ``tick`` and ``step``.
     """
 
     graph: ScheduleGraph
@@ -229,8 +230,9 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
     (each device runs its actions in order, each as soon as its inputs exist).
 
     ``iw_same_tick``: a W that directly follows its own I on a device runs in the I's
-    tick, as the tick's second step (the tick's messages, the I's cotangent among them,
-    move after both). Fewer ticks, the same steps.
+    tick (the tick's messages, the I's cotangent among them, move after both): in the
+    I's step where :func:`~.fusion.joined_weights` allows (the hand-off passed straight
+    on), else as the tick's second step. Fewer ticks, and fewer steps where joined.
 
     ``fuse_fb``: the B actions :func:`fused_backwards` picks run in their F's step.
 
@@ -249,12 +251,16 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
     if fused.any():
         partner[fused] = graph.prev[fused]
     if iw_same_tick:
-        # a W whose device's previous action is its own I
+        # a W whose device's previous action is its own I: in the I's step (joined, whole
+        # stages) or the tick's second step (packed)
         prev = np.maximum(graph.prev, 0)
-        packed = ((graph.kinds == KW) & (graph.prev >= 0)
-                  & (graph.kinds[prev] == KI) & (graph.stages[prev] == graph.stages)
-                  & (graph.microbatches[prev] == graph.microbatches))
-        partner[packed] = graph.prev[packed]
+        after_i = ((graph.kinds == KW) & (graph.prev >= 0)
+                   & (graph.kinds[prev] == KI) & (graph.stages[prev] == graph.stages)
+                   & (graph.microbatches[prev] == graph.microbatches))
+        joined = joined_weights(graph)
+        fused = fused | joined
+        packed = after_i & ~joined
+        partner[after_i] = graph.prev[after_i]
     merged = packed | fused
     if costs is None:
         starts, _ = graph.run_costs(np.where(merged, 0, 1).tolist())
@@ -448,7 +454,8 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
         residual_peak=alloc.residual_peak,
         slots_per_device=alloc.slots_per_device,
         split_backward=split,
-        fused_stages=frozenset(int(x) for x in ticks.graph.stages[ticks.fused]),
+        fused_stages=frozenset(int(x) for x in ticks.graph.stages[
+            ticks.fused & (ticks.graph.kinds == KB)]),
     )
 
 

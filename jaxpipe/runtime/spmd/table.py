@@ -26,9 +26,10 @@ __all__ = ["IDLE", "PROGRAM_KINDS", "TickTable", "branch_id", "exchange_patterns
 #: Branch id of a step in which a device does nothing.
 IDLE = 0
 
-#: What a program step runs: a schedule action kind, or ``"FB"``, a forward and its own
-#: backward in one step (see :func:`.fusion.fused_backwards`).
-PROGRAM_KINDS = (*ACTION_KINDS, "FB")
+#: What a program step runs: a schedule action kind, ``"FB"``, a forward and its own
+#: backward in one step (see :func:`.fusion.fused_backwards`), or ``"IW"``, an I and its
+#: own W in one step (:func:`.fusion.joined_weights`).
+PROGRAM_KINDS = (*ACTION_KINDS, "FB", "IW")
 
 _KIND = {kind: i for i, kind in enumerate(PROGRAM_KINDS)}  # kind -> its index
 
@@ -108,10 +109,11 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
     T = ticks.num_steps
     dummy = alloc.num_inbox
     shape = (T, D)
-    # a fused B shares its F's row, which runs the FB branch
+    # a fused B shares its F's row, which runs the FB branch; a joined W its I's (IW)
     rows = np.flatnonzero(~ticks.fused)
     kind = graph.kinds.copy()
-    kind[graph.prev[ticks.fused]] = _KIND["FB"]
+    for second, pair in (("B", "FB"), ("W", "IW")):
+        kind[graph.prev[ticks.fused & (graph.kinds == _KIND[second])]] = _KIND[pair]
     kind, stage_of, mb_of = kind[rows], graph.stages[rows], graph.microbatches[rows]
     t, d = ticks.step[rows], ticks.device[rows]
     branch = np.full(shape, IDLE, np.int32)
