@@ -45,10 +45,16 @@ class SpmdRuntime(Runtime):
         cost keep the lock-step program at the schedule's speed; not on CPU, where the
         extra steps cost more than they save (2 gloo processes, p=2 m=8: GPipe 0.41 of
         the ideal speed-up split vs 0.83 unsplit; benchmarks/README.md).
-      iw_same_tick: run a W that directly follows its own I in the I's tick (fewer ticks
-        and permutation rendezvous, more steps; the I's cotangent then leaves after the
-        W). Off by default: where devices run concurrently it delays the cotangent, and
-        on CPU it measured no faster than separate ticks (benchmarks/step_overhead.py).
+      iw_same_tick: run a W that directly follows its own I in the I's tick, the I's
+        cotangent leaving after the W. Where every W of a stage directly follows its I
+        (1F1B split into I + W), the pair runs as one step and the hand-off goes
+        straight from I to W instead of through storage
+        (:func:`.fusion.joined_weights`); other such Ws run as the tick's second step.
+        ``"auto"`` (default): only where devices do not run concurrently (virtual CPU
+        devices in one process), where the later cotangent costs nothing and the joined
+        step removes the split's cost (1F1B p=4, I + W against B: 1.05 -> 0.995 on an
+        MLP, 1.06 -> 1.01 on GPT blocks; benchmarks/step_overhead.py). Where devices run
+        concurrently the later cotangent delays the stage before.
       fuse_fb: run a B that directly follows its own F (the last stage's, whose cotangent
         is its loss, in 1F1B and at p=1) in the F's step as one forward and backward, as
         plain ``jax.value_and_grad`` does: that stage stores no residuals, the pair takes
@@ -63,13 +69,14 @@ class SpmdRuntime(Runtime):
     name: ClassVar[str] = "spmd"
 
     def __init__(self, *, share_bodies: bool = True, split_backward: bool | str = "auto",
-                 iw_same_tick: bool = False, fuse_fb: bool | str = "auto",
+                 iw_same_tick: bool | str = "auto", fuse_fb: bool | str = "auto",
                  refine: int | str = "auto") -> None:
         if split_backward not in (True, False, "auto"):
             raise PipelineError(
                 f"split_backward must be True, False or 'auto', got {split_backward!r}.")
-        if not isinstance(iw_same_tick, bool):
-            raise PipelineError(f"iw_same_tick must be True or False, got {iw_same_tick!r}.")
+        if iw_same_tick not in (True, False, "auto"):
+            raise PipelineError(
+                f"iw_same_tick must be True, False or 'auto', got {iw_same_tick!r}.")
         if fuse_fb not in (True, False, "auto"):
             raise PipelineError(f"fuse_fb must be True, False or 'auto', got {fuse_fb!r}.")
         if refine != "auto" and (isinstance(refine, bool) or not isinstance(refine, int)
@@ -97,6 +104,12 @@ class SpmdRuntime(Runtime):
             return self.refine
         return REFINE_EVALS if _concurrent() else 0
 
+    def resolve_iw_same_tick(self) -> bool:
+        """Whether a W runs in its own I's tick (``iw_same_tick="auto"`` resolved)."""
+        if self.iw_same_tick != "auto":
+            return bool(self.iw_same_tick)
+        return not _concurrent()
+
     def resolve_split(self) -> bool:
         if self.split_backward != "auto":
             return bool(self.split_backward)
@@ -110,7 +123,7 @@ class SpmdRuntime(Runtime):
 
     def __repr__(self) -> str:
         return (f"SpmdRuntime(share_bodies={self.share_bodies}, "
-                f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick}, "
+                f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick!r}, "
                 f"fuse_fb={self.fuse_fb!r}, refine={self.refine!r})")
 
 
@@ -149,7 +162,7 @@ class SpmdExecutor(Executor):
             spec.stages, self.layouts.slots, share=runtime.share_bodies)
         self.lowering: Lowering = lower(sched, self.layouts.pool_counts(), self.body_of_stage,
                                         split_backward=runtime.resolve_split(),
-                                        iw_same_tick=runtime.iw_same_tick,
+                                        iw_same_tick=runtime.resolve_iw_same_tick(),
                                         fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
                                         refine=runtime.resolve_refine())
         self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
