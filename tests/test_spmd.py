@@ -308,3 +308,11 @@ def test_refine_must_be_auto_or_a_count():
         SpmdRuntime(refine=True)
     assert SpmdRuntime(refine=7).resolve_refine() == 7
     assert SpmdRuntime().resolve_refine() == 0  # one process of virtual CPU devices
+
+
+def test_iw_same_tick_is_auto_or_a_bool():
+    with pytest.raises(jp.PipelineError, match="iw_same_tick must be True, False or 'auto'"):
+        SpmdRuntime(iw_same_tick="yes")
+    assert SpmdRuntime(iw_same_tick=False).resolve_iw_same_tick() is False
+    # one process of virtual CPU devices: they take turns, so W joins its I's step
+    assert SpmdRuntime().resolve_iw_same_tick() is True
