@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         v_shape, split_prob = rng.random() < 0.5, rng.choice([0.0, 0.5, 1.0])
         seed = rng.randint(0, 2**16)
         options = {"split_backward": rng.random() < 0.5, "refine": rng.choice([0, 50, 400]),
-                   "iw_same_tick": rng.random() < 0.2,
+                   "iw_same_tick": rng.choice([False, True, "auto"]),
                    "fuse_fb": rng.choice([False, "auto", True])}
         model = rng.choice(sorted(models.MODELS))
         tag = (f"#{k} {model} p={p} v={v} m={m} v_shape={v_shape} split_prob={split_prob} "
