@@ -316,3 +316,24 @@ def test_iw_same_tick_is_auto_or_a_bool():
     assert SpmdRuntime(iw_same_tick=False).resolve_iw_same_tick() is False
     # one process of virtual CPU devices: they take turns, so W joins its I's step
     assert SpmdRuntime().resolve_iw_same_tick() is True
+
+
+@pytest.mark.parametrize("same_tick", [False, True])
+def test_split_middle_members_of_a_shared_core(same_tick):
+    """Stages 1 and 2 split some backwards into I + W (a W right after its I: IW with
+    ``same_tick``), stages 0 and 3 never do; all four share one core, 0 and 3 around a
+    prologue (embedding) and an epilogue (head). The I / W / IW branches run only the
+    split members' parts: the head's hand-off has no storage at all (found by
+    tests/fuzz_runtime.py, seed 31, case 91)."""
+    from random_schedules import random_schedule
+
+    sched = random_schedule(4, 1, 2, True, 0.5, 1167)
+    assert {a.kind for a in sched.device_actions(0) + sched.device_actions(3)} == {"F", "B"}
+    assert {"I", "W"} <= {a.kind for a in sched.device_actions(1) + sched.device_actions(2)}
+    loss_fn, params, batch = MODELS["tiny_lm"](4, batch=4)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
+                       schedule=sched, cut="markers",
+                       runtime=SpmdRuntime(split_backward=False, iw_same_tick=same_tick))
+    assert set(pipe.executor.body_of_stage) == {0}
+    assert [st.parts is not None for st in pipe.stages] == [True, False, False, True]
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 2))

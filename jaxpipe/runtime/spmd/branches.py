@@ -37,13 +37,17 @@ Branch = Callable[..., tuple]
 class Branches:
     """Builds the program's branches for one layout (``layouts``) and ``m`` microbatches;
     ``fused``: the stages that run every F with its B in one step (only their FB
-    branch runs them)."""
+    branch runs them); ``split``: the stages that run some backward as I then W (only
+    their parts run in the I, W and IW branches: another member's hand-off may have no
+    storage at all)."""
 
     def __init__(self, layouts: StageLayouts, num_microbatches: int,
-                 fused: frozenset[int] = frozenset()) -> None:
+                 fused: frozenset[int] = frozenset(),
+                 split: frozenset[int] | None = None) -> None:
         self.L = layouts
         self.m = num_microbatches
         self.fused = fused
+        self.split = split
 
     # -- reading and writing the buffers ----------------------------------------------
     def unit_base(self, packing: Packing, slot: Any) -> dict:
@@ -99,8 +103,9 @@ class Branches:
         io = _DirectIO(self, body)
         # a shared body's members split into parts run their prologue / epilogue around
         # the core (none: every member is the core; a fused stage runs whole, in FB)
-        ends = Ends(L, [st for st in body.members if st.index not in self.fused]
-                    if body.shared else (), m)
+        members = [st for st in body.members if st.index not in self.fused and (
+            kind not in ("I", "W", "IW") or self.split is None or st.index in self.split)]
+        ends = Ends(L, members if body.shared else (), m)
         a_in, c_back = L.act_in[body.in_stage], L.ct_in[body.in_stage]
         a_out, c_on = L.act_out[body.out_stage], L.ct_out[body.out_stage]
 

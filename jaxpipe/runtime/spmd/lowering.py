@@ -154,6 +154,13 @@ class Lowering:
         return tuple(self.message_arrays.as_list(self.ticks.graph.actions))
 
     @property
+    def split_stages(self) -> frozenset[int]:
+        """Stages that run some backward as I then W (split by the schedule or by
+        ``split_backward``)."""
+        g = self.ticks.graph
+        return frozenset(int(s) for s in g.stages[g.kinds == KI])
+
+    @property
     def used_branches(self) -> frozenset[int]:
         """Branch ids some device runs (the program compiles only these)."""
         return frozenset(int(b) for b in np.unique(self.table.branch))

@@ -99,7 +99,7 @@ def build_step(
     units = lowering.units
     num_bodies = len(bodies)
 
-    branch_of = Branches(L, m, lowering.fused_stages)
+    branch_of = Branches(L, m, lowering.fused_stages, lowering.split_stages)
 
     # Only (kind, body) pairs the schedule runs get a branch (e.g. no I/W for 1F1B).
     used = lowering.used_branches - {IDLE}
