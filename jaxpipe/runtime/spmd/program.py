@@ -3,12 +3,13 @@
 Every device runs the same program: ``lax.scan`` over the steps of the
 :class:`~.lowering.TickTable`. In a step, a device runs the branch of one (action kind,
 body) pair, or nothing (kind ``"FB"``: a last stage's F and its own B in one step, the
-residuals passed straight from one to the other):
+residuals passed straight from one to the other; ``"IW"``: an I and its own W in one
+step, the hand-off passed straight on):
 
 - parameters come from slots, whole arrays (a shared body whose members use different
   slots on one device picks the running stage's from a small table by ``row.stage``);
-- residuals and the I -> W hand-off are stored in per-class buffers at the slots the
-  lowering chose, and gradients accumulate in place;
+- residuals and the I -> W hand-off (of a W in a step of its own) are stored in
+  per-class buffers at the slots the lowering chose, and gradients accumulate in place;
 - an output message goes into the outbox unit of its direction (or into an inbox slot
   when it stays on the device, the turn of a V). At the end of a tick's last step, every
   permutation someone uses runs once (``lax.ppermute`` of that direction's whole outbox)
