@@ -30,7 +30,7 @@ from jaxpipe.schedule.graph import KB, KF, KI, KW, ScheduleGraph
 if TYPE_CHECKING:
     from jaxpipe.runtime.spmd.lowering import Ticks
 
-__all__ = ["fused_backwards", "fusing_saves_memory", "joined_weights"]
+__all__ = ["fused_backwards", "fusing_saves_memory", "joined_weights", "w_after_own_i"]
 
 
 def fused_backwards(graph: ScheduleGraph) -> np.ndarray:
@@ -53,17 +53,25 @@ def fused_backwards(graph: ScheduleGraph) -> np.ndarray:
     return ok & ~mixed[graph.stages]
 
 
+def w_after_own_i(graph: ScheduleGraph) -> np.ndarray:
+    """Per action (``graph.actions`` order), True for a W whose device runs it directly
+    after its own I."""
+    kinds, prev = graph.kinds, graph.prev
+    p = np.maximum(prev, 0)
+    return ((kinds == KW) & (prev >= 0) & (kinds[p] == KI) & (graph.stages[p] == graph.stages)
+            & (graph.microbatches[p] == graph.microbatches))
+
+
 def joined_weights(graph: ScheduleGraph) -> np.ndarray:
     """Per action (``graph.actions`` order), True for a W the program runs in its own I's
     step, as one input-gradient and weight-gradient step (``"IW"``).
 
-    A W qualifies when it directly follows its own I on the device. Whole stages only, as
-    for FB: a stage with a W elsewhere would compile I, W and IW branches.
+    A W qualifies when it directly follows its own I on the device
+    (:func:`w_after_own_i`). Whole stages only, as for FB: a stage with a W elsewhere
+    would compile I, W and IW branches.
     """
-    kinds, prev = graph.kinds, graph.prev
-    p = np.maximum(prev, 0)
-    ok = ((kinds == KW) & (prev >= 0) & (kinds[p] == KI) & (graph.stages[p] == graph.stages)
-          & (graph.microbatches[p] == graph.microbatches))
+    kinds = graph.kinds
+    ok = w_after_own_i(graph)
     num_stages = int(graph.stages.max()) + 1 if len(kinds) else 0
     mixed = np.zeros(num_stages, bool)
     mixed[graph.stages[(kinds == KW) & ~ok]] = True  # a W away from its I

@@ -34,7 +34,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpipe.runtime.spmd.allocate import Allocation, Pool, allocate
-from jaxpipe.runtime.spmd.fusion import fused_backwards, fusing_saves_memory, joined_weights
+from jaxpipe.runtime.spmd.fusion import (
+    fused_backwards,
+    fusing_saves_memory,
+    joined_weights,
+    w_after_own_i,
+)
 from jaxpipe.runtime.spmd.table import (
     IDLE,
     PROGRAM_KINDS,
@@ -44,7 +49,7 @@ from jaxpipe.runtime.spmd.table import (
     offset_index,
 )
 from jaxpipe.schedule import Action, Schedule
-from jaxpipe.schedule.graph import KB, KF, KI, KW, ScheduleGraph, paused_gc
+from jaxpipe.schedule.graph import KB, KF, KI, ScheduleGraph, paused_gc
 
 __all__ = [
     "IDLE",
@@ -258,13 +263,9 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
     if fused.any():
         partner[fused] = graph.prev[fused]
     if iw_same_tick:
-        # a W whose device's previous action is its own I: in the I's step (joined, whole
-        # stages) or the tick's second step (packed)
-        prev = np.maximum(graph.prev, 0)
-        after_i = ((graph.kinds == KW) & (graph.prev >= 0)
-                   & (graph.kinds[prev] == KI) & (graph.stages[prev] == graph.stages)
-                   & (graph.microbatches[prev] == graph.microbatches))
-        joined = joined_weights(graph)
+        # a W right after its own I: in the I's step (joined, whole stages) or the tick's
+        # second step (packed)
+        after_i, joined = w_after_own_i(graph), joined_weights(graph)
         fused = fused | joined
         packed = after_i & ~joined
         partner[after_i] = graph.prev[after_i]
