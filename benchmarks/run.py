@@ -823,8 +823,10 @@ def markdown_summary(res: dict[str, Any]) -> str:
     if st:
         o = st["p1_overhead"]
         lines += ["", f"**Step overhead**: p=1 {o['model']}: {o['ratio_cpu']:.3f} of plain JAX "
-                  "(CPU time); I+W / B (1F1B): " + ", ".join(
-                      f"{k} {v['ratio_cpu']:.3f}" for k, v in st["split_backward"]["rows"].items())]
+                  "(CPU time); I+W / B (1F1B), W in its I's step (the CPU default) / in a "
+                  "tick of its own: " + ", ".join(
+                      f"{k} {v['same_tick_ratio_cpu']:.3f} / {v['ratio_cpu']:.3f}"
+                      for k, v in st["split_backward"]["rows"].items())]
     sh = res.get("sharded")
     if sh:
         mem, o = sh["memory"], sh["p1_overhead"]
