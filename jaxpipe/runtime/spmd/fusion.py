@@ -33,6 +33,23 @@ if TYPE_CHECKING:
 __all__ = ["fused_backwards", "fusing_saves_memory", "joined_weights", "w_after_own_i"]
 
 
+def _after_own(graph: ScheduleGraph, first: int, second: int) -> np.ndarray:
+    """Per action, True for a ``second``-kind action its device runs directly after its own
+    (same stage and microbatch) ``first``-kind action."""
+    kinds, prev = graph.kinds, graph.prev
+    p = np.maximum(prev, 0)
+    return ((kinds == second) & (prev >= 0) & (kinds[p] == first)
+            & (graph.stages[p] == graph.stages) & (graph.microbatches[p] == graph.microbatches))
+
+
+def _whole_stages(graph: ScheduleGraph, ok: np.ndarray, others: np.ndarray) -> np.ndarray:
+    """``ok``, but only in stages where every action ``others`` marks is ``ok`` too."""
+    num_stages = int(graph.stages.max()) + 1 if len(ok) else 0
+    mixed = np.zeros(num_stages, bool)
+    mixed[graph.stages[others & ~ok]] = True
+    return ok & ~mixed[graph.stages]
+
+
 def fused_backwards(graph: ScheduleGraph) -> np.ndarray:
     """Per action (``graph.actions`` order), True for a B the program runs in its own F's
     step, as one forward and backward.
@@ -42,24 +59,14 @@ def fused_backwards(graph: ScheduleGraph) -> np.ndarray:
     fused (a B elsewhere, or a backward split into I and W) would compile F, B and FB
     branches, and still store residuals for the rest.
     """
-    kinds, prev = graph.kinds, graph.prev
-    p = np.maximum(prev, 0)
-    is_b = kinds == KB
-    ok = (is_b & (prev >= 0) & (kinds[p] == KF) & (graph.stages[p] == graph.stages)
-          & (graph.microbatches[p] == graph.microbatches) & (graph.data_deps[:, 1] < 0))
-    num_stages = int(graph.stages.max()) + 1 if len(kinds) else 0
-    mixed = np.zeros(num_stages, bool)
-    mixed[graph.stages[(kinds != KF) & ~ok]] = True  # any other backward action
-    return ok & ~mixed[graph.stages]
+    ok = _after_own(graph, KF, KB) & (graph.data_deps[:, 1] < 0)
+    return _whole_stages(graph, ok, graph.kinds != KF)  # against any other backward
 
 
 def w_after_own_i(graph: ScheduleGraph) -> np.ndarray:
     """Per action (``graph.actions`` order), True for a W whose device runs it directly
     after its own I."""
-    kinds, prev = graph.kinds, graph.prev
-    p = np.maximum(prev, 0)
-    return ((kinds == KW) & (prev >= 0) & (kinds[p] == KI) & (graph.stages[p] == graph.stages)
-            & (graph.microbatches[p] == graph.microbatches))
+    return _after_own(graph, KI, KW)
 
 
 def joined_weights(graph: ScheduleGraph) -> np.ndarray:
@@ -70,12 +77,7 @@ def joined_weights(graph: ScheduleGraph) -> np.ndarray:
     (:func:`w_after_own_i`). Whole stages only, as for FB: a stage with a W elsewhere
     would compile I, W and IW branches.
     """
-    kinds = graph.kinds
-    ok = w_after_own_i(graph)
-    num_stages = int(graph.stages.max()) + 1 if len(kinds) else 0
-    mixed = np.zeros(num_stages, bool)
-    mixed[graph.stages[(kinds == KW) & ~ok]] = True  # a W away from its I
-    return ok & ~mixed[graph.stages]
+    return _whole_stages(graph, w_after_own_i(graph), graph.kinds == KW)
 
 
 def _class_bytes(c: Hashable) -> int:
