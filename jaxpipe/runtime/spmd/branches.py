@@ -42,8 +42,7 @@ class Branches:
     storage at all)."""
 
     def __init__(self, layouts: StageLayouts, num_microbatches: int,
-                 fused: frozenset[int] = frozenset(),
-                 split: frozenset[int] | None = None) -> None:
+                 fused: frozenset[int], split: frozenset[int]) -> None:
         self.L = layouts
         self.m = num_microbatches
         self.fused = fused
@@ -103,8 +102,8 @@ class Branches:
         io = _DirectIO(self, body)
         # a shared body's members split into parts run their prologue / epilogue around
         # the core (none: every member is the core; a fused stage runs whole, in FB)
-        members = [st for st in body.members if st.index not in self.fused and (
-            kind not in ("I", "W", "IW") or self.split is None or st.index in self.split)]
+        members = [st for st in body.members if st.index not in self.fused
+                   and (kind not in ("I", "W", "IW") or st.index in self.split)]
         ends = Ends(L, members if body.shared else (), m)
         a_in, c_back = L.act_in[body.in_stage], L.ct_in[body.in_stage]
         a_out, c_on = L.act_out[body.out_stage], L.ct_out[body.out_stage]
