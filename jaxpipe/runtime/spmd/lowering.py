@@ -40,6 +40,7 @@ from jaxpipe.runtime.spmd.fusion import (
     joined_weights,
     w_after_own_i,
 )
+from jaxpipe.runtime.spmd.settle import resettle, settle, tick_constraints
 from jaxpipe.runtime.spmd.table import (
     IDLE,
     PROGRAM_KINDS,
@@ -301,42 +302,6 @@ def _cost_grid(graph: ScheduleGraph, costs: np.ndarray, merged: np.ndarray,
     at = np.asarray(starts) / step
     grid = (np.round(at) if nearest else np.floor(at + 1e-9)).astype(np.int64).tolist()
     return settle(graph, grid, partner)
-
-
-def settle(graph: ScheduleGraph, want: Sequence[int], partner: np.ndarray) -> np.ndarray:
-    """Each action's tick: ``want``, or later where its device's previous action (one
-    tick earlier) or another device's producer (one tick earlier) needs it; an action
-    with a partner runs in the partner's tick. Empty ticks are dropped."""
-    tick = resettle(tick_constraints(graph), list(want), [], 0, partner.tolist())
-    return np.unique(np.asarray(tick, np.int64), return_inverse=True)[1].reshape(-1)
-
-
-def tick_constraints(graph: ScheduleGraph) -> list[list[int]]:
-    """Per action, the actions it must run a tick after: its device's previous action and
-    its producers on other devices."""
-    devices, prev, data = graph.devices.tolist(), graph.prev.tolist(), graph.data_deps.tolist()
-    return [([prev[k]] if prev[k] >= 0 else [])
-            + [q for q in data[k] if q >= 0 and devices[q] != devices[k]]
-            for k in range(len(devices))]
-
-
-def resettle(after: Sequence[Sequence[int]], want: Sequence[int], tick: Sequence[int],
-             first: int, partner: Sequence[int] | None = None) -> list[int]:
-    """:func:`settle` before empty ticks are dropped, from action ``first`` on: ``tick``
-    holds the settled ticks of the actions before it (graph order puts producers and
-    device predecessors first, so they do not change). ``after``: from
-    :func:`tick_constraints`."""
-    tick = list(tick[:first]) + [0] * (len(want) - first)
-    for k in range(first, len(want)):
-        if partner is not None and partner[k] != k:
-            tick[k] = tick[partner[k]]
-            continue
-        t = want[k]
-        for q in after[k]:
-            if tick[q] >= t:
-                t = tick[q] + 1
-        tick[k] = t
-    return tick
 
 
 # ----------------------------------------------------------------------------- step 3

@@ -6,14 +6,14 @@ are good starts but not optimal when stages cost different amounts (a V schedule
 device 0 holds both the embedding and the head), or when an F shares a tick with a B on
 a neighbour (interleaved schedules with the backward unsplit). :func:`refine` walks from
 a start: it moves one action a tick later or earlier (the rules of
-:func:`.lowering.settle` then hold again), keeps the move when the sync model's makespan
+:func:`.settle.settle` then hold again), keeps the move when the sync model's makespan
 does not grow, and stops after ``evals`` evaluations (fewer on large schedules:
 :data:`WORK_LIMIT`) or when nothing is left to gain (the asynchronous makespan). A fixed
 seed makes it deterministic: every process of a multi-process pipeline lowers to the
 same table.
 
 An evaluation re-settles only the actions after the moved one
-(:func:`.lowering.resettle`: graph order puts producers and device predecessors first, so
+(:func:`.settle.resettle`: graph order puts producers and device predecessors first, so
 nothing before it can change) and times the ticks from plain lists
 (:func:`.sync.clock_makespan`: :func:`.sync.ticks_makespan`'s model, which
 ``tests/test_lower.py`` holds it equal to).
@@ -29,7 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxpipe.runtime.spmd.lowering import Ticks, list_messages, resettle, tick_constraints, ticks_of
+from jaxpipe.runtime.spmd.lowering import Ticks, list_messages, ticks_of
+from jaxpipe.runtime.spmd.settle import resettle, tick_constraints
 from jaxpipe.runtime.spmd.sync import clock_makespan
 
 __all__ = ["WORK_LIMIT", "refine"]
