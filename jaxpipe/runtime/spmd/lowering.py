@@ -467,11 +467,17 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
             best, best_time = (grid, grid_messages, grid_alloc), time
     start = best[0]
     if refine_evals > 0 and not iw_same_tick and not start.fused.any():
-        refined = refine(start, c, refine_evals,
-                         lambda t: fits(allocate(t, list_messages(t), counts)))
+        placed: dict[int, tuple[Ticks, Messages, Allocation]] = {}
+
+        def placed_fits(t: Ticks) -> bool:
+            # the search returns one of the assignments it checked: keep their buffers
+            msgs = list_messages(t)
+            placed[id(t)] = (t, msgs, allocate(t, msgs, counts))  # t stays alive: id unique
+            return fits(placed[id(t)][2])
+
+        refined = refine(start, c, refine_evals, placed_fits)
         if refined is not None:
-            refined_messages = list_messages(refined)
-            best = (refined, refined_messages, allocate(refined, refined_messages, counts))
+            best = placed[id(refined)]
     return best
 
 
