@@ -302,7 +302,7 @@ class _DirectIO:
                 sinks[self.n_out + i] = (c, scanio.row_sink(c.shape[0], base, offset))
             else:
                 sources[self.res_pos[name][i]] = (c, scanio.row_source(c.shape[0], base,
-                                                                       offset))
+                                                                       offset, c.shape[1:]))
         for q in grads:
             slot = self.body.candidates(self.diff[q])[0]
             bufs[("grad", slot)] = gbuf[slot]

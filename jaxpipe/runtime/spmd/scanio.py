@@ -141,20 +141,23 @@ def evaluate(closed: jcore.ClosedJaxpr, args: Sequence[Any],
 
 
 def row_sink(layers: int, base: Any, offset: int) -> Sink:
-    """Write into row ``base + offset`` of a ``[slots, layers, *shape]`` buffer held
-    flattened (``[slots * layers, *shape]``, a free reshape)."""
+    """Write into row ``base + offset`` of a ``[slots, layers, *row]`` buffer held
+    flattened (``[slots * layers, *row]``, a free reshape)."""
     def sink(buf: jax.Array, y: jax.Array, i: Any) -> jax.Array:
-        return lax.dynamic_update_index_in_dim(buf, jnp.asarray(y, buf.dtype),
+        y = jnp.asarray(y, buf.dtype).reshape(buf.shape[1:])  # a row: see row_shape
+        return lax.dynamic_update_index_in_dim(buf, y,
                                                _flat_index(layers, base, offset, i), 0,
                                                allow_negative_indices=False)
     return sink
 
 
-def row_source(layers: int, base: Any, offset: int) -> Source:
-    """Read from row ``base + offset`` of a flattened ``[slots, layers, *shape]`` buffer."""
+def row_source(layers: int, base: Any, offset: int, shape: tuple[int, ...]) -> Source:
+    """Read from row ``base + offset`` of a flattened ``[slots, layers, *row]`` buffer,
+    as a value of ``shape`` (a row drops size-1 dimensions: ``ValueClass.row_shape``)."""
     def source(buf: jax.Array, i: Any) -> jax.Array:
         return lax.dynamic_index_in_dim(buf, _flat_index(layers, base, offset, i), 0,
-                                        keepdims=False, allow_negative_indices=False)
+                                        keepdims=False,
+                                        allow_negative_indices=False).reshape(shape)
     return source
 
 
