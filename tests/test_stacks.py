@@ -472,3 +472,34 @@ def test_linen_scan():
     ref = reference(lambda prm, mb: loss_fn(module, {"params": prm}, mb), variables["params"],
                     batch, M)
     assert_matches(pipe.value_and_grad(variables["params"], batch), ref)
+
+
+def test_core_parameters_take_the_same_slots_on_every_device():
+    """A stage split into parts takes slots for its core's parameters first. Here the
+    embedding [6, 8] has the class of a 6-layer stage's stacked bias: taking slots in
+    stage order, it shifted the first device's core slots, so the body shared by the
+    four cores (two per device, v=2) picked the bias among three slots, not two, and the
+    bias entered its slots through the per-device switch rather than one slice."""
+    ks = jax.random.split(jax.random.key(5), 4)
+    params = {"embed": jax.random.normal(ks[0], (IN, WIDTH)),
+              "layers": {"b": 0.1 * jax.random.normal(ks[1], (24, WIDTH)),
+                         "w": jax.random.normal(ks[2], (24, WIDTH, WIDTH)) / WIDTH},
+              "head": jax.random.normal(ks[3], (WIDTH, IN))}
+    x, y = jax.random.normal(ks[0], (BATCH, IN)), jax.random.normal(ks[1], (BATCH, IN))
+
+    def loss_fn(p, b):
+        def body(h, layer):
+            return jp.boundary(jnp.tanh(h @ layer["w"] + layer["b"]), name="block"), None
+
+        h, _ = lax.scan(body, jp.boundary(b["x"] @ p["embed"], name="embed"), p["layers"])
+        return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+    batch = {"x": x, "y": y}
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2),
+                       schedule=jp.Interleaved1F1B(2, M, stages_per_device=2),
+                       cut=jp.Cut(indices=[6, 12, 18]))
+    assert [_layer_scans(st.fwd) for st in pipe.stages] == [[6]] * 4
+    (core,) = pipe.executor.bodies
+    assert core.stages == (0, 1, 2, 3)
+    assert all(len(core.candidates(j)) == 2 for j in range(len(core.param_classes)))
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))

@@ -180,8 +180,10 @@ class SlotLayout:
     """Per-stage lists of values as *slots*: whole arrays every device holds.
 
     Each stage's values are assigned slots of their class on the stage's device, in
-    stage order; a device needs as many slots of a class as its stages have values of
-    it, and every device gets the maximum. Used for parameters (and their gradients) and
+    stage order, the ``late`` values after all others (so that values every stage has
+    take the same slots on every device, whichever stages also hold others); a device
+    needs as many slots of a class as its stages have values of it, and every device
+    gets the maximum. Used for parameters (and their gradients) and
     for optimizer state. Slots are separate arrays (a flat list, class by class): the
     program reads a parameter and accumulates its gradient in place, without slicing
     a stacked buffer.
@@ -194,17 +196,21 @@ class SlotLayout:
 
     def __init__(self, stage_avals: Sequence[Sequence[Any]],
                  device_stages: Sequence[Sequence[int]],
-                 stage_dims: Sequence[Sequence[Dims]] | None = None) -> None:
+                 stage_dims: Sequence[Sequence[Dims]] | None = None,
+                 late: Sequence[Sequence[bool]] | None = None) -> None:
         counts: dict[ValueClass, int] = {}
         local: dict[int, list[tuple[ValueClass, int]]] = {}
         for mine in device_stages:
             used: dict[ValueClass, int] = {}
+            order = sorted(((s, i) for s in mine for i in range(len(stage_avals[s]))),
+                           key=lambda si: bool(late and late[si[0]][si[1]]))
             for s in mine:
-                local[s] = []
-                for i, a in enumerate(stage_avals[s]):
-                    c = value_class(a, stage_dims[s][i] if stage_dims is not None else ())
-                    local[s].append((c, used.get(c, 0)))
-                    used[c] = used.get(c, 0) + 1
+                local[s] = [None] * len(stage_avals[s])
+            for s, i in order:
+                c = value_class(stage_avals[s][i],
+                                stage_dims[s][i] if stage_dims is not None else ())
+                local[s][i] = (c, used.get(c, 0))
+                used[c] = used.get(c, 0) + 1
             for c, n in used.items():
                 counts[c] = max(counts.get(c, 0), n)
         self.counts = dict(sorted(counts.items()))
@@ -250,11 +256,18 @@ def param_slots(stages: Sequence[StageFn], param_avals: Sequence[Any],
                 device_stages: Sequence[Sequence[int]],
                 param_dims: Sequence[Dims] = ()) -> SlotLayout:
     """The parameter slots: each stage's parameter leaves (tied leaves on every owner),
-    sharded over the non-pipe axes as ``param_dims`` says (empty: replicated)."""
+    sharded over the non-pipe axes as ``param_dims`` says (empty: replicated).
+
+    A stage split into parts (:mod:`jaxpipe.stage_parts`) takes slots for its core's
+    parameters first: its prologue's or epilogue's (an embedding, a head) would otherwise
+    shift the core's slots on its device, and a body shared by the cores would pick among
+    more slots (``Body.candidates``) and move parameters in by switch, not slice."""
+    late = [[st.parts is not None and q not in st.parts.param_pos[st.parts.core]
+             for q in range(len(st.param_ids))] for st in stages]
     return SlotLayout([[param_avals[pid] for pid in st.param_ids] for st in stages],
                       device_stages,
                       [[param_dims[pid] for pid in st.param_ids] for st in stages]
-                      if param_dims else None)
+                      if param_dims else None, late)
 
 
 @dataclass(frozen=True)
