@@ -474,18 +474,17 @@ def test_linen_scan():
     assert_matches(pipe.value_and_grad(variables["params"], batch), ref)
 
 
-def test_core_parameters_take_the_same_slots_on_every_device():
-    """A stage split into parts takes slots for its core's parameters first. Here the
-    embedding [6, 8] has the class of a 6-layer stage's stacked bias: taking slots in
-    stage order, it shifted the first device's core slots, so the body shared by the
-    four cores (two per device, v=2) picked the bias among three slots, not two, and the
-    bias entered its slots through the per-device switch rather than one slice."""
+@pytest.fixture(scope="module")
+def interleaved():
+    """Embedding, 24 scanned layers and a head, 6 layers per stage, two stages per device
+    (v=2): every stage is the embedding or head around one shared core."""
     ks = jax.random.split(jax.random.key(5), 4)
     params = {"embed": jax.random.normal(ks[0], (IN, WIDTH)),
               "layers": {"b": 0.1 * jax.random.normal(ks[1], (24, WIDTH)),
                          "w": jax.random.normal(ks[2], (24, WIDTH, WIDTH)) / WIDTH},
               "head": jax.random.normal(ks[3], (WIDTH, IN))}
-    x, y = jax.random.normal(ks[0], (BATCH, IN)), jax.random.normal(ks[1], (BATCH, IN))
+    batch = {"x": jax.random.normal(ks[0], (BATCH, IN)),
+             "y": jax.random.normal(ks[1], (BATCH, IN))}
 
     def loss_fn(p, b):
         def body(h, layer):
@@ -494,12 +493,39 @@ def test_core_parameters_take_the_same_slots_on_every_device():
         h, _ = lax.scan(body, jp.boundary(b["x"] @ p["embed"], name="embed"), p["layers"])
         return jnp.mean((h @ p["head"] - b["y"]) ** 2)
 
-    batch = {"x": x, "y": y}
     pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2),
                        schedule=jp.Interleaved1F1B(2, M, stages_per_device=2),
                        cut=jp.Cut(indices=[6, 12, 18]))
+    return pipe, loss_fn, params, batch
+
+
+def test_core_parameters_take_the_same_slots_on_every_device(interleaved):
+    """A stage split into parts takes slots for its core's parameters first. Here the
+    embedding [6, 8] has the class of a 6-layer stage's stacked bias: taking slots in
+    stage order, it shifted the first device's core slots, so the body shared by the
+    four cores (two per device, v=2) picked the bias among three slots, not two, and the
+    bias entered its slots through the per-device switch rather than one slice."""
+    pipe, loss_fn, params, batch = interleaved
     assert [_layer_scans(st.fwd) for st in pipe.stages] == [[6]] * 4
     (core,) = pipe.executor.bodies
     assert core.stages == (0, 1, 2, 3)
     assert all(len(core.candidates(j)) == 2 for j in range(len(core.param_classes)))
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
+
+
+def test_two_stages_of_one_body_pick_no_whole_slot(interleaved):
+    """The core's two stages on a device keep their parameters in slots of their own. The
+    layer scans pick the running stage's layer inside the loop, and its gradients go into
+    a stacked group row by row (runtime/spmd/picks.py): no select over whole slots, which
+    picking each parameter and adding each gradient into every candidate with a mask
+    had cost (a kernel per leaf and branch). The staged program agrees with the public
+    one, and both are exact."""
+    pipe, loss_fn, params, batch = interleaved
+    staged = pipe.shard(params)
+    jaxpr = jax.make_jaxpr(pipe.staged_value_and_grad_fn)(staged, batch).jaxpr
+    slot_shapes = {tuple(c.shape) for c in pipe.executor.layouts.slots.classes}
+    picks = [e for e in _eqns(jaxpr, "select_n")
+             if tuple(e.outvars[0].aval.shape) in slot_shapes]
+    assert not picks
+    loss, grads = pipe.staged_value_and_grad(staged, batch)
+    assert_matches((loss, pipe.unshard(grads)), reference(loss_fn, params, batch, M))

@@ -27,6 +27,7 @@ from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.ends import Ends, Fixed
 from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import Pool, TickTable
+from jaxpipe.runtime.spmd.picks import Groups, pick
 
 __all__ = ["Branches"]
 
@@ -39,11 +40,13 @@ class Branches:
     ``fused``: the stages that run every F with its B in one step (only their FB
     branch runs them); ``split``: the stages that run some backward as I then W (only
     their parts run in the I, W and IW branches: another member's hand-off may have no
-    storage at all)."""
+    storage at all); ``groups``: the gradient groups (:mod:`.picks`): branches take and
+    return the gradient list with them."""
 
     def __init__(self, layouts: StageLayouts, num_microbatches: int,
-                 fused: frozenset[int], split: frozenset[int]) -> None:
+                 fused: frozenset[int], split: frozenset[int], groups: Groups) -> None:
         self.L = layouts
+        self.groups = groups
         self.m = num_microbatches
         self.fused = fused
         self.split = split
@@ -60,19 +63,21 @@ class Branches:
         return packing.write(self.empty_msg(), {c: 0 for c in packing.counts}, leaves)
 
     @staticmethod
-    def body_params(body: Body, pbuf: list, row: TickTable) -> list:
+    def body_params(body: Body, pbuf: list, row: TickTable,
+                    skip: frozenset[int] = frozenset()) -> list:
+        """The running stage's parameters (``None`` for those in ``skip``)."""
         out = []
         for j in range(len(body.param_classes)):
             cands = body.candidates(j)
-            if len(cands) == 1:
+            if j in skip:
+                out.append(None)
+            elif len(cands) == 1:
                 out.append(pbuf[cands[0]])
             else:  # a shared body whose members use different slots on one device
-                pos = jnp.asarray(body.choice(j))[row.stage]
-                out.append(lax.select_n(pos, *[pbuf[k] for k in cands]))
+                out.append(lax.select_n(pick(body, j, row.stage), *[pbuf[k] for k in cands]))
         return out
 
-    @staticmethod
-    def accumulate(body: Body, gbuf: list, row: TickTable, ct_par: Sequence) -> list:
+    def accumulate(self, body: Body, gbuf: list, row: TickTable, ct_par: Sequence) -> list:
         """Add each differentiated parameter's cotangent into its slot (``None``: added
         already, by the scan that produced it)."""
         gbuf = list(gbuf)
@@ -85,11 +90,10 @@ class Branches:
                 continue
             cands = body.candidates(j)
             if len(cands) == 1:
-                gbuf[cands[0]] = gbuf[cands[0]] + ct.astype(gbuf[cands[0]].dtype)
-            else:
-                pos = jnp.asarray(body.choice(j))[row.stage]
-                for q, k in enumerate(cands):
-                    gbuf[k] = gbuf[k] + jnp.where(pos == q, ct, 0).astype(gbuf[k].dtype)
+                self.groups.add(gbuf, cands[0], ct)
+            else:  # a row of the group, picked by the running stage
+                _, rows = self.groups.of(body, j)
+                self.groups.add(gbuf, cands[0], ct, jnp.asarray(rows)[row.stage])
         return gbuf
 
     # -- the branches -------------------------------------------------------------------
@@ -104,12 +108,15 @@ class Branches:
         # the core (none: every member is the core; a fused stage runs whole, in FB)
         members = [st for st in body.members if st.index not in self.fused
                    and (kind not in ("I", "W", "IW") or st.index in self.split)]
-        ends = Ends(L, members if body.shared else (), m)
+        ends = Ends(L, members if body.shared else (), m, self.groups)
         a_in, c_back = L.act_in[body.in_stage], L.ct_in[body.in_stage]
         a_out, c_on = L.act_out[body.out_stage], L.ct_out[body.out_stage]
 
-        def inputs(row, pbuf, mbd):
-            return self.body_params(body, pbuf, row), [mbd[i] for i in st.batch_ids]
+        def inputs(name, row, pbuf, mbd):
+            """``st.<name>``'s parameters (``None`` where its scan picks them itself)
+            and batch leaves."""
+            return (self.body_params(body, pbuf, row, io.no_pick[name]),
+                    [mbd[i] for i in st.batch_ids])
 
         def received_ct(row, inbox):
             if st.is_last:
@@ -118,10 +125,11 @@ class Branches:
 
         def f_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
-            params, batch = inputs(row, pbuf, mbd)
+            params, batch = inputs("fwd", row, pbuf, mbd)
             core_in = a_in.read(inbox, self.unit_base(a_in, row.in_slot))
             core_in, store = ends.before_core(row, pbuf, mbd, store, core_in)
-            outs, store, gbuf = io.run("fwd", row, store, gbuf, [*params, *batch, *core_in])
+            outs, store, gbuf = io.run("fwd", row, store, gbuf, [*params, *batch, *core_in],
+                                       pbuf)
             store = io.store_residuals(row, store, outs[io.n_out:])
             if st.is_last:
                 return store, gbuf, msg, loss + outs[0].astype(jnp.float32)
@@ -131,11 +139,12 @@ class Branches:
         def backward(half, row, pbuf, mbd, inbox, store, gbuf):
             """The epilogue's, the core's and the prologue's ``half`` (``"bwd"`` or
             ``"bwd_i"``): the core's outputs, the store and the gradients."""
-            params, batch = inputs(row, pbuf, mbd)
+            params, batch = inputs(half, row, pbuf, mbd)
             ct, store, gbuf = ends.ct_into_core(half, row, pbuf, mbd, store, gbuf,
                                                 received_ct(row, inbox))
             outs, store, gbuf = io.run(half, row, store, gbuf,
-                                       [*params, *batch, *io.load(row, store, half), *ct])
+                                       [*params, *batch, *io.load(row, store, half), *ct],
+                                       pbuf)
             n = sum(st.diff_param_mask) if half == "bwd" else len(st.ct_in_avals())
             ct_in = outs[n:] if half == "bwd" else outs[:n]
             store, gbuf = ends.ct_out_of_core(half, row, pbuf, mbd, store, gbuf, ct_in)
@@ -159,9 +168,10 @@ class Branches:
             return store, gbuf, self.as_msg(c_back, outs[:n]), loss
 
         def weights(row, pbuf, mbd, store, gbuf, handoff):
-            params, batch = inputs(row, pbuf, mbd)
+            params, batch = inputs("bwd_w", row, pbuf, mbd)
             ct_par, store, gbuf = io.run("bwd_w", row, store, gbuf,
-                                         [*params, *batch, *io.load_w(row, store), *handoff])
+                                         [*params, *batch, *io.load_w(row, store), *handoff],
+                                         pbuf)
             store, gbuf = ends.weights(row, pbuf, mbd, store, gbuf)
             return store, self.accumulate(body, gbuf, row, ct_par)
 
@@ -192,7 +202,7 @@ class Branches:
         if st is None:
             return None
         s = st.index
-        fixed = Fixed(st, L.slots.where[s])
+        fixed = Fixed(st, L.slots.where[s], self.groups)
         a_in, c_back = L.act_in[s], L.ct_in[s]
         n_diff = sum(st.diff_param_mask)
 
@@ -245,13 +255,18 @@ class _DirectIO:
         for name, pos in self.res_pos.items():
             direct = scanio.direct_inputs(getattr(st, name), list(pos.values()))
             self.sourced[name] = frozenset(i for i, q in pos.items() if q in direct)
-        diff = self.diff = [j for j, d in enumerate(st.diff_param_mask) if d]  # q -> param
-        # a shared body whose members use different slots picks the slot at run time:
-        # its gradients are added after the fact (Branches.accumulate)
-        single = [q for q, j in enumerate(diff) if len(body.candidates(j)) == 1]
+        self.diff = [j for j, d in enumerate(st.diff_param_mask) if d]  # q -> param
+        every = range(len(self.diff))
         self.grads = {"fwd": frozenset(), "bwd_i": frozenset(),
-                      "bwd": frozenset(scanio.direct_outputs(st.bwd, single)),
-                      "bwd_w": frozenset(scanio.direct_outputs(st.bwd_w, single))}
+                      "bwd": frozenset(scanio.direct_outputs(st.bwd, every)),
+                      "bwd_w": frozenset(scanio.direct_outputs(st.bwd_w, every))}
+        # parameters with several candidate slots that a scan reads layer by layer, and
+        # those a jaxpr does not read: either way the branch picks no whole slot for them
+        multi = [j for j in range(len(st.param_ids)) if len(body.candidates(j)) > 1]
+        names = ("fwd", "bwd", "bwd_i", "bwd_w")
+        self.param_src = {n: scanio.direct_inputs(getattr(st, n), multi) for n in names}
+        self.no_pick = {n: self.param_src[n] | scanio.unused_inputs(getattr(st, n), multi)
+                        for n in names}
 
     def _skip(self, ids: Sequence[int], direct: frozenset[int]) -> frozenset[int]:
         return frozenset(k for k, i in enumerate(ids) if i in direct)
@@ -283,14 +298,25 @@ class _DirectIO:
                                              [stored[i] for i in ids], self._skip(ids, self.sunk))
         return store
 
-    def run(self, name: str, row: TickTable, store: Bufs, gbuf: list, args: list
-            ) -> tuple[list, Bufs, list]:
+    def _grad_row(self, j: int, row: TickTable) -> tuple[int, Any]:
+        """Where parameter ``j``'s gradient goes: ``(slot, None)``, or ``(position of its
+        group in the gradient list, row)``."""
+        cands = self.body.candidates(j)
+        if len(cands) == 1 and cands[0] not in self.br.groups.where:
+            return cands[0], None
+        if len(cands) == 1:
+            return self.br.groups.where[cands[0]]
+        pos, rows = self.br.groups.of(self.body, j)
+        return pos, jnp.asarray(rows)[row.stage]
+
+    def run(self, name: str, row: TickTable, store: Bufs, gbuf: list, args: list,
+            pbuf: list | None = None) -> tuple[list, Bufs, list]:
         """Evaluate ``st.<name>`` on ``args``; its scans write, read and add the values
         chosen above. Returns its outputs (``None`` where a scan wrote), store and gbuf."""
         closed = getattr(self.st, name)
         sunk = self.sunk if name == "fwd" else frozenset()
         sourced, grads = self.sourced[name], self.grads[name]
-        if not (sunk or sourced or grads):
+        if not (sunk or sourced or grads or self.param_src[name]):
             return jaxpr_as_fun(closed)(*args), store, gbuf
         bufs: dict = {}
         sinks: dict = {}
@@ -303,16 +329,28 @@ class _DirectIO:
             else:
                 sources[self.res_pos[name][i]] = (c, scanio.row_source(c.shape[0], base,
                                                                        offset, c.shape[1:]))
-        for q in grads:
-            slot = self.body.candidates(self.diff[q])[0]
-            bufs[("grad", slot)] = gbuf[slot]
-            sinks[q] = (("grad", slot), scanio.add_sink)
+        targets = {}
+        for q in grads:  # into a slot [layers, ...], or a group's row [rows, layers, ...]
+            k, base = self._grad_row(self.diff[q], row)
+            flat = base is not None
+            bufs[("grad", k)] = scanio.flatten(gbuf[k]) if flat else gbuf[k]
+            sinks[q] = (("grad", k), scanio.row_add_sink(gbuf[k].shape[int(flat)],
+                                                          base if flat else 0))
+            targets[k] = gbuf[k].shape
+        for j in self.param_src[name]:  # a parameter's layer, picked from its candidates
+            cands = self.body.candidates(j)
+            bufs[("param", j)] = tuple(pbuf[k] for k in cands)
+            sources[j] = (("param", j), scanio.pick_source(pick(self.body, j, row.stage)))
         outs, bufs = scanio.evaluate(closed, args, bufs, sinks=sinks, sources=sources)
         written = {self._location(row, i)[0] for i in sunk}
         store = {c: bufs[c].reshape(x.shape) if c in written else x for c, x in store.items()}
         gbuf = list(gbuf)
-        for q in grads:
-            slot = self.body.candidates(self.diff[q])[0]
-            gbuf[slot] = bufs[("grad", slot)]
+        for k, shape in targets.items():
+            gbuf[k] = bufs[("grad", k)].reshape(shape)
         return outs, store, gbuf
 
+
+
+def _pick(body: Body, j: int, row: TickTable) -> jax.Array:
+    """The running stage's row in parameter ``j``'s group."""
+    return jnp.asarray(body.choice(j))[row.stage]

@@ -20,6 +20,7 @@ from jax.extend.core import jaxpr_as_fun
 from jaxpipe.runtime.spmd.gate import gated
 from jaxpipe.runtime.spmd.layout import StageLayouts
 from jaxpipe.runtime.spmd.lowering import Pool, TickTable
+from jaxpipe.runtime.spmd.picks import Groups
 from jaxpipe.stages import StageFn
 
 __all__ = ["Ends", "Fixed"]
@@ -29,9 +30,10 @@ class Fixed:
     """A function run from fixed parameter slots of one stage (a prologue or epilogue;
     the fused last stage): its inputs, and its gradients added into those slots."""
 
-    def __init__(self, fn: StageFn, slots: Sequence[int]) -> None:
+    def __init__(self, fn: StageFn, slots: Sequence[int], groups: Groups) -> None:
         self.fn = fn
         self.slots = list(slots)
+        self.groups = groups
 
     def inputs(self, pbuf: list, mbd: list) -> list:
         return [pbuf[k] for k in self.slots] + [mbd[i] for i in self.fn.batch_ids]
@@ -41,17 +43,18 @@ class Fixed:
         gbuf = list(gbuf)
         diff = [k for k, d in zip(self.slots, self.fn.diff_param_mask, strict=True) if d]
         for k, ct in zip(diff, cts, strict=True):
-            gbuf[k] = gbuf[k] + ct.astype(gbuf[k].dtype)
+            self.groups.add(gbuf, k, ct)
         return gbuf
 
 
 class _Part(Fixed):
     """One prologue or epilogue: where its parameters, residuals and hand-off live."""
 
-    def __init__(self, L: StageLayouts, whole: StageFn, k: int) -> None:
+    def __init__(self, L: StageLayouts, whole: StageFn, k: int, groups: Groups) -> None:
         parts = whole.parts
         self.stage = s = whole.index
-        super().__init__(parts.parts[k], [L.slots.where[s][q] for q in parts.param_pos[k]])
+        super().__init__(parts.parts[k], [L.slots.where[s][q] for q in parts.param_pos[k]],
+                         groups)
         # Where the part's values live among the stage's: per pool, its packing, this
         # part's value i -> its position there, and every other position (skipped).
         def entry(pool, order, ids):
@@ -104,8 +107,8 @@ class Ends:
     core reads next (or the updated buffers).
     """
 
-    def __init__(self, L: StageLayouts, members: Sequence[StageFn], num_microbatches: int
-                 ) -> None:
+    def __init__(self, L: StageLayouts, members: Sequence[StageFn], num_microbatches: int,
+                 groups: Groups) -> None:
         self.pre: list[_Part] = []
         self.post: list[_Part] = []
         self.m = num_microbatches
@@ -114,9 +117,9 @@ class Ends:
             if parts is None:
                 continue
             if parts.prologue is not None:
-                self.pre.append(_Part(L, whole, parts.prologue))
+                self.pre.append(_Part(L, whole, parts.prologue, groups))
             if parts.epilogue is not None:
-                self.post.append(_Part(L, whole, parts.epilogue))
+                self.post.append(_Part(L, whole, parts.epilogue, groups))
 
     @staticmethod
     def _each(parts: list[_Part], row: TickTable, fn: Callable, state: Any, *args: Any

@@ -7,7 +7,9 @@ residuals passed straight from one to the other; ``"IW"``: an I and its own W in
 step, the hand-off passed straight on):
 
 - parameters come from slots, whole arrays (a shared body whose members use different
-  slots on one device picks the running stage's from a small table by ``row.stage``);
+  slots on one device picks the running stage's from a small table by ``row.stage``),
+  and their gradients accumulate in place, those of such a body in a stacked *group*
+  per parameter (:mod:`.picks`), split into slots after the last step;
 - residuals and the I -> W hand-off (of a W in a step of its own) are stored in
   per-class buffers at the slots the lowering chose, and gradients accumulate in place;
 - an output message goes into the outbox unit of its direction (or into an inbox slot
@@ -49,6 +51,7 @@ from jaxpipe.runtime.spmd.lowering import (
     TickTable,
     branch_id,
 )
+from jaxpipe.runtime.spmd.picks import Groups
 from jaxpipe.sharding import MeshAxes, constrain, manual_spec
 
 __all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
@@ -69,6 +72,8 @@ def build_step(
     epilogue: Epilogue | None = None,
     extra_in_specs: tuple = (),
     epilogue_out_specs: object = None,
+    groups: Groups | None = None,
+    fold: bool = True,
 ) -> Callable:
     """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss)`` as a shard_map'ed function.
 
@@ -85,6 +90,12 @@ def build_step(
     *extra_local)`` computed on each device inside the same program (the optimizer update
     uses this), with ``extra_in_specs`` / ``epilogue_out_specs`` as the specs of its
     extra inputs and outputs outside the program (their manual part is the shard_map's).
+
+    ``groups``: the gradient groups (:mod:`.picks`; built from ``bodies`` when not given).
+    With ``fold=False`` the step returns ``((gslots, garrays), loss)``: the gradient slots
+    that are in no group (a list over the others' positions, ``None`` at grouped ones) and
+    every group's array, ``[devices, len(group), *shape]``, for a caller that reads
+    them without splitting the groups into slots first (:func:`.moves.from_slots`).
     """
     axis = axes.axis
     manual_batch = axes.manual_batch_axes
@@ -100,7 +111,8 @@ def build_step(
     units = lowering.units
     num_bodies = len(bodies)
 
-    branch_of = Branches(L, m, lowering.fused_stages, lowering.split_stages)
+    groups = groups if groups is not None else Groups(bodies, L.slots.classes)
+    branch_of = Branches(L, m, lowering.fused_stages, lowering.split_stages, groups)
 
     # Only (kind, body) pairs the schedule runs get a branch (e.g. no I/W for 1F1B).
     used = lowering.used_branches - {IDLE}
@@ -128,7 +140,8 @@ def build_step(
         # Only senders write an outbox (the writes are gated), so it needs no dummy unit
         # and a ppermute moves exactly the units in use.
         outbox = [{c: c.zeros(k * n) for c, n in unit.items()} for k in units]
-        gbuf = [constrain(jnp.zeros(c.shape, c.dtype), c.dims) for c in L.slots.classes]
+        gbuf = groups.grads([constrain(jnp.zeros(c.shape, c.dtype), c.dims)
+                             for c in L.slots.classes])
 
         def step(carry, row: TickTable):
             store, inbox, outbox, gbuf, loss = carry
@@ -179,15 +192,25 @@ def build_step(
             loss = lax.pmean(loss, manual_batch)
             gbuf = jax.tree.map(lambda x: lax.pmean(x, manual_batch), gbuf)
         if epilogue is not None:
-            return epilogue(pbuf, gbuf, loss, *extra)
-        return [v[None] for v in gbuf], loss
+            return epilogue(pbuf, groups.fold(gbuf), loss, *extra)
+        if fold:
+            return [v[None] for v in groups.fold(gbuf)], loss
+        n = len(L.slots)
+        return ([None if v is None else v[None] for v in gbuf[:n]],
+                [v[None] for v in gbuf[n:]]), loss
 
     table_arrays = jax.tree.map(jnp.asarray, lowering.table)
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
     batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
     pspec = [c.spec(axis) for c in L.slots.classes]
     in_specs = (pspec, batch_specs, table_specs, *extra_in_specs)
-    out_specs = (pspec, P()) if epilogue is None else epilogue_out_specs
+    if epilogue is not None:
+        out_specs = epilogue_out_specs
+    elif fold:
+        out_specs = (pspec, P())
+    else:
+        out_specs = (([None if k in groups.where else x for k, x in enumerate(pspec)],
+                      [L.slots.classes[g[0]].spec(axis, None) for g in groups.groups]), P())
     manual = set(axes.manual_axes)
 
     def inner(specs):

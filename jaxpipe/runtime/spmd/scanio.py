@@ -33,8 +33,8 @@ from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.interpret import eval_eqns, read
 
-__all__ = ["Sink", "Source", "add_sink", "direct_inputs", "direct_outputs", "evaluate",
-           "flatten", "row_sink", "row_source"]
+__all__ = ["Sink", "Source", "direct_inputs", "direct_outputs", "evaluate", "flatten",
+           "pick_source", "row_add_sink", "row_sink", "row_source", "unused_inputs"]
 
 #: ``(buffer, value, iteration) -> buffer``: how one iteration's value enters its buffer.
 Sink = Callable[[jax.Array, jax.Array, Any], jax.Array]
@@ -74,6 +74,12 @@ def direct_inputs(closed: jcore.ClosedJaxpr, candidates: Sequence[int]) -> froze
           for v in e.invars[e.params["num_consts"] + e.params["num_carry"]:]
           if not isinstance(v, jcore.Literal)}
     return frozenset(i for i in candidates if j.invars[i] in xs and uses[j.invars[i]] == 1)
+
+
+def unused_inputs(closed: jcore.ClosedJaxpr, candidates: Sequence[int]) -> frozenset[int]:
+    """Which of the inputs ``candidates`` the jaxpr never reads."""
+    uses = _uses(closed.jaxpr)
+    return frozenset(i for i in candidates if uses[closed.jaxpr.invars[i]] == 0)
 
 
 def evaluate(closed: jcore.ClosedJaxpr, args: Sequence[Any],
@@ -161,11 +167,27 @@ def row_source(layers: int, base: Any, offset: int, shape: tuple[int, ...]) -> S
     return source
 
 
-def add_sink(buf: jax.Array, y: jax.Array, i: Any) -> jax.Array:
-    """Add into ``buf[i]`` (a gradient slot ``[layers, *shape]``)."""
-    row = lax.dynamic_index_in_dim(buf, i, 0, keepdims=False, allow_negative_indices=False)
-    return lax.dynamic_update_index_in_dim(buf, row + y.astype(buf.dtype), i, 0,
-                                           allow_negative_indices=False)
+def row_add_sink(layers: int, base: Any) -> Sink:
+    """Add into row ``base`` of a ``[rows, layers, *shape]`` buffer held flattened (a
+    gradient slot ``[layers, *shape]`` is row 0 of one, unflattened)."""
+    def sink(buf: jax.Array, y: jax.Array, i: Any) -> jax.Array:
+        at = _flat_index(layers, base, 0, i)
+        old = lax.dynamic_index_in_dim(buf, at, 0, keepdims=False,
+                                       allow_negative_indices=False)
+        return lax.dynamic_update_index_in_dim(buf, old + y.astype(buf.dtype), at, 0,
+                                               allow_negative_indices=False)
+    return sink
+
+
+def pick_source(q: Any) -> Source:
+    """Read layer ``i`` of candidate ``q`` from a tuple of ``[layers, *shape]`` arrays
+    (a parameter whose slot the running stage picks: the layer's slice is read anyway,
+    so the pick costs no kernel of its own and copies nothing whole)."""
+    def source(bufs: tuple, i: Any) -> jax.Array:
+        return lax.select_n(q, *(lax.dynamic_index_in_dim(b, i, 0, keepdims=False,
+                                                          allow_negative_indices=False)
+                                 for b in bufs))
+    return source
 
 
 def _flat_index(layers: int, base: Any, offset: int, i: Any) -> Any:

@@ -1,0 +1,107 @@
+"""A shared body's parameters that live in a different slot for each member on a device.
+
+Two stages of one body on a device (the chunks of an interleaved schedule) run through
+one branch, but each has its own parameters, in slots of its own: the branch picks the
+running stage's at run time, and adds its gradient into the running stage's slot.
+
+- Parameters are picked with a ``select_n`` over the candidate slots; a scanned layer
+  stack's parameters are picked layer by layer inside the scan (:mod:`.scanio`), where
+  the layer's slice is read anyway, so they cost no kernel and no copy.
+- Gradients: added into separate slot arrays, a pick costs a masked add into *every*
+  candidate, a kernel each per leaf and branch, and a scan's per-layer gradients could
+  not go straight into a slot row. So inside the program the gradient slots that such
+  a parameter may use are held as one stacked array, ``[candidates, *shape]`` (a
+  *group*), in place of those slots: a gradient is added into row ``q`` in place, a
+  dynamic row like any stored value, and a scan adds each layer's gradient into its row
+  directly. The groups become slots again once, after the last step (:meth:`Groups.fold`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxpipe.runtime.spmd.bodies import Body
+from jaxpipe.runtime.spmd.layout import ValueClass
+from jaxpipe.sharding import constrain
+
+__all__ = ["Groups", "pick"]
+
+
+def pick(body: Body, j: int, row_stage: jax.Array) -> jax.Array:
+    """The running stage's position in parameter ``j``'s :meth:`~.bodies.Body.candidates`."""
+    return jnp.asarray(body.choice(j))[row_stage]
+
+
+class Groups:
+    """The gradient groups of a program's bodies.
+
+    The candidate slots of every parameter with more than one are joined into groups
+    (slots that two parameters' candidates share end up in one group). Within the
+    program, the gradient list holds ``None`` at a grouped slot and, after the slots, each
+    group's stacked array (group ``g`` at position ``len(classes) + g``).
+    """
+
+    def __init__(self, bodies: Sequence[Body], classes: Sequence[ValueClass]) -> None:
+        self.classes = list(classes)
+        parent = list(range(len(classes)))
+
+        def root(k: int) -> int:
+            while parent[k] != k:
+                k = parent[k]
+            return k
+
+        for b in bodies:
+            for j in range(len(b.param_classes)):
+                cands = b.candidates(j)
+                for k in cands[1:]:
+                    parent[root(k)] = root(cands[0])
+        members: dict[int, list[int]] = {}
+        for k in range(len(classes)):
+            members.setdefault(root(k), []).append(k)
+        self.groups = [tuple(g) for _, g in sorted(members.items()) if len(g) > 1]
+        #: slot -> (position of its group in the gradient list, its row there)
+        self.where = {k: (len(classes) + i, q) for i, g in enumerate(self.groups)
+                      for q, k in enumerate(g)}
+
+    def of(self, body: Body, j: int) -> tuple[int, np.ndarray] | None:
+        """Parameter ``j``'s group: its position in the gradient list and, per stage, the
+        row of the stage's slot (``None``: ``j``'s slot is in no group)."""
+        slots = body.param_slot[:, j]
+        first = int(slots[body.stages[0]])
+        if first not in self.where:
+            return None
+        pos = self.where[first][0]
+        rows = np.array([self.where[int(k)][1] if int(k) in self.where else 0
+                         for k in slots], np.int32)
+        return pos, rows
+
+    def grads(self, gbuf: Sequence[jax.Array]) -> list[jax.Array | None]:
+        """The gradient list of the program: ``gbuf`` with its grouped slots in groups."""
+        out: list = [None if k in self.where else x for k, x in enumerate(gbuf)]
+        for g in self.groups:
+            c = self.classes[g[0]]
+            out.append(constrain(jnp.zeros((len(g), *c.shape), c.dtype), ((), *c.dims)))
+        return out
+
+    def add(self, gbuf: list, k: int, ct: jax.Array, row: jax.Array | None = None) -> None:
+        """Add ``ct`` into slot ``k``'s gradient in place (``row``: the row in ``k``'s
+        group, when it is picked at run time; ``k`` is then any slot of the group)."""
+        if k not in self.where:
+            gbuf[k] = gbuf[k] + ct.astype(gbuf[k].dtype)
+            return
+        pos, q = self.where[k]
+        q = q if row is None else row
+        old = lax.dynamic_index_in_dim(gbuf[pos], q, 0, keepdims=False,
+                                       allow_negative_indices=False)
+        gbuf[pos] = lax.dynamic_update_index_in_dim(gbuf[pos], old + ct.astype(old.dtype),
+                                                    q, 0, allow_negative_indices=False)
+
+    def fold(self, gbuf: Sequence[jax.Array | None]) -> list[jax.Array]:
+        """The gradient slots again: every grouped slot its group's row."""
+        return [gbuf[self.where[k][0]][self.where[k][1]] if k in self.where else x
+                for k, x in enumerate(gbuf[:len(self.classes)])]
