@@ -529,3 +529,14 @@ def test_two_stages_of_one_body_pick_no_whole_slot(interleaved):
     assert not picks
     loss, grads = pipe.staged_value_and_grad(staged, batch)
     assert_matches((loss, pipe.unshard(grads)), reference(loss_fn, params, batch, M))
+
+
+def test_public_gradients_leave_by_group(interleaved):
+    """The public value_and_grad gathers each gradient group whole, once, rather than
+    splitting it into its slots first (a slice each) and gathering slot by slot."""
+    pipe, _, params, batch = interleaved
+    slots, groups = pipe.executor.layouts.slots, pipe.executor.groups
+    assert len(groups.groups) == 2  # the stacked weight and bias, two rows each
+    public = pipe.value_and_grad_fn.lower(params, batch).as_text()
+    grouped = sum(len(g) for g in groups.groups)
+    assert public.count("stablehlo.all_gather") == len(slots) - grouped + len(groups.groups)

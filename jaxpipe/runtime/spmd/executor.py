@@ -26,6 +26,7 @@ from jaxpipe.runtime.spmd.layout import SlotLayout, StageLayouts
 from jaxpipe.runtime.spmd.lowering import Lowering, lower
 from jaxpipe.runtime.spmd.moves import Crossing, from_slots, to_slots
 from jaxpipe.runtime.spmd.optimizer import make_epilogue, opt_slots
+from jaxpipe.runtime.spmd.picks import Groups
 from jaxpipe.runtime.spmd.program import build_step, check_stage_collectives, place, place_tree
 from jaxpipe.sharding import manual_spec, to_spec
 from jaxpipe.train import StageOptimizer, TrainOptions
@@ -165,8 +166,14 @@ class SpmdExecutor(Executor):
                                         iw_same_tick=runtime.resolve_iw_same_tick(),
                                         fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
                                         refine=runtime.resolve_refine())
+        self.groups = Groups(self.bodies, self.layouts.slots.classes)
         self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
-                                spec.mesh_axes, len(spec.microbatch_avals))
+                                spec.mesh_axes, len(spec.microbatch_avals),
+                                groups=self.groups)
+        # value_and_grad gathers a group's gradients whole, not slot by slot
+        self._step_grouped = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
+                                        spec.mesh_axes, len(spec.microbatch_avals),
+                                        groups=self.groups, fold=False)
 
     def _shard_map(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
         """``jax.shard_map`` manual over the program's manual axes; ``in_specs`` /
@@ -237,13 +244,24 @@ class SpmdExecutor(Executor):
                              (self._crossing_specs(crossing),), self._slot_specs(slots))
         return fn(crossing.flatten(list(param_leaves)))
 
-    def _gather(self, staged: list, owner_only: bool) -> list:
-        """Slots -> user leaves, replicated over the pipe axis (:func:`.moves.from_slots`)."""
+    def _gather(self, staged: list, owner_only: bool, grouped: list | None = None) -> list:
+        """Slots -> user leaves, replicated over the pipe axis (:func:`.moves.from_slots`).
+        ``grouped``: the arrays of ``self.groups``, whose slots ``staged`` holds as None."""
         slots, crossing = self.layouts.slots, Crossing(self.spec)
+        specs = self._slot_specs(slots)
+        if grouped is None:
+            fn = self._shard_map(
+                lambda buf: from_slots(self.spec, slots, crossing, buf, owner_only),
+                (specs,), self._crossing_specs(crossing))
+            return crossing.unflatten(fn(list(staged)))
+        groups = self.groups
         fn = self._shard_map(
-            lambda buf: from_slots(self.spec, slots, crossing, buf, owner_only),
-            (self._slot_specs(slots),), self._crossing_specs(crossing))
-        return crossing.unflatten(fn(list(staged)))
+            lambda buf, garr: from_slots(self.spec, slots, crossing, buf, owner_only,
+                                         list(zip(groups.groups, garr, strict=True))),
+            ([None if k in groups.where else x for k, x in enumerate(specs)],
+             [slots.classes[g[0]].spec(self.spec.axis, None) for g in groups.groups]),
+            self._crossing_specs(crossing))
+        return crossing.unflatten(fn(list(staged), list(grouped)))
 
     def unshard(self, staged: list) -> list:
         return self._gather(list(staged), owner_only=True)
@@ -261,8 +279,8 @@ class SpmdExecutor(Executor):
         return loss, gbuf
 
     def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
-        loss, gbuf = self.staged_value_and_grad(self.shard(param_leaves), batch_mb)
-        return loss, self._gather(gbuf, owner_only=False)
+        (gslots, garrays), loss = self._step_grouped(self.shard(param_leaves), batch_mb)
+        return loss, self._gather(gslots, owner_only=False, grouped=garrays)
 
     # -- training -------------------------------------------------------------------
     def make_train_step(self, optimizer: Any, options: TrainOptions) -> tuple[StepFn, Any]:
@@ -276,6 +294,7 @@ class SpmdExecutor(Executor):
             self.bodies, self.layouts, self.lowering, spec.mesh, spec.mesh_axes,
             len(spec.microbatch_avals), epilogue=epilogue, extra_in_specs=(ospec,),
             epilogue_out_specs=(pspec, ospec, {"loss": P(), "grad_norm": P(), "skipped": P()}),
+            groups=self.groups,
         )
 
         def step(staged: list, opt_state: list, batch_mb: list) -> tuple:

@@ -25,6 +25,7 @@ partitioner (:class:`Crossing`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -174,13 +175,34 @@ class _Gathered:
         return self.all[first * self.n:(first + count) * self.n]
 
 
+class _GroupRow(_Gathered):
+    """One slot of every device, read from its gradient group (:mod:`.picks`), gathered
+    whole once: row ``q`` of ``[devices, rows, *shape]``. (A leaf whose rows two rows of
+    a group hold is one kernel, joining strided slices; gathered along the rows' axis
+    instead, XLA:CPU transposes every group for the all-gather itself.)"""
+
+    def __init__(self, gathered: jax.Array, q: int, c: Any) -> None:
+        self.n = gathered.shape[2] if rows_free(c) else None
+        self.all, self.q = gathered, q
+
+    def of(self, first: int, count: int = 1) -> jax.Array:
+        rows = self.all[first:first + count, self.q]
+        return rows[0] if self.n is None else rows.reshape(-1, *rows.shape[2:])
+
+
 def from_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, bufs: list,
-               owner_only: bool) -> list[jax.Array]:
+               owner_only: bool, groups: Sequence[tuple[tuple[int, ...], jax.Array]] = ()
+               ) -> list[jax.Array]:
     """This device's slots -> what crosses back (``crossing.unflatten`` makes the user's
     leaves of it; replicated over the pipe axis, sharded over the others as the
     parameters are): each view is the sum over the stages holding it (``owner_only``:
     the first such stage's copy, for parameters), and a leaf crossing whole its views
     joined along the leading axis. Runs inside a shard_map manual over ``spec.axis``.
+
+    ``groups``: ``(slots, array)`` of slots held stacked (``array`` is ``[1, len(slots),
+    *shape]``; ``bufs`` has ``None`` at those slots): each is gathered once, whole, and
+    its slots read from it (a leaf whose rows two of them hold is then one kernel, not a
+    slice per slot and a concatenation).
 
     The program grows with slots + leaves, not with leaves x devices (as a switch over
     devices, zero-filling the others' leaves, would)."""
@@ -193,8 +215,15 @@ def from_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, bufs: l
             if not owner_only or spec.param_owners[pid][0] == st.index:
                 where[pid].append((k, d))
     used = sorted({k for w in where for k, _ in w})
-    bufs = [constrain(x[0], c.dims) for x, c in zip(bufs, slots.classes, strict=True)]
-    every = {k: _Gathered(bufs[k], spec.axis, slots.classes[k]) for k in used}
+    bufs = [None if x is None else constrain(x[0], c.dims)
+            for x, c in zip(bufs, slots.classes, strict=True)]
+    every: dict[int, _Gathered] = {}
+    for members, arr in groups:
+        c = slots.classes[members[0]]
+        gathered = lax.all_gather(constrain(arr[0], ((), *c.dims)), spec.axis)
+        every.update((k, _GroupRow(gathered, q, c)) for q, k in enumerate(members))
+    every.update((k, _Gathered(bufs[k], spec.axis, slots.classes[k]))
+                 for k in used if k not in every)
     parts: list[list[Any]] = [[] for _ in views.leaf_avals]
     viewed_ids = frozenset(crossing.views)
     viewed: dict[int, jax.Array] = {}  # the views that cross back as views
