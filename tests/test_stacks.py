@@ -531,12 +531,16 @@ def test_two_stages_of_one_body_pick_no_whole_slot(interleaved):
     assert_matches((loss, pipe.unshard(grads)), reference(loss_fn, params, batch, M))
 
 
-def test_public_gradients_leave_by_group(interleaved):
-    """The public value_and_grad gathers each gradient group whole, once, rather than
-    splitting it into its slots first (a slice each) and gathering slot by slot."""
+def test_public_moves_go_by_group(interleaved):
+    """The public value_and_grad moves parameters in and gradients out by group, not slot
+    by slot: the stacked weights, cut evenly and interleaved over the devices, enter each
+    device's group as one slice of the leaf, and each gradient group is gathered once
+    and is the leaf's gradient transposed. No concatenation (of two slices per device on
+    the way in, of the gathered slots on the way out) and no slicing a group into slots."""
     pipe, _, params, batch = interleaved
     slots, groups = pipe.executor.layouts.slots, pipe.executor.groups
     assert len(groups.groups) == 2  # the stacked weight and bias, two rows each
     public = pipe.value_and_grad_fn.lower(params, batch).as_text()
     grouped = sum(len(g) for g in groups.groups)
     assert public.count("stablehlo.all_gather") == len(slots) - grouped + len(groups.groups)
+    assert public.count("stablehlo.concatenate") == 0

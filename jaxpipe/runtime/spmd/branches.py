@@ -62,8 +62,7 @@ class Branches:
         """Leaves -> one message unit (rows beyond the packing's are zero)."""
         return packing.write(self.empty_msg(), {c: 0 for c in packing.counts}, leaves)
 
-    @staticmethod
-    def body_params(body: Body, pbuf: list, row: TickTable,
+    def body_params(self, body: Body, pbuf: list, row: TickTable,
                     skip: frozenset[int] = frozenset()) -> list:
         """The running stage's parameters (``None`` for those in ``skip``)."""
         out = []
@@ -72,7 +71,12 @@ class Branches:
             if j in skip:
                 out.append(None)
             elif len(cands) == 1:
-                out.append(pbuf[cands[0]])
+                out.append(self.groups.param(pbuf, cands[0]))
+            elif pbuf[cands[0]] is None:  # held by group: the running stage's row
+                pos, rows = self.groups.of(body, j)
+                out.append(lax.dynamic_index_in_dim(pbuf[pos], jnp.asarray(rows)[row.stage],
+                                                    0, keepdims=False,
+                                                    allow_negative_indices=False))
             else:  # a shared body whose members use different slots on one device
                 out.append(lax.select_n(pick(body, j, row.stage), *[pbuf[k] for k in cands]))
         return out
@@ -337,10 +341,17 @@ class _DirectIO:
             sinks[q] = (("grad", k), scanio.row_add_sink(gbuf[k].shape[int(flat)],
                                                           base if flat else 0))
             targets[k] = gbuf[k].shape
-        for j in self.param_src[name]:  # a parameter's layer, picked from its candidates
+        for j in self.param_src[name]:  # a parameter's layer, of the running stage's
             cands = self.body.candidates(j)
-            bufs[("param", j)] = tuple(pbuf[k] for k in cands)
-            sources[j] = (("param", j), scanio.pick_source(pick(self.body, j, row.stage)))
+            if pbuf[cands[0]] is None:  # held by group: its row, read as a stored value
+                pos, rows = self.br.groups.of(self.body, j)
+                shape = self.body.param_classes[j].shape
+                bufs[("param", j)] = scanio.flatten(pbuf[pos])
+                sources[j] = (("param", j), scanio.row_source(
+                    shape[0], jnp.asarray(rows)[row.stage], 0, shape[1:]))
+            else:
+                bufs[("param", j)] = tuple(pbuf[k] for k in cands)
+                sources[j] = (("param", j), scanio.pick_source(pick(self.body, j, row.stage)))
         outs, bufs = scanio.evaluate(closed, args, bufs, sinks=sinks, sources=sources)
         written = {self._location(row, i)[0] for i in sunk}
         store = {c: bufs[c].reshape(x.shape) if c in written else x for c, x in store.items()}

@@ -36,7 +36,8 @@ class Fixed:
         self.groups = groups
 
     def inputs(self, pbuf: list, mbd: list) -> list:
-        return [pbuf[k] for k in self.slots] + [mbd[i] for i in self.fn.batch_ids]
+        return ([self.groups.param(pbuf, k) for k in self.slots]
+                + [mbd[i] for i in self.fn.batch_ids])
 
     def accumulate(self, gbuf: list, cts: Sequence) -> list:
         """``cts``: the cotangents of the differentiated parameters, in order."""

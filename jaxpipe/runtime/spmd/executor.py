@@ -170,10 +170,10 @@ class SpmdExecutor(Executor):
         self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
                                 spec.mesh_axes, len(spec.microbatch_avals),
                                 groups=self.groups)
-        # value_and_grad gathers a group's gradients whole, not slot by slot
+        # value_and_grad moves parameters in and gradients out by group (.picks)
         self._step_grouped = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
                                         spec.mesh_axes, len(spec.microbatch_avals),
-                                        groups=self.groups, fold=False)
+                                        groups=self.groups, grouped=True)
 
     def _shard_map(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
         """``jax.shard_map`` manual over the program's manual axes; ``in_specs`` /
@@ -244,6 +244,21 @@ class SpmdExecutor(Executor):
                              (self._crossing_specs(crossing),), self._slot_specs(slots))
         return fn(crossing.flatten(list(param_leaves)))
 
+    def _grouped_specs(self) -> tuple[list, list[P]]:
+        """Specs of ``(slots, group arrays)``: ``None`` at a grouped slot."""
+        slots, groups = self.layouts.slots, self.groups
+        return ([None if k in groups.where else x
+                 for k, x in enumerate(self._slot_specs(slots))],
+                [slots.classes[g[0]].spec(self.spec.axis, None) for g in groups.groups])
+
+    def _shard_grouped(self, param_leaves: list) -> tuple[list, list]:
+        """:meth:`shard`, with the slots of :attr:`groups` stacked by group."""
+        slots, crossing = self.layouts.slots, Crossing(self.spec)
+        fn = self._shard_map(
+            lambda flat: to_slots(self.spec, slots, crossing, flat, self.groups.groups),
+            (self._crossing_specs(crossing),), self._grouped_specs())
+        return fn(crossing.flatten(list(param_leaves)))
+
     def _gather(self, staged: list, owner_only: bool, grouped: list | None = None) -> list:
         """Slots -> user leaves, replicated over the pipe axis (:func:`.moves.from_slots`).
         ``grouped``: the arrays of ``self.groups``, whose slots ``staged`` holds as None."""
@@ -258,9 +273,7 @@ class SpmdExecutor(Executor):
         fn = self._shard_map(
             lambda buf, garr: from_slots(self.spec, slots, crossing, buf, owner_only,
                                          list(zip(groups.groups, garr, strict=True))),
-            ([None if k in groups.where else x for k, x in enumerate(specs)],
-             [slots.classes[g[0]].spec(self.spec.axis, None) for g in groups.groups]),
-            self._crossing_specs(crossing))
+            self._grouped_specs(), self._crossing_specs(crossing))
         return crossing.unflatten(fn(list(staged), list(grouped)))
 
     def unshard(self, staged: list) -> list:
@@ -279,7 +292,8 @@ class SpmdExecutor(Executor):
         return loss, gbuf
 
     def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
-        (gslots, garrays), loss = self._step_grouped(self.shard(param_leaves), batch_mb)
+        (gslots, garrays), loss = self._step_grouped(self._shard_grouped(param_leaves),
+                                                     batch_mb)
         return loss, self._gather(gslots, owner_only=False, grouped=garrays)
 
     # -- training -------------------------------------------------------------------

@@ -15,6 +15,11 @@ slice per slot (in) and one tiled ``all_gather`` per slot (out) do:
 - :func:`from_slots`: every slot is all-gathered once; each leaf is read back from the
   devices and slots holding it, and consecutive rows that one gathered slot holds in
   device order are read as one slice of it.
+- The public ``value_and_grad`` holds the slots of a shared body's per-stage parameters
+  as stacked groups (:mod:`.picks`), and both directions move a group whole. A stacked
+  leaf cut evenly over the chunks of an interleaved schedule (:func:`_interleaved`) is
+  then one slice per device on the way in, and its gathered group, transposed, on the
+  way out.
 
 The exception is a stacked leaf whose leading (layer) axis is itself sharded over a mesh
 axis: cutting its rows inside the ``shard_map`` would move rows between the devices of
@@ -116,11 +121,15 @@ def _stacked(spec: RuntimeSpec, slots: SlotLayout, holds: np.ndarray, k: int) ->
             and len({spec.tree_leaf(pid) for pid in pids}) == 1)
 
 
-def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: list
-             ) -> list[jax.Array]:
+def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: list,
+             groups: Sequence[tuple[int, ...]] | None = None) -> Any:
     """What crossed (``crossing.flatten`` of the user's leaves; this device's shards over
     the non-pipe axes) -> this device's slots, each ``[1, *shape]``. Runs inside a
-    shard_map manual over ``spec.axis``."""
+    shard_map manual over ``spec.axis``.
+
+    With ``groups`` (slot tuples), returns ``(slots, arrays)``: ``None`` at a grouped slot
+    and each group's slots stacked, ``[1, len(group), *shape]`` (rows of one stacked leaf
+    come as one kernel, the group's dynamic slices joined)."""
     views = spec.views.views
     holds = slot_inputs(spec, slots)
     stacked = [k for k in range(len(slots)) if _stacked(spec, slots, holds, k)]
@@ -147,7 +156,11 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: lis
                         [firsts.index(key) for key in keys], spec.axis, flat)
         for k, x in zip(rest, got, strict=True):
             out[k] = x
+    interleaved = {g: x for g in groups or ()
+                   if (x := _interleaved(spec, slots, holds, g)) is not None}
     for k in stacked:  # rows_free: the leaf crossed whole
+        if any(k in g for g in interleaved):
+            continue
         c = slots.classes[k]
         leaf = crossing.leaf(flat, spec.tree_leaf(int(max(holds[:, k]))))
         n, total = c.shape[0], leaf.shape[0]
@@ -156,7 +169,43 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: lis
         start = np.array([views[h].start if h >= 0 else total for h in holds[:, k]],
                          np.int32)
         out[k] = lax.dynamic_slice_in_dim(leaf, jnp.asarray(start)[dev], n).astype(c.dtype)
-    return [x[None] for x in slots.constrain(out)]
+    if groups is None:
+        return [x[None] for x in slots.constrain(out)]
+    grouped = {k for g in groups for k in g}
+    arrays = []
+    for g in groups:
+        c = slots.classes[g[0]]
+        if g in interleaved:  # [rows, devices * n, ...]: this device's n rows of each
+            leaf = crossing.leaf(flat, interleaved[g])
+            n = c.shape[0]
+            leaf = leaf.reshape(len(g), -1, *leaf.shape[1:])
+            x = lax.dynamic_slice_in_dim(leaf, dev * n, n, axis=1).astype(c.dtype)
+        else:
+            x = jnp.stack([out[k] for k in g])
+        arrays.append(constrain(x, ((), *c.dims))[None])
+    return ([None if k in grouped else constrain(x, c.dims)[None]
+             for k, (x, c) in enumerate(zip(out, slots.classes, strict=True))], arrays)
+
+
+def _interleaved(spec: RuntimeSpec, slots: SlotLayout, holds: np.ndarray,
+                 group: tuple[int, ...]) -> int | None:
+    """The user leaf whose rows ``group``'s slots hold in order, chunk by chunk and within
+    a chunk device by device (slot ``q`` of device ``d`` holds rows ``(q * D + d) * n``
+    on, ``n`` rows each: an interleaved schedule's even cut of a stack), or ``None``. Each
+    device's group is then one slice of the leaf viewed as ``[rows, D * n, ...]``, and
+    the gathered group is the leaf transposed."""
+    views, D = spec.views.views, spec.schedule.num_devices
+    if not all(_stacked(spec, slots, holds, k) for k in group) or (holds[:, group] < 0).any():
+        return None
+    leaf = spec.tree_leaf(int(holds[0, group[0]]))
+    n = slots.classes[group[0]].shape[0]
+    want = [[(q * D + d) * n for q in range(len(group))] for d in range(D)]
+    got = [[views[holds[d, k]].start for k in group] for d in range(D)]
+    if got != want or spec.views.leaf_avals[leaf].shape[0] != len(group) * D * n:
+        return None
+    if any(spec.tree_leaf(int(holds[d, k])) != leaf for d in range(D) for k in group):
+        return None
+    return leaf
 
 
 class _Gathered:
@@ -218,10 +267,17 @@ def from_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, bufs: l
     bufs = [None if x is None else constrain(x[0], c.dims)
             for x, c in zip(bufs, slots.classes, strict=True)]
     every: dict[int, _Gathered] = {}
+    holds = slot_inputs(spec, slots)
+    whole: dict[int, jax.Array] = {}  # leaves that are a gathered group, transposed
     for members, arr in groups:
         c = slots.classes[members[0]]
         gathered = lax.all_gather(constrain(arr[0], ((), *c.dims)), spec.axis)
         every.update((k, _GroupRow(gathered, q, c)) for q, k in enumerate(members))
+        leaf = _interleaved(spec, slots, holds, members)
+        if leaf is not None and all(len(where[pid]) == 1 for pid, w in enumerate(views.views)
+                                    if w.leaf == leaf):
+            x = jnp.swapaxes(gathered, 0, 1)
+            whole[leaf] = x.reshape(-1, *x.shape[3:])
     every.update((k, _Gathered(bufs[k], spec.axis, slots.classes[k]))
                  for k in used if k not in every)
     parts: list[list[Any]] = [[] for _ in views.leaf_avals]
@@ -234,6 +290,8 @@ def from_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, bufs: l
             parts[run[0]].append(every[run[1]].of(run[2], run[3]))
 
     for pid, (w, a) in enumerate(zip(views.views, views.avals, strict=True)):
+        if w.leaf in whole:
+            continue
         single = len(where[pid]) == 1 and every[where[pid][0][0]].n is not None
         if single and pid not in viewed_ids:
             k, d = where[pid][0]
@@ -254,7 +312,10 @@ def from_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, bufs: l
     close()
     out = []
     for leaf in crossing.whole:
-        x = parts[leaf][0] if len(parts[leaf]) == 1 else jnp.concatenate(parts[leaf])
+        if leaf in whole:
+            x = whole[leaf]
+        else:
+            x = parts[leaf][0] if len(parts[leaf]) == 1 else jnp.concatenate(parts[leaf])
         out.append(x.astype(views.leaf_avals[leaf].dtype))
     for pid in crossing.views:
         out.append(viewed[pid].astype(views.avals[pid].dtype))

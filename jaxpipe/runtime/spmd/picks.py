@@ -4,16 +4,20 @@ Two stages of one body on a device (the chunks of an interleaved schedule) run t
 one branch, but each has its own parameters, in slots of its own: the branch picks the
 running stage's at run time, and adds its gradient into the running stage's slot.
 
-- Parameters are picked with a ``select_n`` over the candidate slots; a scanned layer
-  stack's parameters are picked layer by layer inside the scan (:mod:`.scanio`), where
-  the layer's slice is read anyway, so they cost no kernel and no copy.
+- Parameters: the staged parameters are slots (what the optimizer updates in place),
+  picked with a ``select_n`` over the candidates; a scanned layer stack's are picked
+  layer by layer inside the scan (:mod:`.scanio`), where the layer's slice is read
+  anyway, so they cost no kernel and no copy. The public ``value_and_grad`` moves the
+  user's leaves into groups directly (:func:`.moves.to_slots`), and its branches read a
+  group's row like a stored value (``pbuf[k]`` is then ``None``: :meth:`Groups.param`).
 - Gradients: added into separate slot arrays, a pick costs a masked add into *every*
   candidate, a kernel each per leaf and branch, and a scan's per-layer gradients could
   not go straight into a slot row. So inside the program the gradient slots that such
   a parameter may use are held as one stacked array, ``[candidates, *shape]`` (a
   *group*), in place of those slots: a gradient is added into row ``q`` in place, a
   dynamic row like any stored value, and a scan adds each layer's gradient into its row
-  directly. The groups become slots again once, after the last step (:meth:`Groups.fold`).
+  directly. The groups become slots again once, after the last step (:meth:`Groups.fold`),
+  or, in the public ``value_and_grad``, are gathered whole (:func:`.moves.from_slots`).
 """
 
 from __future__ import annotations
@@ -80,12 +84,24 @@ class Groups:
                          for k in slots], np.int32)
         return pos, rows
 
+    def constrain(self, x: jax.Array, g: tuple[int, ...]) -> jax.Array:
+        """A group's array sharded as its slots are over the automatic axes."""
+        return constrain(x, ((), *self.classes[g[0]].dims))
+
+    def param(self, pbuf: Sequence[jax.Array | None], k: int) -> jax.Array:
+        """Slot ``k``'s parameter: from its slot, or from its group's row where the
+        program holds parameters by group (``pbuf[k]`` is then ``None``)."""
+        if pbuf[k] is not None:
+            return pbuf[k]
+        pos, q = self.where[k]
+        return pbuf[pos][q]
+
     def grads(self, gbuf: Sequence[jax.Array]) -> list[jax.Array | None]:
         """The gradient list of the program: ``gbuf`` with its grouped slots in groups."""
         out: list = [None if k in self.where else x for k, x in enumerate(gbuf)]
         for g in self.groups:
             c = self.classes[g[0]]
-            out.append(constrain(jnp.zeros((len(g), *c.shape), c.dtype), ((), *c.dims)))
+            out.append(self.constrain(jnp.zeros((len(g), *c.shape), c.dtype), g))
         return out
 
     def add(self, gbuf: list, k: int, ct: jax.Array, row: jax.Array | None = None) -> None:

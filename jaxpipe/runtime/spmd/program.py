@@ -73,7 +73,7 @@ def build_step(
     extra_in_specs: tuple = (),
     epilogue_out_specs: object = None,
     groups: Groups | None = None,
-    fold: bool = True,
+    grouped: bool = False,
 ) -> Callable:
     """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss)`` as a shard_map'ed function.
 
@@ -91,11 +91,12 @@ def build_step(
     uses this), with ``extra_in_specs`` / ``epilogue_out_specs`` as the specs of its
     extra inputs and outputs outside the program (their manual part is the shard_map's).
 
-    ``groups``: the gradient groups (:mod:`.picks`; built from ``bodies`` when not given).
-    With ``fold=False`` the step returns ``((gslots, garrays), loss)``: the gradient slots
-    that are in no group (a list over the others' positions, ``None`` at grouped ones) and
-    every group's array, ``[devices, len(group), *shape]``, for a caller that reads
-    them without splitting the groups into slots first (:func:`.moves.from_slots`).
+    ``groups``: the slot groups (:mod:`.picks`; built from ``bodies`` when not given).
+    With ``grouped=True`` parameters come in and gradients go out by group: ``pbuf`` is
+    ``(pslots, parrays)`` and the step returns ``((gslots, garrays), loss)``, the slots in
+    no group (a list over all positions, ``None`` at grouped ones) and every group's
+    array, ``[devices, len(group), *shape]``. The public path moves the user's leaves
+    into and out of groups directly (:mod:`.moves`); the staged parameters stay slots.
     """
     axis = axes.axis
     manual_batch = axes.manual_batch_axes
@@ -131,7 +132,12 @@ def build_step(
                 for c, n in unit.items()}
 
     def per_device(pbuf, batch, table: TickTable, *extra):
-        pbuf = [constrain(v[0], c.dims) for v, c in zip(pbuf, L.slots.classes, strict=True)]
+        pslots, parrays = pbuf if grouped else (pbuf, [])
+        pbuf = [None if v is None else constrain(v[0], c.dims)
+                for v, c in zip(pslots, L.slots.classes, strict=True)]
+        if grouped:
+            pbuf += [groups.constrain(v[0], g)
+                     for v, g in zip(parrays, groups.groups, strict=True)]
         if axes.auto_batch_axes:  # split over the automatic batch axes (FSDP)
             batch = [constrain(x, ((), axes.auto_batch_axes)) for x in batch]
         table = jax.tree.map(lambda x: x[:, 0], table)  # this device's column
@@ -193,7 +199,7 @@ def build_step(
             gbuf = jax.tree.map(lambda x: lax.pmean(x, manual_batch), gbuf)
         if epilogue is not None:
             return epilogue(pbuf, groups.fold(gbuf), loss, *extra)
-        if fold:
+        if not grouped:
             return [v[None] for v in groups.fold(gbuf)], loss
         n = len(L.slots)
         return ([None if v is None else v[None] for v in gbuf[:n]],
@@ -203,14 +209,13 @@ def build_step(
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
     batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
     pspec = [c.spec(axis) for c in L.slots.classes]
-    in_specs = (pspec, batch_specs, table_specs, *extra_in_specs)
+    by_group = ([None if k in groups.where else x for k, x in enumerate(pspec)],
+                [L.slots.classes[g[0]].spec(axis, None) for g in groups.groups])
+    in_specs = (by_group if grouped else pspec, batch_specs, table_specs, *extra_in_specs)
     if epilogue is not None:
         out_specs = epilogue_out_specs
-    elif fold:
-        out_specs = (pspec, P())
     else:
-        out_specs = (([None if k in groups.where else x for k, x in enumerate(pspec)],
-                      [L.slots.classes[g[0]].spec(axis, None) for g in groups.groups]), P())
+        out_specs = (by_group if grouped else pspec, P())
     manual = set(axes.manual_axes)
 
     def inner(specs):
@@ -227,7 +232,8 @@ def build_step(
     )
 
     def run(pbuf, batch_mb, *extra):
-        args = (list(pbuf), list(batch_mb), table_arrays, *extra)
+        pbuf = tuple(map(list, pbuf)) if grouped else list(pbuf)
+        args = (pbuf, list(batch_mb), table_arrays, *extra)
         out = fn(*place_tree(args, mesh, in_specs))
         return place_tree(out, mesh, out_specs) if manual != set(mesh.axis_names) else out
 
