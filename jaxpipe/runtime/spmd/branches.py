@@ -327,6 +327,7 @@ class _DirectIO:
         sources: dict = {}
         for i in sunk | sourced:
             c, base, offset = self._location(row, i)
+            offset = scanio.opaque(offset)  # alike rows share one compiled write / read
             bufs.setdefault(c, scanio.flatten(store[c]))
             if i in sunk:
                 sinks[self.n_out + i] = (c, scanio.row_sink(c.shape[0], base, offset))
