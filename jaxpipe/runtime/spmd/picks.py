@@ -42,11 +42,12 @@ def pick(body: Body, j: int, row_stage: jax.Array) -> jax.Array:
 
 
 class Groups:
-    """The gradient groups of a program's bodies.
+    """The slot groups of a program's bodies: of the gradients always, of the parameters
+    in the public ``value_and_grad``.
 
     The candidate slots of every parameter with more than one are joined into groups
     (slots that two parameters' candidates share end up in one group). Within the
-    program, the gradient list holds ``None`` at a grouped slot and, after the slots, each
+    program, a list grouped so holds ``None`` at a grouped slot and, after the slots, each
     group's stacked array (group ``g`` at position ``len(classes) + g``).
     """
 
