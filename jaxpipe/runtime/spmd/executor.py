@@ -10,6 +10,7 @@ The :class:`SpmdExecutor` it returns keeps parameters in slots, one array
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any, ClassVar
 
@@ -167,13 +168,12 @@ class SpmdExecutor(Executor):
                                         fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
                                         refine=runtime.resolve_refine())
         self.groups = Groups(self.bodies, self.layouts.slots.classes)
-        self._step = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
-                                spec.mesh_axes, len(spec.microbatch_avals),
-                                groups=self.groups)
+        self._build = functools.partial(build_step, self.bodies, self.layouts, self.lowering,
+                                        spec.mesh, spec.mesh_axes, len(spec.microbatch_avals),
+                                        groups=self.groups)
+        self._step = self._build()
         # value_and_grad moves parameters in and gradients out by group (.picks)
-        self._step_grouped = build_step(self.bodies, self.layouts, self.lowering, spec.mesh,
-                                        spec.mesh_axes, len(spec.microbatch_avals),
-                                        groups=self.groups, grouped=True)
+        self._step_grouped = self._build(grouped=True)
 
     def _shard_map(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
         """``jax.shard_map`` manual over the program's manual axes; ``in_specs`` /
@@ -239,42 +239,31 @@ class SpmdExecutor(Executor):
         Runs as a shard_map: each device fills its slots with its own stages' parameters
         (one copy of them), instead of XLA partitioning a global stack; a scanned stack's
         stacked weights come whole and each device slices its rows (:mod:`.moves`)."""
-        slots, crossing = self.layouts.slots, Crossing(self.spec)
-        fn = self._shard_map(lambda flat: to_slots(self.spec, slots, crossing, flat),
-                             (self._crossing_specs(crossing),), self._slot_specs(slots))
-        return fn(crossing.flatten(list(param_leaves)))
+        return self._to_slots(param_leaves, grouped=False)
 
-    def _grouped_specs(self) -> tuple[list, list[P]]:
-        """Specs of ``(slots, group arrays)``: ``None`` at a grouped slot."""
-        slots, groups = self.layouts.slots, self.groups
-        return ([None if k in groups.where else x
-                 for k, x in enumerate(self._slot_specs(slots))],
-                [slots.classes[g[0]].spec(self.spec.axis, None) for g in groups.groups])
-
-    def _shard_grouped(self, param_leaves: list) -> tuple[list, list]:
-        """:meth:`shard`, with the slots of :attr:`groups` stacked by group."""
+    def _to_slots(self, param_leaves: list, grouped: bool) -> Any:
+        """:meth:`shard`; ``grouped``: ``(slots, group arrays)``, the slots of
+        :attr:`groups` stacked by group (``None`` in the slot list)."""
         slots, crossing = self.layouts.slots, Crossing(self.spec)
-        fn = self._shard_map(
-            lambda flat: to_slots(self.spec, slots, crossing, flat, self.groups.groups),
-            (self._crossing_specs(crossing),), self._grouped_specs())
+        groups = self.groups if grouped else None
+        specs = self._slot_specs(slots)
+        fn = self._shard_map(lambda flat: to_slots(self.spec, slots, crossing, flat, groups),
+                             (self._crossing_specs(crossing),),
+                             self.groups.specs(specs, self.spec.axis) if grouped else specs)
         return fn(crossing.flatten(list(param_leaves)))
 
     def _gather(self, staged: list, owner_only: bool, grouped: list | None = None) -> list:
         """Slots -> user leaves, replicated over the pipe axis (:func:`.moves.from_slots`).
-        ``grouped``: the arrays of ``self.groups``, whose slots ``staged`` holds as None."""
+        ``grouped``: the arrays of :attr:`groups`, whose slots ``staged`` holds as None."""
         slots, crossing = self.layouts.slots, Crossing(self.spec)
+        groups = self.groups if grouped is not None else None
         specs = self._slot_specs(slots)
-        if grouped is None:
-            fn = self._shard_map(
-                lambda buf: from_slots(self.spec, slots, crossing, buf, owner_only),
-                (specs,), self._crossing_specs(crossing))
-            return crossing.unflatten(fn(list(staged)))
-        groups = self.groups
         fn = self._shard_map(
-            lambda buf, garr: from_slots(self.spec, slots, crossing, buf, owner_only,
-                                         list(zip(groups.groups, garr, strict=True))),
-            self._grouped_specs(), self._crossing_specs(crossing))
-        return crossing.unflatten(fn(list(staged), list(grouped)))
+            lambda buf, arrays: from_slots(self.spec, slots, crossing, buf, owner_only,
+                                           groups, arrays),
+            self.groups.specs(specs, self.spec.axis) if groups else (specs, []),
+            self._crossing_specs(crossing))
+        return crossing.unflatten(fn(list(staged), list(grouped or [])))
 
     def unshard(self, staged: list) -> list:
         return self._gather(list(staged), owner_only=True)
@@ -292,7 +281,7 @@ class SpmdExecutor(Executor):
         return loss, gbuf
 
     def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
-        (gslots, garrays), loss = self._step_grouped(self._shard_grouped(param_leaves),
+        (gslots, garrays), loss = self._step_grouped(self._to_slots(param_leaves, True),
                                                      batch_mb)
         return loss, self._gather(gslots, owner_only=False, grouped=garrays)
 
@@ -304,11 +293,9 @@ class SpmdExecutor(Executor):
         epilogue = make_epilogue(spec, self.layouts.slots, stage_opt, ostate, options)
         pspec = self._slot_specs(self.layouts.slots)
         ospec = self._slot_specs(ostate)
-        core = build_step(
-            self.bodies, self.layouts, self.lowering, spec.mesh, spec.mesh_axes,
-            len(spec.microbatch_avals), epilogue=epilogue, extra_in_specs=(ospec,),
+        core = self._build(
+            epilogue=epilogue, extra_in_specs=(ospec,),
             epilogue_out_specs=(pspec, ospec, {"loss": P(), "grad_norm": P(), "skipped": P()}),
-            groups=self.groups,
         )
 
         def step(staged: list, opt_state: list, batch_mb: list) -> tuple:

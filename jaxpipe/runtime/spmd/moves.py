@@ -41,6 +41,7 @@ from jax import lax
 from jaxpipe.runtime.base import RuntimeSpec
 from jaxpipe.runtime.spmd.gate import by_device
 from jaxpipe.runtime.spmd.layout import SlotLayout
+from jaxpipe.runtime.spmd.picks import Groups
 from jaxpipe.sharding import constrain
 
 __all__ = ["Crossing", "from_slots", "rows_free", "slot_inputs", "to_slots"]
@@ -122,13 +123,13 @@ def _stacked(spec: RuntimeSpec, slots: SlotLayout, holds: np.ndarray, k: int) ->
 
 
 def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: list,
-             groups: Sequence[tuple[int, ...]] | None = None) -> Any:
+             groups: Groups | None = None) -> Any:
     """What crossed (``crossing.flatten`` of the user's leaves; this device's shards over
     the non-pipe axes) -> this device's slots, each ``[1, *shape]``. Runs inside a
     shard_map manual over ``spec.axis``.
 
-    With ``groups`` (slot tuples), returns ``(slots, arrays)``: ``None`` at a grouped slot
-    and each group's slots stacked, ``[1, len(group), *shape]`` (rows of one stacked leaf
+    With ``groups``, returns ``(slots, arrays)``: ``None`` at a grouped slot and each
+    group's slots stacked, ``[1, len(group), *shape]`` (rows of one stacked leaf
     come as one kernel, the group's dynamic slices joined)."""
     views = spec.views.views
     holds = slot_inputs(spec, slots)
@@ -156,7 +157,7 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: lis
                         [firsts.index(key) for key in keys], spec.axis, flat)
         for k, x in zip(rest, got, strict=True):
             out[k] = x
-    interleaved = {g: x for g in groups or ()
+    interleaved = {g: x for g in (groups.groups if groups else ())
                    if (x := _interleaved(spec, slots, holds, g)) is not None}
     for k in stacked:  # rows_free: the leaf crossed whole
         if any(k in g for g in interleaved):
@@ -171,9 +172,8 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: lis
         out[k] = lax.dynamic_slice_in_dim(leaf, jnp.asarray(start)[dev], n).astype(c.dtype)
     if groups is None:
         return [x[None] for x in slots.constrain(out)]
-    grouped = {k for g in groups for k in g}
     arrays = []
-    for g in groups:
+    for g in groups.groups:
         c = slots.classes[g[0]]
         if g in interleaved:  # [rows, devices * n, ...]: this device's n rows of each
             leaf = crossing.leaf(flat, interleaved[g])
@@ -182,8 +182,8 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: lis
             x = lax.dynamic_slice_in_dim(leaf, dev * n, n, axis=1).astype(c.dtype)
         else:
             x = jnp.stack([out[k] for k in g])
-        arrays.append(constrain(x, ((), *c.dims))[None])
-    return ([None if k in grouped else constrain(x, c.dims)[None]
+        arrays.append(groups.constrain(x, g)[None])
+    return ([None if k in groups.where else constrain(x, c.dims)[None]
              for k, (x, c) in enumerate(zip(out, slots.classes, strict=True))], arrays)
 
 
@@ -240,16 +240,16 @@ class _GroupRow(_Gathered):
 
 
 def from_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, bufs: list,
-               owner_only: bool, groups: Sequence[tuple[tuple[int, ...], jax.Array]] = ()
-               ) -> list[jax.Array]:
+               owner_only: bool, groups: Groups | None = None,
+               arrays: Sequence[jax.Array] = ()) -> list[jax.Array]:
     """This device's slots -> what crosses back (``crossing.unflatten`` makes the user's
     leaves of it; replicated over the pipe axis, sharded over the others as the
     parameters are): each view is the sum over the stages holding it (``owner_only``:
     the first such stage's copy, for parameters), and a leaf crossing whole its views
     joined along the leading axis. Runs inside a shard_map manual over ``spec.axis``.
 
-    ``groups``: ``(slots, array)`` of slots held stacked (``array`` is ``[1, len(slots),
-    *shape]``; ``bufs`` has ``None`` at those slots): each is gathered once, whole, and
+    ``groups`` / ``arrays``: slots held stacked, each group's array ``[1, len(group),
+    *shape]`` (``bufs`` has ``None`` at those slots): each is gathered once, whole, and
     its slots read from it (a leaf whose rows two of them hold is then one kernel, not a
     slice per slot and a concatenation).
 
@@ -269,9 +269,9 @@ def from_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, bufs: l
     every: dict[int, _Gathered] = {}
     holds = slot_inputs(spec, slots)
     whole: dict[int, jax.Array] = {}  # leaves that are a gathered group, transposed
-    for members, arr in groups:
+    for members, arr in zip(groups.groups if groups else (), arrays, strict=True):
         c = slots.classes[members[0]]
-        gathered = lax.all_gather(constrain(arr[0], ((), *c.dims)), spec.axis)
+        gathered = lax.all_gather(groups.constrain(arr[0], members), spec.axis)
         every.update((k, _GroupRow(gathered, q, c)) for q, k in enumerate(members))
         leaf = _interleaved(spec, slots, holds, members)
         if leaf is not None and all(len(where[pid]) == 1 for pid, w in enumerate(views.views)

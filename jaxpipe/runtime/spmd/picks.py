@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.layout import ValueClass
@@ -97,13 +98,21 @@ class Groups:
         pos, q = self.where[k]
         return pbuf[pos][q]
 
-    def grads(self, gbuf: Sequence[jax.Array]) -> list[jax.Array | None]:
-        """The gradient list of the program: ``gbuf`` with its grouped slots in groups."""
-        out: list = [None if k in self.where else x for k, x in enumerate(gbuf)]
+    def zero_grads(self) -> list[jax.Array | None]:
+        """The program's gradient list, zero: ``None`` at a grouped slot, then the
+        groups."""
+        out: list = [None if k in self.where else constrain(jnp.zeros(c.shape, c.dtype), c.dims)
+                     for k, c in enumerate(self.classes)]
         for g in self.groups:
             c = self.classes[g[0]]
             out.append(self.constrain(jnp.zeros((len(g), *c.shape), c.dtype), g))
         return out
+
+    def specs(self, slot_specs: Sequence[P], axis: str) -> tuple[list, list[P]]:
+        """Specs of ``(slots, group arrays)`` outside the program, from the slots' own
+        (``None`` at a grouped slot; a group's array is ``[devices, len(group), ...]``)."""
+        return ([None if k in self.where else x for k, x in enumerate(slot_specs)],
+                [self.classes[g[0]].spec(axis, None) for g in self.groups])
 
     def add(self, gbuf: list, k: int, ct: jax.Array, row: jax.Array | None = None) -> None:
         """Add ``ct`` into slot ``k``'s gradient in place (``row``: the row in ``k``'s

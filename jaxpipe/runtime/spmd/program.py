@@ -146,8 +146,7 @@ def build_step(
         # Only senders write an outbox (the writes are gated), so it needs no dummy unit
         # and a ppermute moves exactly the units in use.
         outbox = [{c: c.zeros(k * n) for c, n in unit.items()} for k in units]
-        gbuf = groups.grads([constrain(jnp.zeros(c.shape, c.dtype), c.dims)
-                             for c in L.slots.classes])
+        gbuf = groups.zero_grads()
 
         def step(carry, row: TickTable):
             store, inbox, outbox, gbuf, loss = carry
@@ -209,8 +208,7 @@ def build_step(
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
     batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
     pspec = [c.spec(axis) for c in L.slots.classes]
-    by_group = ([None if k in groups.where else x for k, x in enumerate(pspec)],
-                [L.slots.classes[g[0]].spec(axis, None) for g in groups.groups])
+    by_group = groups.specs(pspec, axis)
     in_specs = (by_group if grouped else pspec, batch_specs, table_specs, *extra_in_specs)
     if epilogue is not None:
         out_specs = epilogue_out_specs

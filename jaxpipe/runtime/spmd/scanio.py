@@ -147,7 +147,7 @@ def evaluate(closed: jcore.ClosedJaxpr, args: Sequence[Any],
     return [read(env, v) for v in j.outvars], bufs
 
 
-def row_sink(layers: int, base: Any, offset: int) -> Sink:
+def row_sink(layers: int, base: Any, offset: Any) -> Sink:
     """Write into row ``base + offset`` of a ``[slots, layers, *row]`` buffer held
     flattened (``[slots * layers, *row]``, a free reshape)."""
     def sink(buf: jax.Array, y: jax.Array, i: Any) -> jax.Array:
@@ -158,7 +158,7 @@ def row_sink(layers: int, base: Any, offset: int) -> Sink:
     return sink
 
 
-def row_source(layers: int, base: Any, offset: int, shape: tuple[int, ...]) -> Source:
+def row_source(layers: int, base: Any, offset: Any, shape: tuple[int, ...]) -> Source:
     """Read from row ``base + offset`` of a flattened ``[slots, layers, *row]`` buffer,
     as a value of ``shape`` (a row drops size-1 dimensions: ``ValueClass.row_shape``)."""
     def source(buf: jax.Array, i: Any) -> jax.Array:
