@@ -304,6 +304,29 @@ def test_table_is_a_pytree_of_int_arrays():
     assert jnp.asarray(low.table.branch).dtype == jnp.int32
 
 
+def test_program_fields_are_one_int32_array_per_scalar():
+    """What the program scans is one [steps, devices] int32 array per scalar, gates as
+    0/1 trip counts: alike reads then share one compiled kernel (StepFields)."""
+    sched = jp.Interleaved1F1B(4, 8, stages_per_device=2)
+    low = lower(sched, _counts(sched))
+    t = low.table
+    branches = sorted(low.used_branches - {IDLE})
+    steps = t.steps(branches, low.num_inbox, low.units)
+    leaves = jax.tree.leaves((t.actions(), steps))
+    assert all(x.shape == (t.num_steps, 4) and x.dtype == np.int32 for x in leaves)
+    for b in branches:
+        np.testing.assert_array_equal(steps.runs[b], t.branch == b)
+    assert sum(steps.runs.values()).max() <= 1  # at most one branch per step
+    for j, n in enumerate(low.units):
+        sent = steps.send[j].astype(bool)
+        np.testing.assert_array_equal(steps.out_unit[j][sent], t.out_unit[..., j][sent])
+        assert (steps.out_unit[j][~sent] == n).all()
+        ran = steps.exchange[j].astype(bool)
+        np.testing.assert_array_equal(steps.pattern[j][ran] + 1, t.exchange[..., j][ran])
+        assert len(steps.recv_slot[j]) == n
+    np.testing.assert_array_equal(steps.keep.astype(bool), t.local_slot != low.num_inbox)
+
+
 def test_sync_model_one_f_one_b():
     """1F1B p=4 m=8, F:B = 1:2. A permutation lists only the pairs that exchange at that
     tick, so a device waits only for its partners: nothing is lost even with B unsplit.

@@ -26,8 +26,9 @@ from jaxpipe.runtime.spmd import scanio
 from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.ends import Ends, Fixed
 from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
-from jaxpipe.runtime.spmd.lowering import Pool, TickTable
+from jaxpipe.runtime.spmd.lowering import Pool
 from jaxpipe.runtime.spmd.picks import Groups, pick
+from jaxpipe.runtime.spmd.table import ActionFields
 
 __all__ = ["Branches"]
 
@@ -62,7 +63,7 @@ class Branches:
         """Leaves -> one message unit (rows beyond the packing's are zero)."""
         return packing.write(self.empty_msg(), {c: 0 for c in packing.counts}, leaves)
 
-    def body_params(self, body: Body, pbuf: list, row: TickTable,
+    def body_params(self, body: Body, pbuf: list, row: ActionFields,
                     skip: frozenset[int] = frozenset()) -> list:
         """The running stage's parameters (``None`` for those in ``skip``)."""
         out = []
@@ -81,7 +82,7 @@ class Branches:
                 out.append(lax.select_n(pick(body, j, row.stage), *[pbuf[k] for k in cands]))
         return out
 
-    def accumulate(self, body: Body, gbuf: list, row: TickTable, ct_par: Sequence) -> list:
+    def accumulate(self, body: Body, gbuf: list, row: ActionFields, ct_par: Sequence) -> list:
         """Add each differentiated parameter's cotangent into its slot (``None``: added
         already, by the scan that produced it)."""
         gbuf = list(gbuf)
@@ -275,11 +276,11 @@ class _DirectIO:
     def _skip(self, ids: Sequence[int], direct: frozenset[int]) -> frozenset[int]:
         return frozenset(k for k, i in enumerate(ids) if i in direct)
 
-    def _location(self, row: TickTable, i: int) -> tuple[ValueClass, Any, int]:
+    def _location(self, row: ActionFields, i: int) -> tuple[ValueClass, Any, int]:
         pool, k = self.leaf_of[i]
         return self.packing[pool].location(k, row.bases(pool))
 
-    def load(self, row: TickTable, store: Bufs, name: str) -> list:
+    def load(self, row: ActionFields, store: Bufs, name: str) -> list:
         """Every residual, read from storage; ``None`` for those ``name``'s scans read."""
         out: list = [None] * len(self.st.residual_avals)
         for pool, ids in self.pools:
@@ -289,20 +290,20 @@ class _DirectIO:
                 out[i] = x
         return out
 
-    def load_w(self, row: TickTable, store: Bufs) -> list:
+    def load_w(self, row: ActionFields, store: Bufs) -> list:
         """The residuals W reads (``st.w_res_ids``); ``None`` for those its scans read."""
         return self.packing[Pool.RESIDUAL_B].read(
             store, row.bases(Pool.RESIDUAL_B),
             self._skip(self.st.w_res_ids, self.sourced["bwd_w"]))
 
-    def store_residuals(self, row: TickTable, store: Bufs, stored: Sequence) -> Bufs:
+    def store_residuals(self, row: ActionFields, store: Bufs, stored: Sequence) -> Bufs:
         """Write the residuals the forward's scans did not write already."""
         for pool, ids in self.pools:
             store = self.packing[pool].write(store, row.bases(pool),
                                              [stored[i] for i in ids], self._skip(ids, self.sunk))
         return store
 
-    def _grad_row(self, j: int, row: TickTable) -> tuple[int, Any]:
+    def _grad_row(self, j: int, row: ActionFields) -> tuple[int, Any]:
         """Where parameter ``j``'s gradient goes: ``(slot, None)``, or ``(position of its
         group in the gradient list, row)``."""
         cands = self.body.candidates(j)
@@ -313,7 +314,7 @@ class _DirectIO:
         pos, rows = self.br.groups.of(self.body, j)
         return pos, jnp.asarray(rows)[row.stage]
 
-    def run(self, name: str, row: TickTable, store: Bufs, gbuf: list, args: list,
+    def run(self, name: str, row: ActionFields, store: Bufs, gbuf: list, args: list,
             pbuf: list | None = None) -> tuple[list, Bufs, list]:
         """Evaluate ``st.<name>`` on ``args``; its scans write, read and add the values
         chosen above. Returns its outputs (``None`` where a scan wrote), store and gbuf."""
@@ -363,6 +364,6 @@ class _DirectIO:
 
 
 
-def _pick(body: Body, j: int, row: TickTable) -> jax.Array:
+def _pick(body: Body, j: int, row: ActionFields) -> jax.Array:
     """The running stage's row in parameter ``j``'s group."""
     return jnp.asarray(body.choice(j))[row.stage]

@@ -19,8 +19,9 @@ from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.runtime.spmd.gate import gated
 from jaxpipe.runtime.spmd.layout import StageLayouts
-from jaxpipe.runtime.spmd.lowering import Pool, TickTable
+from jaxpipe.runtime.spmd.lowering import Pool
 from jaxpipe.runtime.spmd.picks import Groups
+from jaxpipe.runtime.spmd.table import ActionFields
 from jaxpipe.stages import StageFn
 
 __all__ = ["Ends", "Fixed"]
@@ -69,7 +70,7 @@ class _Part(Fixed):
         self.hand = [entry(Pool.HANDOFF, range(len(whole.w_residual_avals)), parts.w_ids[k])]
 
     @staticmethod
-    def _read(row: TickTable, store: dict, entries: list) -> dict:
+    def _read(row: ActionFields, store: dict, entries: list) -> dict:
         out: dict = {}
         for pool, packing, mine, others in entries:
             vals = packing.read(store, row.bases(pool), others)
@@ -77,7 +78,7 @@ class _Part(Fixed):
         return out
 
     @staticmethod
-    def _write(row: TickTable, store: dict, entries: list, values: Sequence) -> dict:
+    def _write(row: ActionFields, store: dict, entries: list, values: Sequence) -> dict:
         for pool, packing, mine, others in entries:
             leaves: list = [None] * len(packing)
             for i, q in mine.items():
@@ -85,19 +86,19 @@ class _Part(Fixed):
             store = packing.write(store, row.bases(pool), leaves, others)
         return store
 
-    def load(self, row: TickTable, store: dict, ids: Sequence[int]) -> list:
+    def load(self, row: ActionFields, store: dict, ids: Sequence[int]) -> list:
         """Residuals ``ids`` of this part (its own numbering), from storage."""
         out = self._read(row, store, self.residuals)
         return [out[i] for i in ids]
 
-    def save(self, row: TickTable, store: dict, residuals: Sequence) -> dict:
+    def save(self, row: ActionFields, store: dict, residuals: Sequence) -> dict:
         return self._write(row, store, self.residuals, residuals)
 
-    def load_hand(self, row: TickTable, store: dict) -> list:
+    def load_hand(self, row: ActionFields, store: dict) -> list:
         out = self._read(row, store, self.hand)
         return [out[i] for i in range(len(out))]
 
-    def save_hand(self, row: TickTable, store: dict, values: Sequence) -> dict:
+    def save_hand(self, row: ActionFields, store: dict, values: Sequence) -> dict:
         return self._write(row, store, self.hand, values)
 
 
@@ -123,7 +124,7 @@ class Ends:
                 self.post.append(_Part(L, whole, parts.epilogue, groups))
 
     @staticmethod
-    def _each(parts: list[_Part], row: TickTable, fn: Callable, state: Any, *args: Any
+    def _each(parts: list[_Part], row: ActionFields, fn: Callable, state: Any, *args: Any
               ) -> Any:
         for part in parts:
             state = gated(row.stage == part.stage,

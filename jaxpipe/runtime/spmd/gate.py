@@ -13,11 +13,11 @@ __all__ = ["by_device", "gated"]
 
 
 def gated(pred: Any, fn: Callable, x: Any, *args: Any) -> Any:
-    """``fn(x, *args)`` if ``pred`` else ``x``: a zero-or-one-trip while loop, which
-    updates ``x`` in place where ``lax.cond`` would copy it. ``args`` pass through an
-    optimization barrier tied to the trip counter, so XLA's loop-invariant code motion
-    cannot hoist work on them (a stage's compute, a ``ppermute``) out of the loop and
-    run it on every step."""
+    """``fn(x, *args)`` if ``pred`` (a predicate, or a 0 / 1 trip count) else ``x``: a
+    zero-or-one-trip while loop, which updates ``x`` in place where ``lax.cond`` would
+    copy it. ``args`` pass through an optimization barrier tied to the trip counter, so
+    XLA's loop-invariant code motion cannot hoist work on them (a stage's compute, a
+    ``ppermute``) out of the loop and run it on every step."""
     def body(c):
         i, x = c
         i, a = lax.optimization_barrier((i, args))

@@ -1,10 +1,11 @@
 """The SPMD program: one ``jax.jit(jax.shard_map(...))`` runs a lowered schedule.
 
 Every device runs the same program: ``lax.scan`` over the steps of the
-:class:`~.lowering.TickTable`. In a step, a device runs the branch of one (action kind,
-body) pair, or nothing (kind ``"FB"``: a last stage's F and its own B in one step, the
-residuals passed straight from one to the other; ``"IW"``: an I and its own W in one
-step, the hand-off passed straight on):
+:class:`~.lowering.TickTable` (as :class:`~.table.ActionFields` and
+:class:`~.table.StepFields`: one array per scalar, gates as trip counts). In a step, a
+device runs the branch of one (action kind, body) pair, or nothing (kind ``"FB"``: a
+last stage's F and its own B in one step, the residuals passed straight from one to the
+other; ``"IW"``: an I and its own W in one step, the hand-off passed straight on):
 
 - parameters come from slots, whole arrays (a shared body whose members use different
   slots on one device picks the running stage's from a small table by ``row.stage``),
@@ -23,7 +24,7 @@ Branch selection is a chain of zero-or-one-trip ``while_loop``s rather than
 ``lax.switch``: XLA copies every buffer that an untaken ``conditional`` branch passes
 through (whole storage and gradients, every step), while a ``while_loop`` updates its
 carry in place. Per-step work is thus proportional to one microbatch, and idle steps cost
-a few scalar comparisons.
+a few scalar reads.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ from jaxpipe.runtime.spmd.lowering import (
     IDLE,
     PROGRAM_KINDS,
     Lowering,
-    TickTable,
     branch_id,
 )
 from jaxpipe.runtime.spmd.picks import Groups
+from jaxpipe.runtime.spmd.table import ActionFields, StepFields
 from jaxpipe.sharding import MeshAxes, constrain, manual_spec
 
 __all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
@@ -131,7 +132,7 @@ def build_step(
                                                    allow_negative_indices=False)
                 for c, n in unit.items()}
 
-    def per_device(pbuf, batch, table: TickTable, *extra):
+    def per_device(pbuf, batch, fields: tuple[ActionFields, StepFields], *extra):
         pslots, parrays = pbuf if grouped else (pbuf, [])
         pbuf = [None if v is None else constrain(v[0], c.dims)
                 for v, c in zip(pslots, L.slots.classes, strict=True)]
@@ -140,7 +141,7 @@ def build_step(
                      for v, g in zip(parrays, groups.groups, strict=True)]
         if axes.auto_batch_axes:  # split over the automatic batch axes (FSDP)
             batch = [constrain(x, ((), axes.auto_batch_axes)) for x in batch]
-        table = jax.tree.map(lambda x: x[:, 0], table)  # this device's column
+        fields = jax.tree.map(lambda x: x[:, 0], fields)  # this device's column
         store = {c: c.zeros(n) for c, n in lowering.slots.items()}
         inbox = {c: c.zeros((lowering.num_inbox + 1) * n) for c, n in unit.items()}
         # Only senders write an outbox (the writes are gated), so it needs no dummy unit
@@ -148,7 +149,8 @@ def build_step(
         outbox = [{c: c.zeros(k * n) for c, n in unit.items()} for k in units]
         gbuf = groups.zero_grads()
 
-        def step(carry, row: TickTable):
+        def step(carry, fields: tuple[ActionFields, StepFields]):
+            row, at = fields
             store, inbox, outbox, gbuf, loss = carry
             mbd = [lax.dynamic_index_in_dim(x, row.microbatch, 0, keepdims=False,
                                             allow_negative_indices=False)
@@ -159,17 +161,16 @@ def build_step(
             state = (store, gbuf, branch_of.empty_msg(), loss)
             for b in sorted(branches):
                 ins = (row, pbuf, mbd, inbox) if b in reads_inbox else (row, pbuf, mbd)
-                state = gated(row.branch == b,
+                state = gated(at.runs[b],
                               lambda st, rw, pb, mb, ib=None, b=b: branches[b](rw, pb, mb, ib, st),
                               state, *ins)
             store, gbuf, msg, loss = state
             # The message goes to its inbox slot (it stays here, the turn of a V) or to
             # its outbox unit. Each write is gated: most steps send nothing in a given
             # direction, and a unit written to a dummy slot costs a full-unit copy.
-            inbox = gated(row.local_slot != lowering.num_inbox,
-                          lambda box: write_unit(box, msg, row.local_slot), inbox)
-            outbox = [gated(row.out_unit[j] != units[j],
-                            lambda box, j=j: write_unit(box, msg, row.out_unit[j]), box)
+            inbox = gated(at.keep, lambda box: write_unit(box, msg, at.local_slot), inbox)
+            outbox = [gated(at.send[j],
+                            lambda box, j=j: write_unit(box, msg, at.out_unit[j]), box)
                       for j, box in enumerate(outbox)]
             # End of a tick: every direction someone sends over runs once, over the pairs
             # that carry a message (the pattern number is the same on every device); the
@@ -177,19 +178,19 @@ def build_step(
             for j, perm in enumerate(perms):
                 def exchange(inbox, ob, j=j, perm=perm):
                     recv = (lax.ppermute(ob, axis, perm[0]) if len(perm) == 1 else
-                            lax.switch(row.exchange[j] - 1,
+                            lax.switch(at.pattern[j],
                                        [functools.partial(lax.ppermute, axis_name=axis,
                                                           perm=pk) for pk in perm], ob))
                     for r in range(units[j]):
                         inbox = write_unit(inbox, {
                             c: lax.slice_in_dim(recv[c], r * n, (r + 1) * n)
-                            for c, n in unit.items()}, row.recv_slot[j, r])
+                            for c, n in unit.items()}, at.recv_slot[j][r])
                     return inbox
-                inbox = gated(row.exchange[j] > 0, exchange, inbox, outbox[j])
+                inbox = gated(at.exchange[j], exchange, inbox, outbox[j])
             return (store, inbox, outbox, gbuf, loss), None
 
         init = (store, inbox, outbox, gbuf, jnp.zeros((), jnp.float32))
-        (_, _, _, gbuf, loss), _ = lax.scan(step, init, table)
+        (_, _, _, gbuf, loss), _ = lax.scan(step, init, fields)
         loss = lax.psum(loss, axis) / m
         # Manual batch axes average explicitly; over the automatic ones the stages saw
         # the whole microbatch and XLA already reduced.
@@ -204,7 +205,9 @@ def build_step(
         return ([None if v is None else v[None] for v in gbuf[:n]],
                 [v[None] for v in gbuf[n:]]), loss
 
-    table_arrays = jax.tree.map(jnp.asarray, lowering.table)
+    table = lowering.table
+    table_arrays = jax.tree.map(jnp.asarray, (
+        table.actions(), table.steps(sorted(branches), lowering.num_inbox, units)))
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
     batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
     pspec = [c.spec(axis) for c in L.slots.classes]
