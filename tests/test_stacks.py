@@ -11,6 +11,8 @@ counts on the 2-core CI machine.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -533,14 +535,21 @@ def test_two_stages_of_one_body_pick_no_whole_slot(interleaved):
 
 def test_public_moves_go_by_group(interleaved):
     """The public value_and_grad moves parameters in and gradients out by group, not slot
-    by slot: the stacked weights, cut evenly and interleaved over the devices, enter each
-    device's group as one slice of the leaf, and each gradient group is gathered once
-    and is the leaf's gradient transposed. No concatenation (of two slices per device on
-    the way in, of the gathered slots on the way out) and no slicing a group into slots."""
-    pipe, _, params, batch = interleaved
+    by slot: the stacked weights, cut evenly and interleaved over the devices, enter as
+    themselves (every device reads the running stage's rows of the whole leaf: no device
+    slices its chunks out first), and each gradient group is gathered once and is the
+    leaf's gradient transposed. No concatenation (of the gathered slots on the way out)
+    and no slicing a group into slots."""
+    pipe, loss_fn, params, batch = interleaved
     slots, groups = pipe.executor.layouts.slots, pipe.executor.groups
     assert len(groups.groups) == 2  # the stacked weight and bias, two rows each
+    assert len(groups.whole) == 2  # both held whole
     public = pipe.value_and_grad_fn.lower(params, batch).as_text()
     grouped = sum(len(g) for g in groups.groups)
     assert public.count("stablehlo.all_gather") == len(slots) - grouped + len(groups.groups)
     assert public.count("stablehlo.concatenate") == 0
+    # a stage's chunk is 6 layers: nothing slices [.., 6, 8(, 8)] out of the stack
+    chunks = [line for line in public.splitlines() if "stablehlo.dynamic_slice" in line
+              and re.search(r"-> tensor<(?:\d+x)*6x8x", line)]
+    assert not chunks, chunks
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))

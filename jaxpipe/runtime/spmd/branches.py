@@ -74,7 +74,7 @@ class Branches:
             elif len(cands) == 1:
                 out.append(self.groups.param(pbuf, cands[0]))
             elif pbuf[cands[0]] is None:  # held by group: the running stage's row
-                pos, rows = self.groups.of(body, j)
+                pos, rows = self.groups.param_of(body, j)
                 out.append(lax.dynamic_index_in_dim(pbuf[pos], jnp.asarray(rows)[row.stage],
                                                     0, keepdims=False,
                                                     allow_negative_indices=False))
@@ -346,7 +346,7 @@ class _DirectIO:
         for j in self.param_src[name]:  # a parameter's layer, of the running stage's
             cands = self.body.candidates(j)
             if pbuf[cands[0]] is None:  # held by group: its row, read as a stored value
-                pos, rows = self.br.groups.of(self.body, j)
+                pos, rows = self.br.groups.param_of(self.body, j)
                 shape = self.body.param_classes[j].shape
                 bufs[("param", j)] = scanio.flatten(pbuf[pos])
                 sources[j] = (("param", j), scanio.row_source(

@@ -25,7 +25,13 @@ from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.runtime.spmd.bodies import group_bodies
 from jaxpipe.runtime.spmd.layout import SlotLayout, StageLayouts
 from jaxpipe.runtime.spmd.lowering import Lowering, lower
-from jaxpipe.runtime.spmd.moves import Crossing, from_slots, to_slots
+from jaxpipe.runtime.spmd.moves import (
+    Crossing,
+    from_slots,
+    interleaved_leaf,
+    slot_inputs,
+    to_slots,
+)
 from jaxpipe.runtime.spmd.optimizer import make_epilogue, opt_slots
 from jaxpipe.runtime.spmd.picks import Groups
 from jaxpipe.runtime.spmd.program import build_step, check_stage_collectives, place, place_tree
@@ -167,7 +173,11 @@ class SpmdExecutor(Executor):
                                         iw_same_tick=runtime.resolve_iw_same_tick(),
                                         fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
                                         refine=runtime.resolve_refine())
-        self.groups = Groups(self.bodies, self.layouts.slots.classes)
+        holds = slot_inputs(spec, self.layouts.slots)
+        self.groups = Groups(
+            self.bodies, self.layouts.slots.classes, axis=spec.axis,
+            placement=[sched.placement(s) for s in range(sched.num_stages)],
+            whole=lambda g: interleaved_leaf(spec, self.layouts.slots, holds, g) is not None)
         self._build = functools.partial(build_step, self.bodies, self.layouts, self.lowering,
                                         spec.mesh, spec.mesh_axes, len(spec.microbatch_avals),
                                         groups=self.groups)
@@ -249,7 +259,8 @@ class SpmdExecutor(Executor):
         specs = self._slot_specs(slots)
         fn = self._shard_map(lambda flat: to_slots(self.spec, slots, crossing, flat, groups),
                              (self._crossing_specs(crossing),),
-                             self.groups.specs(specs, self.spec.axis) if grouped else specs)
+                             self.groups.specs(specs, self.spec.axis, params=True)
+                             if grouped else specs)
         return fn(crossing.flatten(list(param_leaves)))
 
     def _gather(self, staged: list, owner_only: bool, grouped: list | None = None) -> list:

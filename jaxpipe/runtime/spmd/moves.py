@@ -17,9 +17,9 @@ slice per slot (in) and one tiled ``all_gather`` per slot (out) do:
   device order are read as one slice of it.
 - The public ``value_and_grad`` holds the slots of a shared body's per-stage parameters
   as stacked groups (:mod:`.picks`), and both directions move a group whole. A stacked
-  leaf cut evenly over the chunks of an interleaved schedule (:func:`_interleaved`) is
-  then one slice per device on the way in, and its gathered group, transposed, on the
-  way out.
+  leaf cut evenly over the chunks of an interleaved schedule (:func:`interleaved_leaf`)
+  goes in as itself, every device's rows (the program reads the running stage's global
+  row), and its gradient is the gathered group, transposed.
 
 The exception is a stacked leaf whose leading (layer) axis is itself sharded over a mesh
 axis: cutting its rows inside the ``shard_map`` would move rows between the devices of
@@ -44,7 +44,8 @@ from jaxpipe.runtime.spmd.layout import SlotLayout
 from jaxpipe.runtime.spmd.picks import Groups
 from jaxpipe.sharding import constrain
 
-__all__ = ["Crossing", "from_slots", "rows_free", "slot_inputs", "to_slots"]
+__all__ = ["Crossing", "from_slots", "interleaved_leaf", "rows_free", "slot_inputs",
+           "to_slots"]
 
 
 def rows_free(c: Any) -> bool:
@@ -129,8 +130,8 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: lis
     shard_map manual over ``spec.axis``.
 
     With ``groups``, returns ``(slots, arrays)``: ``None`` at a grouped slot and each
-    group's slots stacked, ``[1, len(group), *shape]`` (rows of one stacked leaf
-    come as one kernel, the group's dynamic slices joined)."""
+    group's slots stacked, ``[1, len(group), *shape]``, but a whole group's
+    (``groups.whole``): the user's leaf, ``[len(group) * devices, *shape]``."""
     views = spec.views.views
     holds = slot_inputs(spec, slots)
     stacked = [k for k in range(len(slots)) if _stacked(spec, slots, holds, k)]
@@ -157,10 +158,11 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: lis
                         [firsts.index(key) for key in keys], spec.axis, flat)
         for k, x in zip(rest, got, strict=True):
             out[k] = x
-    interleaved = {g: x for g in (groups.groups if groups else ())
-                   if (x := _interleaved(spec, slots, holds, g)) is not None}
+    n_slots = len(slots)
+    whole = [g for i, g in enumerate(groups.groups if groups else ())
+             if n_slots + i in groups.whole]
     for k in stacked:  # rows_free: the leaf crossed whole
-        if any(k in g for g in interleaved):
+        if any(k in g for g in whole):
             continue
         c = slots.classes[k]
         leaf = crossing.leaf(flat, spec.tree_leaf(int(max(holds[:, k]))))
@@ -175,25 +177,23 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: lis
     arrays = []
     for g in groups.groups:
         c = slots.classes[g[0]]
-        if g in interleaved:  # [rows, devices * n, ...]: this device's n rows of each
-            leaf = crossing.leaf(flat, interleaved[g])
-            n = c.shape[0]
-            leaf = leaf.reshape(len(g), -1, *leaf.shape[1:])
-            x = lax.dynamic_slice_in_dim(leaf, dev * n, n, axis=1).astype(c.dtype)
+        if g in whole:  # every device's rows: [len(g) * devices, *shape]
+            leaf = crossing.leaf(flat, interleaved_leaf(spec, slots, holds, g))
+            arrays.append(groups.constrain(leaf.reshape(-1, *c.shape).astype(c.dtype), g))
         else:
-            x = jnp.stack([out[k] for k in g])
-        arrays.append(groups.constrain(x, g)[None])
+            arrays.append(groups.constrain(jnp.stack([out[k] for k in g]), g)[None])
     return ([None if k in groups.where else constrain(x, c.dims)[None]
              for k, (x, c) in enumerate(zip(out, slots.classes, strict=True))], arrays)
 
 
-def _interleaved(spec: RuntimeSpec, slots: SlotLayout, holds: np.ndarray,
-                 group: tuple[int, ...]) -> int | None:
+def interleaved_leaf(spec: RuntimeSpec, slots: SlotLayout, holds: np.ndarray,
+                     group: tuple[int, ...]) -> int | None:
     """The user leaf whose rows ``group``'s slots hold in order, chunk by chunk and within
     a chunk device by device (slot ``q`` of device ``d`` holds rows ``(q * D + d) * n``
-    on, ``n`` rows each: an interleaved schedule's even cut of a stack), or ``None``. Each
-    device's group is then one slice of the leaf viewed as ``[rows, D * n, ...]``, and
-    the gathered group is the leaf transposed."""
+    on, ``n`` rows each: an interleaved schedule's even cut of a stack), or ``None``. The
+    leaf viewed as ``[len(group) * D, n, ...]`` is then every device's group (row ``q *
+    D + d``: device ``d``'s row ``q``), and the gathered group is the leaf transposed.
+    ``holds``: :func:`slot_inputs`."""
     views, D = spec.views.views, spec.schedule.num_devices
     if not all(_stacked(spec, slots, holds, k) for k in group) or (holds[:, group] < 0).any():
         return None
@@ -273,7 +273,7 @@ def from_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, bufs: l
         c = slots.classes[members[0]]
         gathered = lax.all_gather(groups.constrain(arr[0], members), spec.axis)
         every.update((k, _GroupRow(gathered, q, c)) for q, k in enumerate(members))
-        leaf = _interleaved(spec, slots, holds, members)
+        leaf = interleaved_leaf(spec, slots, holds, members)
         if leaf is not None and all(len(where[pid]) == 1 for pid, w in enumerate(views.views)
                                     if w.leaf == leaf):
             x = jnp.swapaxes(gathered, 0, 1)

@@ -18,11 +18,16 @@ running stage's at run time, and adds its gradient into the running stage's slot
   dynamic row like any stored value, and a scan adds each layer's gradient into its row
   directly. The groups become slots again once, after the last step (:meth:`Groups.fold`),
   or, in the public ``value_and_grad``, are gathered whole (:func:`.moves.from_slots`).
+- A group holding a stacked leaf cut evenly over the chunks of an interleaved schedule
+  (:func:`.moves.interleaved_leaf`) is, for the public ``value_and_grad``'s parameters,
+  the user's leaf itself (*whole*: every device's rows, ``[chunks * devices, *shape]``),
+  read at the running stage's global row. Each device slicing its own rows out of it
+  first cost a kernel per leaf shape and a copy; the leaf is on every device anyway.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +55,15 @@ class Groups:
     (slots that two parameters' candidates share end up in one group). Within the
     program, a list grouped so holds ``None`` at a grouped slot and, after the slots, each
     group's stacked array (group ``g`` at position ``len(classes) + g``).
+
+    ``whole(group)``: whether the public ``value_and_grad`` holds that group's parameters
+    whole (the user's leaf, every device's rows: row ``q`` of device ``d`` is row
+    ``q * devices + d``); ``placement``: every stage's device; ``axis``: the pipe axis.
     """
 
-    def __init__(self, bodies: Sequence[Body], classes: Sequence[ValueClass]) -> None:
+    def __init__(self, bodies: Sequence[Body], classes: Sequence[ValueClass], *,
+                 whole: Callable[[tuple[int, ...]], bool] | None = None,
+                 placement: Sequence[int] = (), axis: str = "") -> None:
         self.classes = list(classes)
         parent = list(range(len(classes)))
 
@@ -73,6 +84,12 @@ class Groups:
         #: slot -> (position of its group in the gradient list, its row there)
         self.where = {k: (len(classes) + i, q) for i, g in enumerate(self.groups)
                       for q, k in enumerate(g)}
+        #: positions (in the lists) of the groups whose parameters are held whole
+        self.whole = frozenset(len(classes) + i for i, g in enumerate(self.groups)
+                               if whole is not None and whole(g))
+        self.placement = np.asarray(placement, np.int32)
+        self.devices = int(self.placement.max()) + 1 if len(self.placement) else 1
+        self.axis = axis
 
     def of(self, body: Body, j: int) -> tuple[int, np.ndarray] | None:
         """Parameter ``j``'s group: its position in the gradient list and, per stage, the
@@ -86,6 +103,15 @@ class Groups:
                          for k in slots], np.int32)
         return pos, rows
 
+    def param_of(self, body: Body, j: int) -> tuple[int, np.ndarray]:
+        """As :meth:`of`, for reading parameter ``j`` where the program holds parameters
+        by group: a whole group's rows are global (row ``q`` of device ``d``: ``q *
+        devices + d``)."""
+        pos, rows = self.of(body, j)
+        if pos in self.whole:
+            rows = rows * self.devices + self.placement
+        return pos, rows
+
     def constrain(self, x: jax.Array, g: tuple[int, ...]) -> jax.Array:
         """A group's array sharded as its slots are over the automatic axes."""
         return constrain(x, ((), *self.classes[g[0]].dims))
@@ -96,7 +122,11 @@ class Groups:
         if pbuf[k] is not None:
             return pbuf[k]
         pos, q = self.where[k]
-        return pbuf[pos][q]
+        if pos not in self.whole:
+            return pbuf[pos][q]
+        row = q * self.devices + lax.axis_index(self.axis)
+        return lax.dynamic_index_in_dim(pbuf[pos], row, 0, keepdims=False,
+                                        allow_negative_indices=False)
 
     def zero_grads(self) -> list[jax.Array | None]:
         """The program's gradient list, zero: ``None`` at a grouped slot, then the
@@ -108,11 +138,24 @@ class Groups:
             out.append(self.constrain(jnp.zeros((len(g), *c.shape), c.dtype), g))
         return out
 
-    def specs(self, slot_specs: Sequence[P], axis: str) -> tuple[list, list[P]]:
+    def specs(self, slot_specs: Sequence[P], axis: str, params: bool = False
+              ) -> tuple[list, list[P]]:
         """Specs of ``(slots, group arrays)`` outside the program, from the slots' own
-        (``None`` at a grouped slot; a group's array is ``[devices, len(group), ...]``)."""
+        (``None`` at a grouped slot; a group's array is ``[devices, len(group), ...]``).
+        ``params``: of the parameters the program holds by group, where a whole group's
+        array is the user's leaf, ``[len(group) * devices, ...]`` on every device."""
+        n = len(self.classes)
         return ([None if k in self.where else x for k, x in enumerate(slot_specs)],
-                [self.classes[g[0]].spec(axis, None) for g in self.groups])
+                [self.classes[g[0]].spec(None) if params and n + i in self.whole
+                 else self.classes[g[0]].spec(axis, None) for i, g in enumerate(self.groups)])
+
+    def local(self, arrays: Sequence[jax.Array], params: bool = False) -> list[jax.Array]:
+        """The group arrays a program's shard_map gets (``arrays`` as :meth:`specs` says)
+        as the program holds them: without the leading device axis, but a whole group's
+        parameters (``params``), which are the user's leaf."""
+        n = len(self.classes)
+        return [self.constrain(x if params and n + i in self.whole else x[0], g)
+                for i, (x, g) in enumerate(zip(arrays, self.groups, strict=True))]
 
     def add(self, gbuf: list, k: int, ct: jax.Array, row: jax.Array | None = None) -> None:
         """Add ``ct`` into slot ``k``'s gradient in place (``row``: the row in ``k``'s

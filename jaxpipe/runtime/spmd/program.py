@@ -137,8 +137,7 @@ def build_step(
         pbuf = [None if v is None else constrain(v[0], c.dims)
                 for v, c in zip(pslots, L.slots.classes, strict=True)]
         if grouped:
-            pbuf += [groups.constrain(v[0], g)
-                     for v, g in zip(parrays, groups.groups, strict=True)]
+            pbuf += groups.local(parrays, params=True)
         if axes.auto_batch_axes:  # split over the automatic batch axes (FSDP)
             batch = [constrain(x, ((), axes.auto_batch_axes)) for x in batch]
         fields = jax.tree.map(lambda x: x[:, 0], fields)  # this device's column
@@ -212,7 +211,8 @@ def build_step(
     batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
     pspec = [c.spec(axis) for c in L.slots.classes]
     by_group = groups.specs(pspec, axis)
-    in_specs = (by_group if grouped else pspec, batch_specs, table_specs, *extra_in_specs)
+    in_specs = (groups.specs(pspec, axis, params=True) if grouped else pspec, batch_specs,
+                table_specs, *extra_in_specs)
     if epilogue is not None:
         out_specs = epilogue_out_specs
     else:
