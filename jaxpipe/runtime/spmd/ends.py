@@ -105,7 +105,7 @@ class _Part(Fixed):
 class Ends:
     """The prologues and epilogues of a body's members (none: every step is the core).
 
-    Each method runs every member's part gated by ``row.stage`` and returns what the
+    Each method runs every member's part gated by ``row.at_stage`` and returns what the
     core reads next (or the updated buffers).
     """
 
@@ -127,7 +127,7 @@ class Ends:
     def _each(parts: list[_Part], row: ActionFields, fn: Callable, state: Any, *args: Any
               ) -> Any:
         for part in parts:
-            state = gated(row.stage == part.stage,
+            state = gated(row.at_stage[part.stage],
                           lambda st, *a, part=part: fn(part, st, *a), state, *args)
         return state
 

@@ -205,8 +205,10 @@ def build_step(
                 [v[None] for v in gbuf[n:]]), loss
 
     table = lowering.table
+    parts = sorted({st.index for b in bodies if b.shared for st in b.members
+                    if st.parts is not None})  # run gated by Ends
     table_arrays = jax.tree.map(jnp.asarray, (
-        table.actions(), table.steps(sorted(branches), lowering.num_inbox, units)))
+        table.actions(parts), table.steps(sorted(branches), lowering.num_inbox, units)))
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
     batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
     pspec = [c.spec(axis) for c in L.slots.classes]

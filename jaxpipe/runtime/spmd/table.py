@@ -81,9 +81,11 @@ class TickTable:
     def num_steps(self) -> int:
         return int(self.branch.shape[0])
 
-    def actions(self) -> ActionFields:
-        """The fields the branches read."""
-        return ActionFields(self.stage, self.microbatch, self.in_slot, dict(self.pool_base))
+    def actions(self, part_stages: Sequence[int] = ()) -> ActionFields:
+        """The fields the branches read; ``part_stages``: the stages whose prologue or
+        epilogue a branch runs gated (:mod:`.ends`)."""
+        return ActionFields(self.stage, self.microbatch, self.in_slot, dict(self.pool_base),
+                            {s: (self.stage == s).astype(np.int32) for s in part_stages})
 
     def steps(self, branches: Sequence[int], num_inbox: int, units: Sequence[int]
               ) -> StepFields:
@@ -116,12 +118,15 @@ class TickTable:
 @dataclass(frozen=True)
 class ActionFields:
     """The fields of the action a device runs at a step (:meth:`TickTable.actions`), as
-    the branches read them: one ``[steps, devices]`` array each."""
+    the branches read them: one ``[steps, devices]`` array each (see :class:`StepFields`).
+    ``at_stage``: per stage whose parts run gated, whether the action is that stage's (a
+    trip count)."""
 
     stage: np.ndarray
     microbatch: np.ndarray
     in_slot: np.ndarray
     pool_base: dict[tuple[Pool, Hashable], np.ndarray]
+    at_stage: dict[int, np.ndarray]
 
     def bases(self, pool: Pool) -> dict:
         """Per class, the first slot of ``pool``'s part (of a row: where it reads or
