@@ -8,7 +8,7 @@ each device runs at each step and every slot it reads or writes.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import jax
@@ -84,8 +84,21 @@ class TickTable:
     def actions(self, part_stages: Sequence[int] = ()) -> ActionFields:
         """The fields the branches read; ``part_stages``: the stages whose prologue or
         epilogue a branch runs gated (:mod:`.ends`)."""
-        return ActionFields(self.stage, self.microbatch, self.in_slot, dict(self.pool_base),
-                            {s: (self.stage == s).astype(np.int32) for s in part_stages})
+        # many (pool, class) pairs have equal columns (each class's part of a residual set
+        # starts at the same slot; a class with one slot is always 0): each distinct
+        # column is scanned once, not once per pair
+        distinct: dict[bytes, int] = {}
+        values: list[np.ndarray] = []
+        index = []
+        for key, col in self.pool_base.items():
+            col = np.ascontiguousarray(col, np.int32)
+            i = distinct.setdefault(col.tobytes(), len(values))
+            if i == len(values):
+                values.append(col)
+            index.append((key, i))
+        return ActionFields(self.stage, self.microbatch, self.in_slot, tuple(values),
+                            {s: (self.stage == s).astype(np.int32) for s in part_stages},
+                            tuple(index))
 
     def steps(self, branches: Sequence[int], num_inbox: int, units: Sequence[int]
               ) -> StepFields:
@@ -119,19 +132,27 @@ class TickTable:
 class ActionFields:
     """The fields of the action a device runs at a step (:meth:`TickTable.actions`), as
     the branches read them: one ``[steps, devices]`` array each (see :class:`StepFields`).
-    ``at_stage``: per stage whose parts run gated, whether the action is that stage's (a
-    trip count)."""
+
+    Attributes:
+      stage, microbatch, in_slot: as :class:`TickTable`'s.
+      base_values: the distinct columns of ``TickTable.pool_base``; ``base_index``
+        (static): per (pool, class), which one is its.
+      at_stage: per stage whose parts run gated, whether the action is that stage's (a
+        trip count).
+    """
 
     stage: np.ndarray
     microbatch: np.ndarray
     in_slot: np.ndarray
-    pool_base: dict[tuple[Pool, Hashable], np.ndarray]
+    base_values: tuple[np.ndarray, ...]
     at_stage: dict[int, np.ndarray]
+    base_index: tuple[tuple[tuple[Pool, Hashable], int], ...] = field(
+        metadata={"static": True})
 
     def bases(self, pool: Pool) -> dict:
         """Per class, the first slot of ``pool``'s part (of a row: where it reads or
         writes)."""
-        return {c: v for (p, c), v in self.pool_base.items() if p is pool}
+        return {c: self.base_values[i] for (p, c), i in self.base_index if p is pool}
 
 
 @jax.tree_util.register_dataclass
