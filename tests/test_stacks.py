@@ -533,6 +533,30 @@ def test_two_stages_of_one_body_pick_no_whole_slot(interleaved):
     assert_matches((loss, pipe.unshard(grads)), reference(loss_fn, params, batch, M))
 
 
+def test_a_step_compares_nothing_on_the_device(interleaved):
+    """Every gate of a step (which branch runs, the running stage's prologue or epilogue,
+    an outbox write, an exchange) is a 0/1 trip count read from the table, and a row
+    picked by the running stage is read without an index wrap: the tick scan holds no
+    comparison outside its gated loops' counters. (XLA:CPU compiled each comparison
+    against a different constant as a kernel of its own.)"""
+    pipe, _, params, batch = interleaved
+    jaxpr = jax.make_jaxpr(pipe.value_and_grad_fn)(params, batch).jaxpr
+    steps = pipe.executor.lowering.table.num_steps
+    (tick,) = [e for e in _eqns(jaxpr, "scan") if e.params["length"] == steps]
+    compare = {"eq", "ne", "gt", "ge", "lt", "le"}
+
+    def comparisons(j) -> list[str]:
+        found = [e.primitive.name for e in j.eqns if e.primitive.name in compare]
+        for e in j.eqns:
+            inner = {k: v for k, v in e.params.items() if k != "cond_jaxpr"}
+            for sub in jax.extend.core.jaxprs_in_params(inner):
+                found += comparisons(sub)
+        return found
+
+    assert pipe.executor.bodies[0].members[0].parts is not None  # gated ends run here
+    assert comparisons(tick.params["jaxpr"].jaxpr) == []
+
+
 def test_public_moves_go_by_group(interleaved):
     """The public value_and_grad moves parameters in and gradients out by group, not slot
     by slot: the stacked weights, cut evenly and interleaved over the devices, enter as

@@ -27,7 +27,7 @@ from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.ends import Ends, Fixed
 from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import Pool
-from jaxpipe.runtime.spmd.picks import Groups, pick
+from jaxpipe.runtime.spmd.picks import Groups, of_stage, pick
 from jaxpipe.runtime.spmd.table import ActionFields
 
 __all__ = ["Branches"]
@@ -75,7 +75,7 @@ class Branches:
                 out.append(self.groups.param(pbuf, cands[0]))
             elif pbuf[cands[0]] is None:  # held by group: the running stage's row
                 pos, rows = self.groups.param_of(body, j)
-                out.append(lax.dynamic_index_in_dim(pbuf[pos], jnp.asarray(rows)[row.stage],
+                out.append(lax.dynamic_index_in_dim(pbuf[pos], of_stage(rows, row.stage),
                                                     0, keepdims=False,
                                                     allow_negative_indices=False))
             else:  # a shared body whose members use different slots on one device
@@ -98,7 +98,7 @@ class Branches:
                 self.groups.add(gbuf, cands[0], ct)
             else:  # a row of the group, picked by the running stage
                 _, rows = self.groups.of(body, j)
-                self.groups.add(gbuf, cands[0], ct, jnp.asarray(rows)[row.stage])
+                self.groups.add(gbuf, cands[0], ct, of_stage(rows, row.stage))
         return gbuf
 
     # -- the branches -------------------------------------------------------------------
@@ -312,7 +312,7 @@ class _DirectIO:
         if len(cands) == 1:
             return self.br.groups.where[cands[0]]
         pos, rows = self.br.groups.of(self.body, j)
-        return pos, jnp.asarray(rows)[row.stage]
+        return pos, of_stage(rows, row.stage)
 
     def run(self, name: str, row: ActionFields, store: Bufs, gbuf: list, args: list,
             pbuf: list | None = None) -> tuple[list, Bufs, list]:
@@ -350,7 +350,7 @@ class _DirectIO:
                 shape = self.body.param_classes[j].shape
                 bufs[("param", j)] = scanio.flatten(pbuf[pos])
                 sources[j] = (("param", j), scanio.row_source(
-                    shape[0], jnp.asarray(rows)[row.stage], 0, shape[1:]))
+                    shape[0], of_stage(rows, row.stage), 0, shape[1:]))
             else:
                 bufs[("param", j)] = tuple(pbuf[k] for k in cands)
                 sources[j] = (("param", j), scanio.pick_source(pick(self.body, j, row.stage)))
@@ -361,9 +361,3 @@ class _DirectIO:
         for k, shape in targets.items():
             gbuf[k] = bufs[("grad", k)].reshape(shape)
         return outs, store, gbuf
-
-
-
-def _pick(body: Body, j: int, row: ActionFields) -> jax.Array:
-    """The running stage's row in parameter ``j``'s group."""
-    return jnp.asarray(body.choice(j))[row.stage]

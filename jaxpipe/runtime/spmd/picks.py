@@ -39,12 +39,19 @@ from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.layout import ValueClass
 from jaxpipe.sharding import constrain
 
-__all__ = ["Groups", "pick"]
+__all__ = ["Groups", "of_stage", "pick"]
 
 
 def pick(body: Body, j: int, row_stage: jax.Array) -> jax.Array:
     """The running stage's position in parameter ``j``'s :meth:`~.bodies.Body.candidates`."""
-    return jnp.asarray(body.choice(j))[row_stage]
+    return of_stage(body.choice(j), row_stage)
+
+
+def of_stage(table: np.ndarray, row_stage: jax.Array) -> jax.Array:
+    """The running stage's entry of a per-stage table (a stage is never negative: no
+    index wrap, which put a comparison and a select beside every such read)."""
+    return lax.dynamic_index_in_dim(jnp.asarray(table, jnp.int32), row_stage, 0,
+                                    keepdims=False, allow_negative_indices=False)
 
 
 class Groups:
