@@ -120,9 +120,9 @@ def evaluate(closed: jcore.ClosedJaxpr, args: Sequence[Any],
         read_only = {key: bufs[key] for key, _ in in_sel.values()}
         rest = [x for k, x in enumerate(xs) if k not in in_sel]
 
-        def step(carry, x):
-            c, wbufs = carry
-            i, rest_i = x
+        def step(carry, rest_i):
+            # the iteration counts in the carry: an arange of xs was a kernel of its own
+            c, wbufs, i = carry
             it = iter(rest_i)
             xs_i = [in_sel[k][1](read_only[in_sel[k][0]], i) if k in in_sel else next(it)
                     for k in range(len(xs))]
@@ -131,11 +131,13 @@ def evaluate(closed: jcore.ClosedJaxpr, args: Sequence[Any],
             for k in out_sel:
                 key, sink = target[ys[k]]
                 wbufs[key] = sink(wbufs[key], outs[nk + k], i)
-            return (outs[:nk], wbufs), [y for k, y in enumerate(outs[nk:]) if k not in out_sel]
+            return ((outs[:nk], wbufs, i - 1 if p["reverse"] else i + 1),
+                    [y for k, y in enumerate(outs[nk:]) if k not in out_sel])
 
-        (c, wbufs), kept = lax.scan(step, (list(init), {k: bufs[k] for k in written}),
-                                    (jnp.arange(length), rest), length=length,
-                                    reverse=p["reverse"], unroll=p.get("unroll", 1))
+        first = jnp.int32(length - 1 if p["reverse"] else 0)
+        (c, wbufs, _), kept = lax.scan(step, (list(init), {k: bufs[k] for k in written}, first),
+                                       rest, length=length, reverse=p["reverse"],
+                                       unroll=p.get("unroll", 1))
         bufs.update(wbufs)
         it = iter(kept)
         return [*c, *(None if k in out_sel else next(it) for k in range(len(ys)))]
