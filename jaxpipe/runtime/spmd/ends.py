@@ -17,6 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
+from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.gate import gated
 from jaxpipe.runtime.spmd.layout import StageLayouts
 from jaxpipe.runtime.spmd.lowering import Pool
@@ -24,7 +25,14 @@ from jaxpipe.runtime.spmd.picks import Groups
 from jaxpipe.runtime.spmd.table import ActionFields
 from jaxpipe.stages import StageFn
 
-__all__ = ["Ends", "Fixed"]
+__all__ = ["Ends", "Fixed", "gated_stages"]
+
+
+def gated_stages(bodies: Sequence[Body]) -> list[int]:
+    """The stages whose prologue or epilogue :class:`Ends` runs gated (members of a
+    shared body split into parts): the program gives each a trip count in its table."""
+    return sorted({st.index for b in bodies if b.shared for st in b.members
+                   if st.parts is not None})
 
 
 class Fixed:

@@ -158,9 +158,7 @@ def to_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, flat: lis
                         [firsts.index(key) for key in keys], spec.axis, flat)
         for k, x in zip(rest, got, strict=True):
             out[k] = x
-    n_slots = len(slots)
-    whole = [g for i, g in enumerate(groups.groups if groups else ())
-             if n_slots + i in groups.whole]
+    whole = [g for i, g in enumerate(groups.groups if groups else ()) if groups.held_whole(i)]
     for k in stacked:  # rows_free: the leaf crossed whole
         if any(k in g for g in whole):
             continue

@@ -119,6 +119,10 @@ class Groups:
             rows = rows * self.devices + self.placement
         return pos, rows
 
+    def held_whole(self, i: int) -> bool:
+        """Whether the public ``value_and_grad`` holds group ``i``'s parameters whole."""
+        return len(self.classes) + i in self.whole
+
     def constrain(self, x: jax.Array, g: tuple[int, ...]) -> jax.Array:
         """A group's array sharded as its slots are over the automatic axes."""
         return constrain(x, ((), *self.classes[g[0]].dims))
@@ -151,17 +155,15 @@ class Groups:
         (``None`` at a grouped slot; a group's array is ``[devices, len(group), ...]``).
         ``params``: of the parameters the program holds by group, where a whole group's
         array is the user's leaf, ``[len(group) * devices, ...]`` on every device."""
-        n = len(self.classes)
         return ([None if k in self.where else x for k, x in enumerate(slot_specs)],
-                [self.classes[g[0]].spec(None) if params and n + i in self.whole
+                [self.classes[g[0]].spec(None) if params and self.held_whole(i)
                  else self.classes[g[0]].spec(axis, None) for i, g in enumerate(self.groups)])
 
     def local(self, arrays: Sequence[jax.Array], params: bool = False) -> list[jax.Array]:
         """The group arrays a program's shard_map gets (``arrays`` as :meth:`specs` says)
         as the program holds them: without the leading device axis, but a whole group's
         parameters (``params``), which are the user's leaf."""
-        n = len(self.classes)
-        return [self.constrain(x if params and n + i in self.whole else x[0], g)
+        return [self.constrain(x if params and self.held_whole(i) else x[0], g)
                 for i, (x, g) in enumerate(zip(arrays, self.groups, strict=True))]
 
     def add(self, gbuf: list, k: int, ct: jax.Array, row: jax.Array | None = None) -> None:

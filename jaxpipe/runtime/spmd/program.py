@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.spmd.bodies import Body
 from jaxpipe.runtime.spmd.branches import Branches
+from jaxpipe.runtime.spmd.ends import gated_stages
 from jaxpipe.runtime.spmd.gate import gated
 from jaxpipe.runtime.spmd.layout import StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.lowering import (
@@ -205,10 +206,9 @@ def build_step(
                 [v[None] for v in gbuf[n:]]), loss
 
     table = lowering.table
-    parts = sorted({st.index for b in bodies if b.shared for st in b.members
-                    if st.parts is not None})  # run gated by Ends
     table_arrays = jax.tree.map(jnp.asarray, (
-        table.actions(parts), table.steps(sorted(branches), lowering.num_inbox, units)))
+        table.actions(gated_stages(bodies)),
+        table.steps(sorted(branches), lowering.num_inbox, units)))
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
     batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
     pspec = [c.spec(axis) for c in L.slots.classes]
