@@ -386,7 +386,7 @@ def lockstep_bound(p: int, m: int, f_cost: float = 1.0, b_cost: float = 2.0,
     """Best speed-up the lowered SPMD program can reach (default 1F1B) with F:B = 1:2.
 
     ``lockstep_ideal`` = total work / the lowered program's makespan under the sync
-    model of :mod:`jaxpipe.runtime.spmd.sync` (devices run their steps back to back and
+    model of :mod:`jaxpipe.runtime.spmd.lowering.sync` (devices run their steps back to back and
     wait only where a ``ppermute`` is active, for its source and target), with the
     backward unsplit as the runtime runs it on CPU (``split_backward=True``: as on
     accelerators).
@@ -395,7 +395,7 @@ def lockstep_bound(p: int, m: int, f_cost: float = 1.0, b_cost: float = 2.0,
     """
     import jaxpipe as jp
     from jaxpipe.runtime.spmd.lowering import lower
-    from jaxpipe.runtime.spmd.sync import sync_report
+    from jaxpipe.runtime.spmd.lowering.sync import sync_report
 
     sched = schedule if schedule is not None else jp.OneFOneB(p, m)
     cost = {"F": f_cost, "B": b_cost, "I": b_cost / 2, "W": b_cost / 2}

@@ -5,7 +5,7 @@
 
 The program exchanges a tick's messages at its end: every pair that exchanges a message
 then meets and pays the transfer before the next tick starts (the sync model,
-:mod:`jaxpipe.runtime.spmd.sync`). Where collectives run on their own
+:mod:`jaxpipe.runtime.spmd.lowering.sync`). Where collectives run on their own
 stream, the exchange of tick ``t``'s messages could run during tick ``t + 1`` and be read
 from ``t + 2`` on: a device then waits, at the end of ``t + 1``, for its partners' end of
 ``t`` plus the transfer. This script prices three programs under that model, in the
@@ -80,7 +80,7 @@ def makespan(graph: Any, tick: np.ndarray, cost: Any, transfer: float, late: str
 def _met(clock: np.ndarray, pairs: set[tuple[int, int]], transfer: float) -> np.ndarray:
     """Each device's clock after meeting the partners it exchanges with (pairs), plus the
     transfer where it exchanges anything."""
-    from jaxpipe.runtime.spmd.sync import meet
+    from jaxpipe.runtime.spmd.lowering.sync import meet
 
     src, dst = (np.array(x, np.int64) for x in zip(*sorted(pairs), strict=True))
     return meet(clock, src, dst, transfer)
@@ -91,7 +91,7 @@ def measure(ps: tuple[int, ...], transfers: tuple[float, ...], layers: int = 16
     from benchmarks.lowering import gpt_costs, schedules
     from jaxpipe import Action
     from jaxpipe.runtime.spmd.lowering import expand
-    from jaxpipe.runtime.spmd.sync import split_cost
+    from jaxpipe.runtime.spmd.lowering.sync import split_cost
 
     rows = []
     for name, make in schedules():

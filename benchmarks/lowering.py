@@ -6,7 +6,7 @@
 
 *Lowered efficiency* = the schedule's asynchronous makespan (``Schedule.simulate``: each
 device waits only for its data) / the makespan of jaxpipe's lowered SPMD program under
-the sync model of :mod:`jaxpipe.runtime.spmd.sync` (devices run their steps back to back
+the sync model of :mod:`jaxpipe.runtime.spmd.lowering.sync` (devices run their steps back to back
 and meet their source and target at every active ``ppermute``). 1.0 means the one SPMD
 program loses nothing to an ideal MPMD runtime; above 1.0 the lowered program is faster
 than the schedule as written (a backward run as I then W hands its cotangent on sooner).
@@ -17,7 +17,7 @@ cutter's ``CutResult.action_cost``). Each with the full backward run as one step
 (``split_backward=False``, what the runtime does on CPU) and as I then W (``True``, what it
 does where devices run concurrently), lowered with the costs it is priced under and the
 local search over ticks, as the runtime lowers where devices run concurrently (ticks
-follow the cutter's costs where that runs faster; :mod:`jaxpipe.runtime.spmd.refine`).
+follow the cutter's costs where that runs faster; :mod:`jaxpipe.runtime.spmd.lowering.refine`).
 Deterministic: no timing.
 """
 
@@ -74,7 +74,7 @@ def section_lowering(ps: tuple[int, ...] = (2, 4, 8), layers: int = 16,
     """Lowered efficiency for every schedule, p in ``ps``, m in {p, 2p, 4p}."""
     from jaxpipe.runtime.spmd.executor import REFINE_EVALS
     from jaxpipe.runtime.spmd.lowering import lower
-    from jaxpipe.runtime.spmd.sync import sync_report
+    from jaxpipe.runtime.spmd.lowering.sync import sync_report
     from jaxpipe.schedule.simulate import resolve_costs
 
     rows = []

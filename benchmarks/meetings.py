@@ -4,7 +4,7 @@
     python benchmarks/meetings.py --ps 8 --schedules DualPipeV
 
 Until the program's permutations listed only the pairs that exchange at a tick (what the
-sync model, :mod:`jaxpipe.runtime.spmd.sync`, now describes: rule ``tick`` below), it ran
+sync model, :mod:`jaxpipe.runtime.spmd.lowering.sync`, now describes: rule ``tick`` below), it ran
 one ``lax.ppermute`` per offset over *all* devices (``d -> d + offset`` around the ring),
 so a V schedule's device 0 also met device p-1, with which it never exchanges a message,
 and every device met its neighbours at every tick someone sent. This script evaluates the
@@ -89,7 +89,7 @@ def makespan(run: Any, costs: np.ndarray, tick: np.ndarray, meet: str) -> float:
 def measure(names: list[str], ps: list[int]) -> list[dict[str, Any]]:
     from benchmarks.lowering import gpt_costs, schedules
     from jaxpipe.runtime.spmd.lowering import expand
-    from jaxpipe.runtime.spmd.sync import split_cost
+    from jaxpipe.runtime.spmd.lowering.sync import split_cost
 
     rows = []
     for name, make in schedules():

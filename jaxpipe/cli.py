@@ -102,7 +102,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 def _print_lowered(schedule, args: argparse.Namespace):
     """The SPMD lowering of ``schedule``: which actions share a tick, and its efficiency."""
     from jaxpipe.runtime.spmd.lowering import lower
-    from jaxpipe.runtime.spmd.sync import lowered_timeline, sync_report, tick_table
+    from jaxpipe.runtime.spmd.lowering.sync import lowered_timeline, sync_report, tick_table
     from jaxpipe.schedule.simulate import resolve_costs
 
     # with costs given, ticks follow them where that runs faster (as the runtime does); the

@@ -159,7 +159,7 @@ def test_late_delivery_prices_the_lowering_as_the_sync_model_does() -> None:
     import jaxpipe as jp
     from benchmarks import late_delivery as LD
     from jaxpipe.runtime.spmd.lowering import expand, lower
-    from jaxpipe.runtime.spmd.sync import lowered_makespan, split_cost
+    from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan, split_cost
     from jaxpipe.schedule.simulate import resolve_costs
 
     cost = resolve_costs(None)

@@ -24,7 +24,7 @@ from jaxpipe.runtime.spmd.lowering import (
     list_messages,
     lower,
 )
-from jaxpipe.runtime.spmd.sync import split_cost, sync_report
+from jaxpipe.runtime.spmd.lowering.sync import split_cost, sync_report
 from jaxpipe.schedule.graph import grouped_peaks
 
 A, B = "clsA", "clsB"  # two value classes (the lowering treats classes as opaque keys)
@@ -426,7 +426,7 @@ def test_local_search_times_and_settles_as_the_lowering_does(schedule, seed):
     times raw ticks (gaps, ticks below 0) from lists (:func:`clock_makespan`): equal to
     :func:`settle` from scratch and to :func:`ticks_makespan` on the dense ticks."""
     from jaxpipe.runtime.spmd.lowering import resettle, settle, tick_constraints, ticks_of
-    from jaxpipe.runtime.spmd.sync import clock_makespan, ticks_makespan
+    from jaxpipe.runtime.spmd.lowering.sync import clock_makespan, ticks_makespan
 
     ticks = assign_ticks(schedule)
     graph = ticks.graph

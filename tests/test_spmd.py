@@ -254,7 +254,7 @@ def test_small_residuals_move_in_runs_of_rows():
     one dynamic update / slice per run (XLA:CPU compiles a kernel per update, and a
     stage stores ~120 residual leaves), and large leaves one by one (a run is built in a
     temporary buffer first); every leaf comes back as written, at a traced base row."""
-    from jaxpipe.runtime.spmd.layout import Packing
+    from jaxpipe.runtime.spmd.program.layout import Packing
 
     small = jax.ShapeDtypeStruct((4, 8), jnp.float32)  # 128 bytes
     large = jax.ShapeDtypeStruct((64, 128), jnp.float32)  # 32 KiB

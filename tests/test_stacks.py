@@ -300,7 +300,8 @@ def test_stacked_residuals_go_straight_between_scans_and_storage(model, expected
     forward scan itself and read back by the backward scan (B, or I and W), and the
     backward scan adds each layer's weight gradient into its slot row, so no stacked
     block is built and copied in or out whole; exact either way."""
-    from jaxpipe.runtime.spmd import SpmdRuntime, scanio
+    from jaxpipe.runtime.spmd import SpmdRuntime
+    from jaxpipe.runtime.spmd.program import scan_buffers as scanio
 
     loss_fn, params, batch = model
     pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M),
@@ -518,10 +519,10 @@ def test_core_parameters_take_the_same_slots_on_every_device(interleaved):
 def test_two_stages_of_one_body_pick_no_whole_slot(interleaved):
     """The core's two stages on a device keep their parameters in slots of their own. The
     layer scans pick the running stage's layer inside the loop, and its gradients go into
-    a stacked group row by row (runtime/spmd/picks.py): no select over whole slots, which
-    picking each parameter and adding each gradient into every candidate with a mask
-    had cost (a kernel per leaf and branch). The staged program agrees with the public
-    one, and both are exact."""
+    a stacked group row by row (runtime/spmd/program/param_groups.py): no select over
+    whole slots, which picking each parameter and adding each gradient into every
+    candidate with a mask had cost (a kernel per leaf and branch). The staged program
+    agrees with the public one, and both are exact."""
     pipe, loss_fn, params, batch = interleaved
     staged = pipe.shard(params)
     jaxpr = jax.make_jaxpr(pipe.staged_value_and_grad_fn)(staged, batch).jaxpr

@@ -1,10 +1,14 @@
-"""The SPMD runtime: lowering (schedule -> typed tick tables), layout, program, optimizer.
+"""The SPMD runtime: every schedule as one ``jax.jit(jax.shard_map(...))`` program.
 
-- :mod:`.lowering` — static tables and liveness-sized buffers from a schedule.
-- :mod:`.layout` — parameter slots and flat layouts of stored values and messages.
-- :mod:`.program` — the one ``jit(shard_map)`` program that scans over the tables.
-- :mod:`.optimizer` — the per-stage optimizer update inside that program.
-- :mod:`.executor` — :class:`SpmdRuntime` / :class:`SpmdExecutor`, the runtime seam.
+Two subpackages and the seam between them and the rest of jaxpipe:
+
+- :mod:`.lowering` (numpy) -- a schedule to typed static tables, liveness-sized buffers
+  and the sync model of the program's time;
+- :mod:`.program` (JAX) -- where values live, what a step runs, the tick loop and its
+  ``shard_map``, the optimizer update after it;
+- :mod:`.executor` -- :class:`SpmdRuntime` / :class:`SpmdExecutor`, the runtime seam.
+
+The lowering never imports the program; the program reads the lowering's data types.
 """
 
 from jaxpipe.runtime.spmd.executor import SpmdExecutor, SpmdRuntime

@@ -1,11 +1,12 @@
 """The SPMD runtime: every schedule as one ``jax.jit(jax.shard_map(...))`` program.
 
 :class:`SpmdRuntime` is what users pass (``runtime="spmd"``, the default);
-:meth:`SpmdRuntime.build` lays out every stage's values (:mod:`.layout`), lowers the
-schedule to static tables (:mod:`.lowering`) and builds the program (:mod:`.program`).
+:meth:`SpmdRuntime.build` lays out every stage's values (:mod:`.program.layout`), lowers
+the schedule to static tables (:mod:`.lowering`) and builds the program
+(:mod:`.program.build`).
 The :class:`SpmdExecutor` it returns keeps parameters in slots, one array
 ``[devices, *shape]`` each, sharded over the pipe axis (see
-:class:`~.layout.SlotLayout`).
+:class:`~.program.layout.SlotLayout`).
 """
 
 from __future__ import annotations
@@ -22,19 +23,25 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
-from jaxpipe.runtime.spmd.bodies import group_bodies
-from jaxpipe.runtime.spmd.layout import SlotLayout, StageLayouts
 from jaxpipe.runtime.spmd.lowering import Lowering, lower
-from jaxpipe.runtime.spmd.moves import (
+from jaxpipe.runtime.spmd.lowering.sync import sync_report
+from jaxpipe.runtime.spmd.program.bodies import group_bodies
+from jaxpipe.runtime.spmd.program.build import (
+    build_step,
+    check_stage_collectives,
+    place,
+    place_tree,
+)
+from jaxpipe.runtime.spmd.program.layout import SlotLayout, StageLayouts
+from jaxpipe.runtime.spmd.program.optimizer import make_epilogue, opt_slots
+from jaxpipe.runtime.spmd.program.param_groups import Groups
+from jaxpipe.runtime.spmd.program.param_moves import (
     Crossing,
     from_slots,
     interleaved_leaf,
     slot_inputs,
     to_slots,
 )
-from jaxpipe.runtime.spmd.optimizer import make_epilogue, opt_slots
-from jaxpipe.runtime.spmd.picks import Groups
-from jaxpipe.runtime.spmd.program import build_step, check_stage_collectives, place, place_tree
 from jaxpipe.sharding import manual_spec, to_spec
 from jaxpipe.train import StageOptimizer, TrainOptions
 
@@ -57,7 +64,7 @@ class SpmdRuntime(Runtime):
         cotangent leaving after the W. Where every W of a stage directly follows its I
         (1F1B split into I + W), the pair runs as one step and the hand-off goes
         straight from I to W instead of through storage
-        (:func:`.fusion.joined_weights`); other such Ws run as the tick's second step.
+        (:func:`.lowering.fusion.joined_weights`); other such Ws run as the tick's second step.
         ``"auto"`` (default): only where devices do not run concurrently (virtual CPU
         devices in one process), where the later cotangent costs nothing and the joined
         step removes the split's cost (1F1B p=4, I + W against B: 1.05 -> 0.995 on an
@@ -67,7 +74,7 @@ class SpmdRuntime(Runtime):
         is its loss, in 1F1B and at p=1) in the F's step as one forward and backward, as
         plain ``jax.value_and_grad`` does: that stage stores no residuals, the pair takes
         one step, and its F and B compile as one branch. Only for stages whose every B
-        qualifies (see :func:`.fusion.fused_backwards`); not with ``split_backward``
+        qualifies (see :func:`.lowering.fusion.fused_backwards`); not with ``split_backward``
         (no B is left to fuse). ``"auto"`` (default): only where that does not raise the
         stored bytes (always at p=1; at p>=2 the busiest device is another and the FB
         step's scratch would add to it). ``True`` trades that memory for compile time
@@ -248,7 +255,7 @@ class SpmdExecutor(Executor):
 
         Runs as a shard_map: each device fills its slots with its own stages' parameters
         (one copy of them), instead of XLA partitioning a global stack; a scanned stack's
-        stacked weights come whole and each device slices its rows (:mod:`.moves`)."""
+        stacked weights come whole and each device slices its rows (:mod:`.program.param_moves`)."""
         return self._to_slots(param_leaves, grouped=False)
 
     def _to_slots(self, param_leaves: list, grouped: bool) -> Any:
@@ -264,8 +271,8 @@ class SpmdExecutor(Executor):
         return fn(crossing.flatten(list(param_leaves)))
 
     def _gather(self, staged: list, owner_only: bool, grouped: list | None = None) -> list:
-        """Slots -> user leaves, replicated over the pipe axis (:func:`.moves.from_slots`).
-        ``grouped``: the arrays of :attr:`groups`, whose slots ``staged`` holds as None."""
+        """Slots -> user leaves, replicated over the pipe axis
+        (:func:`.program.param_moves.from_slots`). ``grouped``: the arrays of :attr:`groups`, whose slots ``staged`` holds as None."""
         slots, crossing = self.layouts.slots, Crossing(self.spec)
         groups = self.groups if grouped is not None else None
         specs = self._slot_specs(slots)
@@ -334,7 +341,7 @@ class SpmdExecutor(Executor):
     def compiled_check(self) -> Any:
         """On the CPU backend with parameters sharded over automatic axes: refuse a program
         in which XLA moved data inside a stage with a collective-permute (see
-        :func:`.program.check_stage_collectives`)."""
+        :func:`.program.build.check_stage_collectives`)."""
         if not self.spec.param_axes or jax.default_backend() != "cpu":
             return None
         return check_stage_collectives
@@ -358,9 +365,7 @@ class SpmdExecutor(Executor):
 
     def timing_report(self, cost: Any, *, schedule_makespan: float | None = None) -> str:
         """The lowered program against the schedule under the sync model (see
-        :mod:`.sync`), e.g. ``lowered efficiency 0.982 (...)``."""
-        from jaxpipe.runtime.spmd.sync import sync_report
-
+        :mod:`.lowering.sync`), e.g. ``lowered efficiency 0.982 (...)``."""
         report = sync_report(self.spec.schedule, self.lowering, cost,
                              async_makespan=schedule_makespan)
         return "lowered program: " + report.summary()
@@ -372,7 +377,7 @@ class SpmdExecutor(Executor):
 
 
 #: Local-search evaluations over the ticks where devices run concurrently
-#: (:mod:`.refine`): 0.3-0.7 s of lowering at p=8, m=16-32, at most ~0.8 s at p=64.
+#: (:mod:`.lowering.refine`): 0.3-0.7 s of lowering at p=8, m=16-32, at most ~0.8 s at p=64.
 REFINE_EVALS = 1200
 
 

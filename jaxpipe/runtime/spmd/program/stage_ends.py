@@ -17,12 +17,11 @@ from typing import Any
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
-from jaxpipe.runtime.spmd.bodies import Body
-from jaxpipe.runtime.spmd.gate import gated
-from jaxpipe.runtime.spmd.layout import StageLayouts
-from jaxpipe.runtime.spmd.lowering import Pool
-from jaxpipe.runtime.spmd.picks import Groups
-from jaxpipe.runtime.spmd.table import ActionFields
+from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
+from jaxpipe.runtime.spmd.program.bodies import Body
+from jaxpipe.runtime.spmd.program.gated import gated
+from jaxpipe.runtime.spmd.program.layout import StageLayouts
+from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.stages import StageFn
 
 __all__ = ["Ends", "Fixed", "gated_stages"]

@@ -6,9 +6,9 @@ running stage's at run time, and adds its gradient into the running stage's slot
 
 - Parameters: the staged parameters are slots (what the optimizer updates in place),
   picked with a ``select_n`` over the candidates; a scanned layer stack's are picked
-  layer by layer inside the scan (:mod:`.scanio`), where the layer's slice is read
+  layer by layer inside the scan (:mod:`.scan_buffers`), where the layer's slice is read
   anyway, so they cost no kernel and no copy. The public ``value_and_grad`` moves the
-  user's leaves into groups directly (:func:`.moves.to_slots`), and its branches read a
+  user's leaves into groups directly (:func:`.param_moves.to_slots`), and its branches read a
   group's row like a stored value (``pbuf[k]`` is then ``None``: :meth:`Groups.param`).
 - Gradients: added into separate slot arrays, a pick costs a masked add into *every*
   candidate, a kernel each per leaf and branch, and a scan's per-layer gradients could
@@ -17,9 +17,9 @@ running stage's at run time, and adds its gradient into the running stage's slot
   *group*), in place of those slots: a gradient is added into row ``q`` in place, a
   dynamic row like any stored value, and a scan adds each layer's gradient into its row
   directly. The groups become slots again once, after the last step (:meth:`Groups.fold`),
-  or, in the public ``value_and_grad``, are gathered whole (:func:`.moves.from_slots`).
+  or, in the public ``value_and_grad``, are gathered whole (:func:`.param_moves.from_slots`).
 - A group holding a stacked leaf cut evenly over the chunks of an interleaved schedule
-  (:func:`.moves.interleaved_leaf`) is, for the public ``value_and_grad``'s parameters,
+  (:func:`.param_moves.interleaved_leaf`) is, for the public ``value_and_grad``'s parameters,
   the user's leaf itself (*whole*: every device's rows, ``[chunks * devices, *shape]``),
   read at the running stage's global row. Each device slicing its own rows out of it
   first cost a kernel per leaf shape and a copy; the leaf is on every device anyway.
@@ -35,8 +35,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.runtime.spmd.bodies import Body
-from jaxpipe.runtime.spmd.layout import ValueClass
+from jaxpipe.runtime.spmd.program.bodies import Body
+from jaxpipe.runtime.spmd.program.layout import ValueClass
 from jaxpipe.sharding import constrain
 
 __all__ = ["Groups", "of_stage", "pick"]

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpipe.runtime.base import RuntimeSpec
-from jaxpipe.runtime.spmd.gate import by_device
-from jaxpipe.runtime.spmd.layout import SlotLayout
+from jaxpipe.runtime.spmd.program.gated import by_device
+from jaxpipe.runtime.spmd.program.layout import SlotLayout
 from jaxpipe.sharding import Dims, constrain
 from jaxpipe.structure import same_function
 from jaxpipe.train import StageOptimizer, TrainOptions, global_norm_scale, sq_norm

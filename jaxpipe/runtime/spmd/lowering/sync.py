@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpipe.runtime.spmd.lowering import Lowering, Messages, Ticks
+from jaxpipe.runtime.spmd.lowering.types import Lowering, Messages, Ticks
 from jaxpipe.schedule import Action, Schedule, Timeline, TimelineEvent
+from jaxpipe.schedule.simulate import resolve_costs
 
 __all__ = ["SyncReport", "clock_makespan", "lowered_makespan", "lowered_timeline",
            "lowered_times", "meet", "split_cost", "sync_report", "tick_pairs", "tick_table",
@@ -76,7 +77,7 @@ def meet(clock: np.ndarray, src: np.ndarray, dst: np.ndarray,
 def ticks_makespan(ticks: Ticks, messages: Messages, costs: np.ndarray) -> float:
     """The sync model's makespan of a tick assignment before it is lowered to a table
     (``costs``: per action of ``ticks.graph``, as the program runs it): what
-    :func:`~.lowering.lower` compares tick assignments by. Arrays, one tick at a time
+    :func:`~.lower.lower` compares tick assignments by. Arrays, one tick at a time
     (at p=64 m=512 several times faster than :func:`clock_makespan`)."""
     D = len(ticks.graph.lists)
     work = np.zeros((ticks.num_ticks, D))
@@ -218,8 +219,6 @@ def sync_report(schedule: Schedule, lowering: Lowering, cost: Cost | None = None
     ``cost``: per action; default F=1, B=2, I=W=1. ``async_makespan``:
     ``schedule.simulate(cost).makespan`` when the caller has already simulated it.
     """
-    from jaxpipe.schedule.simulate import resolve_costs
-
     cost = resolve_costs(cost)
     if async_makespan is None:
         async_makespan = schedule.simulate(cost).makespan

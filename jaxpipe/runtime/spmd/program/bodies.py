@@ -8,7 +8,7 @@ running stage from a small table indexed by the stage at run time.
 
 A first or last stage split into parts (:mod:`jaxpipe.stage_parts`) joins the body of
 the stages its *core* matches: the body's branches run that member's prologue or
-epilogue around the core, gated by the running stage (:mod:`.ends`). Compile time then
+epilogue around the core, gated by the running stage (:mod:`.stage_ends`). Compile time then
 grows with the number of distinct cores (typically one), not stages.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpipe.runtime.spmd.layout import SlotLayout, ValueClass
+from jaxpipe.runtime.spmd.program.layout import SlotLayout, ValueClass
 from jaxpipe.stages import StageFn
 from jaxpipe.structure import same_function
 

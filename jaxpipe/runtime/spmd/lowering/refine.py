@@ -1,19 +1,19 @@
 """Local search over a lowering's ticks under the sync model.
 
 Where devices run concurrently, how actions are grouped into ticks decides who waits for
-whom (:mod:`.sync`). The unit-cost and cost-grid ticks of :func:`.lowering.assign_ticks`
+whom (:mod:`.sync`). The unit-cost and cost-grid ticks of :func:`.ticks.assign_ticks`
 are good starts but not optimal when stages cost different amounts (a V schedule's
 device 0 holds both the embedding and the head), or when an F shares a tick with a B on
 a neighbour (interleaved schedules with the backward unsplit). :func:`refine` walks from
 a start: it moves one action a tick later or earlier (the rules of
-:func:`.settle.settle` then hold again), keeps the move when the sync model's makespan
+:func:`.tick_rule.settle` then hold again), keeps the move when the sync model's makespan
 does not grow, and stops after ``evals`` evaluations (fewer on large schedules:
 :data:`WORK_LIMIT`) or when nothing is left to gain (the asynchronous makespan). A fixed
 seed makes it deterministic: every process of a multi-process pipeline lowers to the
 same table.
 
 An evaluation re-settles only the actions after the moved one
-(:func:`.settle.resettle`: graph order puts producers and device predecessors first, so
+(:func:`.tick_rule.resettle`: graph order puts producers and device predecessors first, so
 nothing before it can change) and times the ticks from plain lists
 (:func:`.sync.clock_makespan`: :func:`.sync.ticks_makespan`'s model, which
 ``tests/test_lower.py`` holds it equal to).
@@ -29,9 +29,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxpipe.runtime.spmd.lowering import Ticks, list_messages, ticks_of
-from jaxpipe.runtime.spmd.settle import resettle, tick_constraints
-from jaxpipe.runtime.spmd.sync import clock_makespan
+from jaxpipe.runtime.spmd.lowering.messages import list_messages
+from jaxpipe.runtime.spmd.lowering.sync import clock_makespan
+from jaxpipe.runtime.spmd.lowering.tick_rule import resettle, tick_constraints
+from jaxpipe.runtime.spmd.lowering.ticks import ticks_of
+from jaxpipe.runtime.spmd.lowering.types import Ticks
 
 __all__ = ["WORK_LIMIT", "refine"]
 

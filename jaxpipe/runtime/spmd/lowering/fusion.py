@@ -20,15 +20,11 @@ tick's messages moving after both anyway).
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxpipe.runtime.spmd.allocate import Allocation, Pool
+from jaxpipe.runtime.spmd.lowering.types import Allocation, Pool, Ticks
 from jaxpipe.schedule.graph import KB, KF, KI, KW, ScheduleGraph
-
-if TYPE_CHECKING:
-    from jaxpipe.runtime.spmd.lowering import Ticks
 
 __all__ = ["fused_backwards", "fusing_saves_memory", "joined_weights", "w_after_own_i"]
 

@@ -16,7 +16,7 @@ slice per slot (in) and one tiled ``all_gather`` per slot (out) do:
   devices and slots holding it, and consecutive rows that one gathered slot holds in
   device order are read as one slice of it.
 - The public ``value_and_grad`` holds the slots of a shared body's per-stage parameters
-  as stacked groups (:mod:`.picks`), and both directions move a group whole. A stacked
+  as stacked groups (:mod:`.param_groups`), and both directions move a group whole. A stacked
   leaf cut evenly over the chunks of an interleaved schedule (:func:`interleaved_leaf`)
   goes in as itself, every device's rows (the program reads the running stage's global
   row), and its gradient is the gathered group, transposed.
@@ -39,9 +39,9 @@ import numpy as np
 from jax import lax
 
 from jaxpipe.runtime.base import RuntimeSpec
-from jaxpipe.runtime.spmd.gate import by_device
-from jaxpipe.runtime.spmd.layout import SlotLayout
-from jaxpipe.runtime.spmd.picks import Groups
+from jaxpipe.runtime.spmd.program.gated import by_device
+from jaxpipe.runtime.spmd.program.layout import SlotLayout
+from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.sharding import constrain
 
 __all__ = ["Crossing", "from_slots", "interleaved_leaf", "rows_free", "slot_inputs",
@@ -223,7 +223,7 @@ class _Gathered:
 
 
 class _GroupRow(_Gathered):
-    """One slot of every device, read from its gradient group (:mod:`.picks`), gathered
+    """One slot of every device, read from its gradient group (:mod:`.param_groups`), gathered
     whole once: row ``q`` of ``[devices, rows, *shape]``. (A leaf whose rows two rows of
     a group hold is one kernel, joining strided slices; gathered along the rows' axis
     instead, XLA:CPU transposes every group for the all-gather itself.)"""

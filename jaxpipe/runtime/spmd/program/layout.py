@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.avals import aval_bytes
-from jaxpipe.runtime.spmd.lowering import Pool
+from jaxpipe.runtime.spmd.lowering.types import Pool
 from jaxpipe.sharding import Dims, constrain, to_spec
 from jaxpipe.stages import StageFn
 
@@ -277,7 +277,7 @@ class StageLayouts:
     Attributes:
       slots: the parameter slots of every device.
       residuals: all residuals a stage stores per microbatch (for sizes).
-      pools: per :class:`~.lowering.Pool`, per stage, the part of its stored values kept
+      pools: per :class:`~..lowering.types.Pool`, per stage, the part of its stored values kept
         in that pool: residuals only the input-gradient reads, residuals the
         weight-gradient reads too (``StageFn.w_res_ids``), and the I -> W hand-off.
       act_out / act_in: the forward message (stage carry) a stage sends / receives.

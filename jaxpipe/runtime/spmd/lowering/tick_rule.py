@@ -3,7 +3,7 @@
 An action runs a tick after its device's previous action and after its producers on
 other devices (their outputs move at the end of a tick); an action with a partner (a B
 fused into its F's step, a W in its I's) runs in the partner's tick. :func:`settle`
-applies the rule to a whole wish list of ticks (:func:`.lowering.assign_ticks`);
+applies the rule to a whole wish list of ticks (:func:`.ticks.assign_ticks`);
 :func:`resettle` re-applies it from one action on, which is what the local search over
 ticks (:mod:`.refine`) does once per move.
 """

@@ -4,47 +4,21 @@ A stored value lives from the step that writes it to its last reader's step; a m
 from its arrival to the step that reads it. Slots are assigned first-fit in order of the
 first step (:func:`first_fit`), so a buffer has as many slots as are live at once on the
 busiest device. Everything is read from the integer arrays of the ticks and messages
-(:mod:`.lowering`), so a 64-device, 512-microbatch schedule allocates in well under a
+(:mod:`.types`), so a 64-device, 512-microbatch schedule allocates in well under a
 second.
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxpipe.runtime.spmd.lowering.types import Allocation, Messages, Pool, Ticks
 from jaxpipe.schedule.graph import grouped_peaks
 
-if TYPE_CHECKING:
-    from jaxpipe.runtime.spmd.lowering import Messages, Ticks
-
-__all__ = ["Allocation", "Pool", "allocate", "first_fit"]
-
-
-class Pool(enum.IntEnum):
-    """The parts a stage's stored values are kept in, by who writes and who reads them.
-
-    Residuals are stored in two parts so that what only the input-gradient needs is
-    freed as soon as I has run; ``HANDOFF`` is what I hands to W.
-    """
-
-    RESIDUAL_A = 0  # written by F; read by B or I (freed there)
-    RESIDUAL_B = 1  # written by F; read by B, I and W (freed at B or W)
-    HANDOFF = 2  # written by I; read by W
-
-    @property
-    def writer(self) -> str:
-        return "I" if self is Pool.HANDOFF else "F"
-
-    @property
-    def readers(self) -> tuple[str, ...]:
-        return {Pool.RESIDUAL_A: ("B", "I"), Pool.RESIDUAL_B: ("B", "I", "W"),
-                Pool.HANDOFF: ("W",)}[self]
+__all__ = ["allocate", "first_fit"]
 
 
 def _first_fit(intervals: Sequence[tuple[int, int, int, object]]) -> tuple[dict, int]:
@@ -111,28 +85,6 @@ def first_fit(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> tuple[np.
         heapq.heappush(live, (ends[i], off))
     offsets[:] = out
     return offsets, top
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """Where stored values and messages live (output of :func:`allocate`).
-
-    Attributes:
-      base: per (pool, class), per action (``graph.actions`` order), the first slot the
-        action writes or reads that pool's part at (-1: the action does not touch it).
-      slots: per class, slots per device (the maximum over devices).
-      slots_per_device: per device, slots per class it needs.
-      message_slot: per message, its inbox slot.
-      num_inbox: inbox slots per device (the maximum over devices).
-      residual_peak: per device, the most residual sets live at once.
-    """
-
-    base: dict[tuple[Pool, Hashable], np.ndarray]
-    slots: dict[Hashable, int]
-    slots_per_device: tuple[dict[Hashable, int], ...]
-    message_slot: np.ndarray
-    num_inbox: int
-    residual_peak: tuple[int, ...]
 
 
 _KIND = {"F": 0, "B": 1, "I": 2, "W": 3}  # index in ACTION_KINDS

@@ -1,8 +1,8 @@
 """The SPMD program: one ``jax.jit(jax.shard_map(...))`` runs a lowered schedule.
 
 Every device runs the same program: ``lax.scan`` over the steps of the
-:class:`~.lowering.TickTable` (as :class:`~.table.ActionFields` and
-:class:`~.table.StepFields`: one array per scalar, gates as trip counts). In a step, a
+:class:`~..lowering.types.TickTable` (as :class:`~..lowering.types.ActionFields` and
+:class:`~..lowering.types.StepFields`: one array per scalar, gates as trip counts). In a step, a
 device runs the branch of one (action kind, body) pair, or nothing (kind ``"FB"``: a
 last stage's F and its own B in one step, the residuals passed straight from one to the
 other; ``"IW"``: an I and its own W in one step, the hand-off passed straight on):
@@ -10,7 +10,7 @@ other; ``"IW"``: an I and its own W in one step, the hand-off passed straight on
 - parameters come from slots, whole arrays (a shared body whose members use different
   slots on one device picks the running stage's from a small table by ``row.stage``),
   and their gradients accumulate in place, those of such a body in a stacked *group*
-  per parameter (:mod:`.picks`), split into slots after the last step;
+  per parameter (:mod:`.param_groups`), split into slots after the last step;
 - residuals and the I -> W hand-off (of a W in a step of its own) are stored in
   per-class buffers at the slots the lowering chose, and gradients accumulate in place;
 - an output message goes into the outbox unit of its direction (or into an inbox slot
@@ -41,19 +41,20 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.runtime.spmd.bodies import Body
-from jaxpipe.runtime.spmd.branches import Branches
-from jaxpipe.runtime.spmd.ends import gated_stages
-from jaxpipe.runtime.spmd.gate import gated
-from jaxpipe.runtime.spmd.layout import StageLayouts, ValueClass
-from jaxpipe.runtime.spmd.lowering import (
+from jaxpipe.runtime.spmd.lowering.types import (
     IDLE,
     PROGRAM_KINDS,
+    ActionFields,
     Lowering,
+    StepFields,
     branch_id,
 )
-from jaxpipe.runtime.spmd.picks import Groups
-from jaxpipe.runtime.spmd.table import ActionFields, StepFields
+from jaxpipe.runtime.spmd.program.bodies import Body
+from jaxpipe.runtime.spmd.program.branches import Branches
+from jaxpipe.runtime.spmd.program.gated import gated
+from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.program.param_groups import Groups
+from jaxpipe.runtime.spmd.program.stage_ends import gated_stages
 from jaxpipe.sharding import MeshAxes, constrain, manual_spec
 
 __all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
@@ -93,12 +94,12 @@ def build_step(
     uses this), with ``extra_in_specs`` / ``epilogue_out_specs`` as the specs of its
     extra inputs and outputs outside the program (their manual part is the shard_map's).
 
-    ``groups``: the slot groups (:mod:`.picks`; built from ``bodies`` when not given).
+    ``groups``: the slot groups (:mod:`.param_groups`; built from ``bodies`` when not given).
     With ``grouped=True`` parameters come in and gradients go out by group: ``pbuf`` is
     ``(pslots, parrays)`` and the step returns ``((gslots, garrays), loss)``, the slots in
     no group (a list over all positions, ``None`` at grouped ones) and every group's
     array, ``[devices, len(group), *shape]``. The public path moves the user's leaves
-    into and out of groups directly (:mod:`.moves`); the staged parameters stay slots.
+    into and out of groups directly (:mod:`.param_moves`); the staged parameters stay slots.
     """
     axis = axes.axis
     manual_batch = axes.manual_batch_axes

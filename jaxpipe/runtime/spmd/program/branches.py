@@ -7,7 +7,7 @@ jaxpr for its kind, stores what it must, accumulates parameter gradients in plac
 returns its output message (written to an inbox slot or outbox unit by the program).
 
 A scanned layer stack's stacked values go straight between its scans and the buffers
-(:mod:`.scanio`): the forward scan writes each iteration's residuals into their storage
+(:mod:`.scan_buffers`): the forward scan writes each iteration's residuals into their storage
 rows, the backward scans read them there and add each layer's parameter gradient into its
 gradient slot row, where the stage's jaxprs allow it.
 """
@@ -22,13 +22,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
-from jaxpipe.runtime.spmd import scanio
-from jaxpipe.runtime.spmd.bodies import Body
-from jaxpipe.runtime.spmd.ends import Ends, Fixed
-from jaxpipe.runtime.spmd.layout import Packing, StageLayouts, ValueClass
-from jaxpipe.runtime.spmd.lowering import Pool
-from jaxpipe.runtime.spmd.picks import Groups, of_stage, pick
-from jaxpipe.runtime.spmd.table import ActionFields
+from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
+from jaxpipe.runtime.spmd.program import scan_buffers as scanio
+from jaxpipe.runtime.spmd.program.bodies import Body
+from jaxpipe.runtime.spmd.program.layout import Packing, StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.program.param_groups import Groups, of_stage, pick
+from jaxpipe.runtime.spmd.program.stage_ends import Ends, Fixed
 
 __all__ = ["Branches"]
 
@@ -41,7 +40,7 @@ class Branches:
     ``fused``: the stages that run every F with its B in one step (only their FB
     branch runs them); ``split``: the stages that run some backward as I then W (only
     their parts run in the I, W and IW branches: another member's hand-off may have no
-    storage at all); ``groups``: the gradient groups (:mod:`.picks`): branches take and
+    storage at all); ``groups``: the gradient groups (:mod:`.param_groups`): branches take and
     return the gradient list with them."""
 
     def __init__(self, layouts: StageLayouts, num_microbatches: int,
@@ -228,7 +227,7 @@ class Branches:
 
 class _DirectIO:
     """Which of a body's stored values and gradients go straight between its scans and the
-    buffers (:mod:`.scanio`), and the reads, writes and evaluations that follow from it.
+    buffers (:mod:`.scan_buffers`), and the reads, writes and evaluations that follow from it.
 
     Residual ``i`` lives at leaf ``k`` of its pool's packing (``leaf_of``). Per jaxpr
     (``"fwd"``, ``"bwd"``, ``"bwd_i"``, ``"bwd_w"``): ``sunk`` the residual ids its scans

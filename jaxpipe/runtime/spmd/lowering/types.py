@@ -1,0 +1,415 @@
+"""The lowering's data types: what each step hands to the next and to the program.
+
+A leaf module: it imports nothing else of the SPMD runtime, so the steps of the lowering
+(:mod:`.ticks`, :mod:`.messages`, :mod:`.allocate`, :mod:`.table`), the sync model
+(:mod:`.sync`), the local search (:mod:`.refine`) and the program builders all read the
+same types without importing each other.
+
+- :class:`Ticks`: when every action runs (device, tick, step);
+- :class:`Messages`: every value moved between actions, and when;
+- :class:`Exchange`: how the program moves messages (which pairs meet at a tick's end,
+  and after how many ticks a message can be read);
+- :class:`Pool`, :class:`Allocation`: where stored values and messages live;
+- :class:`TickTable` (and its program forms :class:`ActionFields`, :class:`StepFields`):
+  one row of integer fields per (step, device);
+- :class:`Lowering`: all of it for one schedule, what the program is built from.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jaxpipe.schedule import ACTION_KINDS, Action
+from jaxpipe.schedule.graph import KI, ScheduleGraph
+
+__all__ = ["IDLE", "PROGRAM_KINDS", "ActionFields", "Allocation", "Exchange", "Lowering",
+           "Message", "Messages", "Pool", "StepFields", "TickTable", "Ticks", "Timing",
+           "branch_id"]
+
+
+
+class Pool(enum.IntEnum):
+    """The parts a stage's stored values are kept in, by who writes and who reads them.
+
+    Residuals are stored in two parts so that what only the input-gradient needs is
+    freed as soon as I has run; ``HANDOFF`` is what I hands to W.
+    """
+
+    RESIDUAL_A = 0  # written by F; read by B or I (freed there)
+    RESIDUAL_B = 1  # written by F; read by B, I and W (freed at B or W)
+    HANDOFF = 2  # written by I; read by W
+
+    @property
+    def writer(self) -> str:
+        return "I" if self is Pool.HANDOFF else "F"
+
+    @property
+    def readers(self) -> tuple[str, ...]:
+        return {Pool.RESIDUAL_A: ("B", "I"), Pool.RESIDUAL_B: ("B", "I", "W"),
+                Pool.HANDOFF: ("W",)}[self]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When an action runs: its device, tick and global step."""
+
+    device: int
+    tick: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """A value produced by one action and read by another."""
+
+    producer: Action
+    consumer: Action
+    src: int  # device of the producer
+    dst: int  # device of the consumer
+    sent: int  # step at whose end the value is available to the consumer's device
+    read: int  # step of the consumer
+
+
+@dataclass(frozen=True)
+class Ticks:
+    """When every action of a schedule's graph runs (arrays indexed like ``graph.actions``).
+
+    Attributes:
+      graph: the schedule's :class:`~jaxpipe.schedule.graph.ScheduleGraph`.
+      device, tick, step: per action.
+      tick_end: per tick, its last step (messages move at its end).
+      fused: per action, True for a backward that runs in its predecessor's step: a B in
+        its own F's (:func:`fused_backwards`) or a W in its own I's
+        (:func:`~.fusion.joined_weights`); the two share ``tick`` and ``step``.
+    """
+
+    graph: ScheduleGraph
+    device: np.ndarray
+    tick: np.ndarray
+    step: np.ndarray
+    tick_end: np.ndarray
+    fused: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.step.max()) + 1 if len(self.step) else 0
+
+    @property
+    def num_ticks(self) -> int:
+        return len(self.tick_end)
+
+    def timing(self) -> dict[Action, Timing]:
+        return {a: Timing(int(d), int(t), int(s)) for a, d, t, s in
+                zip(self.graph.actions, self.device, self.tick, self.step, strict=True)}
+
+
+@dataclass(frozen=True)
+class Messages:
+    """Every value moved between actions, as arrays (one entry per message).
+
+    ``producer``/``consumer`` index ``graph.actions``; ``sent`` is the step at whose end
+    the value is available to the consumer's device (the producer's own step for a
+    message to the same device); ``read`` the consumer's step.
+    """
+
+    producer: np.ndarray
+    consumer: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    sent: np.ndarray
+    read: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.producer)
+
+    def as_list(self, actions: Sequence[Action]) -> list[Message]:
+        return [Message(actions[p], actions[c], int(a), int(b), int(s), int(r))
+                for p, c, a, b, s, r in zip(self.producer, self.consumer, self.src, self.dst,
+                                            self.sent, self.read, strict=True)]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """How the program moves messages between devices at the end of a tick.
+
+    Attributes:
+      every_tick: at every tick's end every pair that ever exchanges a message over a
+        direction meets (one unconditional permutation per direction, what the
+        accelerator program runs); else only the pairs that carry a message at that tick
+        (the CPU program, which skips the exchange on ticks without messages).
+      delay: ticks from the tick that produces a message to the first tick that may read
+        it on another device: 1 (it moves at that tick's end), or 2 (it moves during the
+        next tick, overlapping that tick's compute: the accelerator program's
+        double-buffered outbox).
+    """
+
+    every_tick: bool = False
+    delay: int = 1
+
+    def __post_init__(self) -> None:
+        if self.delay not in (1, 2):
+            raise ValueError(f"Exchange.delay must be 1 or 2 ticks, got {self.delay}")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Where stored values and messages live (output of :func:`allocate`).
+
+    Attributes:
+      base: per (pool, class), per action (``graph.actions`` order), the first slot the
+        action writes or reads that pool's part at (-1: the action does not touch it).
+      slots: per class, slots per device (the maximum over devices).
+      slots_per_device: per device, slots per class it needs.
+      message_slot: per message, its inbox slot.
+      num_inbox: inbox slots per device (the maximum over devices).
+      residual_peak: per device, the most residual sets live at once.
+    """
+
+    base: dict[tuple[Pool, Hashable], np.ndarray]
+    slots: dict[Hashable, int]
+    slots_per_device: tuple[dict[Hashable, int], ...]
+    message_slot: np.ndarray
+    num_inbox: int
+    residual_peak: tuple[int, ...]
+
+
+#: Branch id of a step in which a device does nothing.
+IDLE = 0
+
+#: What a program step runs: a schedule action kind, ``"FB"``, a forward and its own
+#: backward in one step (see :func:`.fusion.fused_backwards`), or ``"IW"``, an I and its
+#: own W in one step (:func:`.fusion.joined_weights`).
+PROGRAM_KINDS = (*ACTION_KINDS, "FB", "IW")
+
+
+
+def branch_id(kind: str, body: int, num_bodies: int) -> int:
+    """The program branch that runs ``kind`` (one of :data:`PROGRAM_KINDS`) for ``body``
+    (:data:`IDLE` is 0)."""
+    return 1 + PROGRAM_KINDS.index(kind) * num_bodies + body
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TickTable:
+    """Integer fields of every (step, device); the program scans over the steps, in the
+    form :meth:`actions` and :meth:`steps` give.
+
+    Every array's leading axes are ``[steps, devices]``.
+
+    Attributes:
+      branch: the branch to run (:func:`branch_id`, or :data:`IDLE`).
+      stage: the action's stage (selects a shared body's parameters).
+      microbatch: the action's microbatch.
+      in_slot: inbox slot holding the action's input message (stage carry or cotangent).
+      local_slot: inbox slot for the action's output message when it stays on the
+        device (the turn of a V); the dummy slot otherwise (not written).
+      out_unit: ``[steps, devices, offsets]``: the unit of the outbox of each direction
+        the action's output message goes to (``units[j]``, one past the last unit, when
+        it sends nothing that way: the program writes no outbox then).
+      recv_slot: ``[steps, devices, offsets, units]``: inbox slot for each unit arriving
+        over each permutation offset at the end of the step (the dummy slot if none).
+      pool_base: per (pool, class), the first slot of that class where the action writes
+        or reads that pool's part of its stored values.
+      exchange: ``[steps, devices, offsets]`` int (same for every device): ``0``, or
+        ``1 + k`` where the permutation over that offset runs at the end of the step
+        with the ``k``-th sender set of that offset (:func:`exchange_patterns`).
+    """
+
+    branch: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    in_slot: np.ndarray
+    local_slot: np.ndarray
+    out_unit: np.ndarray
+    recv_slot: np.ndarray
+    pool_base: dict[tuple[Pool, Hashable], np.ndarray]
+    exchange: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.branch.shape[0])
+
+    def actions(self, part_stages: Sequence[int] = ()) -> ActionFields:
+        """The fields the branches read; ``part_stages``: the stages whose prologue or
+        epilogue a branch runs gated (:mod:`..program.stage_ends`)."""
+        # many (pool, class) pairs have equal columns (each class's part of a residual set
+        # starts at the same slot; a class with one slot is always 0): each distinct
+        # column is scanned once, not once per pair
+        distinct: dict[bytes, int] = {}
+        values: list[np.ndarray] = []
+        index = []
+        for key, col in self.pool_base.items():
+            col = np.ascontiguousarray(col, np.int32)
+            i = distinct.setdefault(col.tobytes(), len(values))
+            if i == len(values):
+                values.append(col)
+            index.append((key, i))
+        return ActionFields(self.stage, self.microbatch, self.in_slot, tuple(values),
+                            {s: (self.stage == s).astype(np.int32) for s in part_stages},
+                            tuple(index))
+
+    def steps(self, branches: Sequence[int], num_inbox: int, units: Sequence[int]
+              ) -> StepFields:
+        """What the step reads around its branch: ``branches`` the program has (the ids
+        of :func:`branch_id`), ``num_inbox`` the dummy inbox slot, ``units`` each
+        direction's outbox units."""
+        i32 = lambda x: np.ascontiguousarray(x, np.int32)  # noqa: E731
+        J = range(self.out_unit.shape[2])
+        return StepFields(
+            runs={b: i32(self.branch == b) for b in branches},
+            keep=i32(self.local_slot != num_inbox), local_slot=i32(self.local_slot),
+            send=tuple(i32(self.out_unit[..., j] != units[j]) for j in J),
+            out_unit=tuple(i32(self.out_unit[..., j]) for j in J),
+            exchange=tuple(i32(self.exchange[..., j] > 0) for j in J),
+            pattern=tuple(i32(np.maximum(self.exchange[..., j] - 1, 0)) for j in J),
+            recv_slot=tuple(tuple(i32(self.recv_slot[..., j, r]) for r in range(units[j]))
+                            for j in J))
+
+    def digest_bytes(self) -> bytes:
+        """Every field, in a fixed order (for cross-process consistency checks)."""
+        parts = [self.branch, self.stage, self.microbatch, self.in_slot, self.local_slot,
+                 self.out_unit,
+                 self.recv_slot, self.exchange]
+        parts += [self.pool_base[k] for k in sorted(self.pool_base, key=repr)]
+        return b"".join(np.ascontiguousarray(p).tobytes() + str(p.shape).encode()
+                        for p in parts)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ActionFields:
+    """The fields of the action a device runs at a step (:meth:`TickTable.actions`), as
+    the branches read them: one ``[steps, devices]`` array each (see :class:`StepFields`).
+
+    Attributes:
+      stage, microbatch, in_slot: as :class:`TickTable`'s.
+      base_values: the distinct columns of ``TickTable.pool_base``; ``base_index``
+        (static): per (pool, class), which one is its.
+      at_stage: per stage whose parts run gated, whether the action is that stage's (a
+        trip count).
+    """
+
+    stage: np.ndarray
+    microbatch: np.ndarray
+    in_slot: np.ndarray
+    base_values: tuple[np.ndarray, ...]
+    at_stage: dict[int, np.ndarray]
+    base_index: tuple[tuple[tuple[Pool, Hashable], int], ...] = field(
+        metadata={"static": True})
+
+    def bases(self, pool: Pool) -> dict:
+        """Per class, the first slot of ``pool``'s part (of a row: where it reads or
+        writes)."""
+        return {c: self.base_values[i] for (p, c), i in self.base_index if p is pool}
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepFields:
+    """What a step does around its branch (:meth:`TickTable.steps`): one ``[steps,
+    devices]`` array per scalar, the gates as trip counts (``1``: it runs).
+
+    XLA:CPU compiles one kernel per distinct fused computation. Equal-shaped scalars read
+    from equal-shaped arrays are one kernel for all of them, where a ``[steps, devices,
+    k]`` field costs a kernel per shape and a gate computed on the device (``branch ==
+    b``) one per constant: GPT d64, L=64, p=8, v=2, scanned, 197 -> 185 compiled kernels.
+
+    Attributes:
+      runs: per branch id, whether that branch runs.
+      keep: whether the output message stays on the device; ``local_slot``: where.
+      send: per offset, whether the output message goes that way; ``out_unit``: in
+        which outbox unit.
+      exchange: per offset, whether its permutation runs at the end of the step;
+        ``pattern``: with which sender set (``TickTable.exchange - 1``).
+      recv_slot: per offset and unit, the inbox slot of what arrives.
+    """
+
+    runs: dict[int, np.ndarray]
+    keep: np.ndarray
+    local_slot: np.ndarray
+    send: tuple[np.ndarray, ...]
+    out_unit: tuple[np.ndarray, ...]
+    exchange: tuple[np.ndarray, ...]
+    pattern: tuple[np.ndarray, ...]
+    recv_slot: tuple[tuple[np.ndarray, ...], ...]
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """Static tables and buffer sizes for one (schedule, stage sizes) pair.
+
+    Attributes:
+      table: the per-step fields (:class:`TickTable`).
+      ticks: when every action the program runs (after :func:`expand`) runs, as arrays;
+        :attr:`actions` has them as ``{action: Timing}``.
+      message_arrays: every value moved between actions, as arrays; :attr:`messages`
+        lists them as :class:`Message` objects.
+      num_ticks, num_steps: of the lowered program (a tick spans one or more steps).
+      tick_of_step: ``[steps]`` the tick of every step.
+      num_devices, num_stages, num_microbatches: of the schedule.
+      stages_per_device: the most stages any device holds.
+      perm_offsets: each permutation sends device d to (d + offset) % devices.
+      perm_patterns: per offset, the sets of devices that send over it at some tick end
+        (``table.exchange`` numbers them from 1): a permutation lists only the pairs
+        that carry a message then.
+      units: outbox units per offset (the most messages a device sends over it in a tick).
+      slots: per class, slots of stored values per device (the maximum over devices, since
+        all devices run one program).
+      num_inbox: message slots per device (maximum over devices); slot ``num_inbox`` is
+        the dummy that idle writes go to.
+      residual_peak: per device, the most residual sets live at once.
+      slots_per_device: per device, slots per class it actually needs.
+      split_backward: the (stage, microbatch) pairs whose B runs as I then W although the
+        schedule says B.
+      fused_stages: stages whose every B runs in its F's step
+        (:func:`.fusion.fused_backwards`).
+    """
+
+    table: TickTable
+    ticks: Ticks
+    message_arrays: Messages
+    num_ticks: int
+    num_steps: int
+    tick_of_step: np.ndarray
+    num_devices: int
+    num_stages: int
+    num_microbatches: int
+    stages_per_device: int
+    perm_offsets: tuple[int, ...]
+    perm_patterns: tuple[tuple[tuple[int, ...], ...], ...]
+    units: tuple[int, ...]
+    slots: dict[Hashable, int]
+    num_inbox: int
+    residual_peak: tuple[int, ...]
+    slots_per_device: tuple[dict[Hashable, int], ...]
+    split_backward: frozenset[tuple[int, int]]
+    fused_stages: frozenset[int] = frozenset()
+
+    @functools.cached_property
+    def actions(self) -> dict[Action, Timing]:
+        """Every action the program runs and when."""
+        return self.ticks.timing()
+
+    @functools.cached_property
+    def messages(self) -> tuple[Message, ...]:
+        """Every value moved between actions."""
+        return tuple(self.message_arrays.as_list(self.ticks.graph.actions))
+
+    @property
+    def split_stages(self) -> frozenset[int]:
+        """Stages that run some backward as I then W (split by the schedule or by
+        ``split_backward``)."""
+        g = self.ticks.graph
+        return frozenset(int(s) for s in g.stages[g.kinds == KI])
+
+    @property
+    def used_branches(self) -> frozenset[int]:
+        """Branch ids some device runs (the program compiles only these)."""
+        return frozenset(int(b) for b in np.unique(self.table.branch))
