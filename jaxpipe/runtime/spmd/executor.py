@@ -272,7 +272,8 @@ class SpmdExecutor(Executor):
 
     def _gather(self, staged: list, owner_only: bool, grouped: list | None = None) -> list:
         """Slots -> user leaves, replicated over the pipe axis
-        (:func:`.program.param_moves.from_slots`). ``grouped``: the arrays of :attr:`groups`, whose slots ``staged`` holds as None."""
+        (:func:`.program.param_moves.from_slots`). ``grouped``: the arrays of
+        :attr:`groups`, whose slots ``staged`` holds as None."""
         slots, crossing = self.layouts.slots, Crossing(self.spec)
         groups = self.groups if grouped is not None else None
         specs = self._slot_specs(slots)
