@@ -70,6 +70,16 @@ _positive_int = _int_at_least(1, "a positive int")
 _nonnegative_int = _int_at_least(0, "an int >= 0")
 
 
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def _run_simulate(args: argparse.Namespace) -> int:
     from jaxpipe.schedule import load_schedule
 
@@ -101,22 +111,36 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 def _print_lowered(schedule, args: argparse.Namespace):
     """The SPMD lowering of ``schedule``: which actions share a tick, and its efficiency."""
-    from jaxpipe.runtime.spmd.lowering import lower
+    from jaxpipe.runtime.spmd.executor import REFINE_EVALS
+    from jaxpipe.runtime.spmd.lowering import lower, lower_accelerator
     from jaxpipe.runtime.spmd.lowering.sync import lowered_timeline, sync_report, tick_table
     from jaxpipe.schedule.simulate import resolve_costs
 
+    accelerator = args.backend != "cpu"
+    split = args.split_backward if args.split_backward is not None else accelerator
+    refine = args.refine if args.refine is not None else (REFINE_EVALS if accelerator else 0)
     # with costs given, ticks follow them where that runs faster (as the runtime does); the
     # local search needs costs, so --refine alone prices the default ones
-    costs = resolve_costs(args.costs) if args.costs or args.refine else None
-    low = lower(schedule, {}, split_backward=args.split_backward, costs=costs,
-                refine=args.refine)
-    report = sync_report(schedule, low, args.costs)
+    costs = resolve_costs(args.costs) if args.costs or refine else None
+    if accelerator:
+        low = lower_accelerator(schedule, {}, split_backward=split, costs=costs, refine=refine,
+                                overlap={"on": True, "off": False}.get(args.overlap, "auto"),
+                                transfer=args.transfer)
+        how = (f"{args.backend} program: every tick ends with one permutation per "
+               "direction over the fixed pairs; "
+               + ("the previous tick's outbox is sent during the next tick (overlap on)"
+                  if low.exchange.delay == 2 else "what a tick computes is sent at its end "
+                  "(overlap off)"))
+    else:
+        low = lower(schedule, {}, split_backward=split, costs=costs, refine=refine)
+        how = ("cpu program: at a tick's end a device waits only for the devices it "
+               "exchanges a message with")
+    report = sync_report(schedule, low, args.costs, args.transfer)
     print()
-    print("lowered SPMD program (at a tick's end a device waits only for the devices it "
-          "exchanges a message with):")
+    print(f"lowered SPMD program ({how}):")
     print(tick_table(low, max_ticks=args.width // 5 if args.width else None))
     print(report.summary())
-    return lowered_timeline(low, resolve_costs(args.costs))
+    return lowered_timeline(low, resolve_costs(args.costs), args.transfer)
 
 
 def _num(x: object) -> str:
@@ -155,13 +179,27 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
                         "actions share a tick and the lowered efficiency (asynchronous "
                         "makespan / lowered makespan); --plot/--trace then draw the "
                         "lowered program")
-    parser.add_argument("--split-backward", action="store_true",
-                        help="with --lowered: run every B as I then W (as the SPMD runtime "
-                        "does on accelerators)")
-    parser.add_argument("--refine", type=_nonnegative_int, default=0, metavar="N",
+    parser.add_argument("--backend", choices=("cpu", "gpu", "tpu"), default="cpu",
+                        help="with --lowered: the program the SPMD runtime builds for this "
+                        "backend (cpu: exchanges only on ticks with messages; gpu/tpu: "
+                        "straight-line ticks, one unconditional permutation per direction "
+                        "each tick); default cpu")
+    parser.add_argument("--split-backward", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="with --lowered: run every B as I then W (default: on for "
+                        "gpu/tpu, off for cpu, as the SPMD runtime does)")
+    parser.add_argument("--refine", type=_nonnegative_int, default=None, metavar="N",
                         help="with --lowered: N evaluations of the local search that moves "
-                        "actions between ticks where that runs faster (the SPMD runtime "
-                        "runs 1200 where devices run concurrently); default 0")
+                        "actions between ticks where that runs faster (default: 1200 for "
+                        "gpu/tpu, 0 for cpu, as the SPMD runtime does)")
+    parser.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                        help="with --lowered --backend gpu/tpu: send each tick's messages "
+                        "during the next tick, overlapping its compute (one more tick "
+                        "before they can be read); auto: where the sync model says that "
+                        "runs faster with --transfer")
+    parser.add_argument("--transfer", type=_nonnegative_float, default=0.0, metavar="T",
+                        help="with --lowered: time of one permutation, in the units of "
+                        "--costs (default 0)")
     parser.set_defaults(func=_run_simulate)
 
 

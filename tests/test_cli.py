@@ -76,6 +76,23 @@ def test_lowered_program_with_the_local_search(capsys):
     assert "lowered efficiency 0.966 (async makespan 57 / lowered 59;" in capsys.readouterr().out
 
 
+def test_lowered_accelerator_program_and_its_overlap(capsys):
+    """--backend gpu lowers for the accelerator program (every B as I then W, every pair
+    meeting every tick); --overlap on sends each tick's messages during the next tick, at
+    one more tick of latency; auto keeps it off without a transfer time and turns it on
+    where the transfer would otherwise add to every tick."""
+    argv = ["simulate", "1f1b", "-p", "4", "-m", "8", "--lowered", "--backend", "gpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "gpu program" in out and "(overlap off)" in out
+    assert "lowered efficiency 1.100 (async makespan 33 / lowered 30; 30 ticks" in out
+    assert main([*argv, "--overlap", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "(overlap on)" in out and "41 ticks" in out
+    assert main([*argv, "--transfer", "0.5"]) == 0
+    assert "(overlap on)" in capsys.readouterr().out
+
+
 def test_user_file_schedule(tmp_path, capsys):
     f = tmp_path / "s.py"
     f.write_text("from jaxpipe.schedule import GPipe\nclass Mine(GPipe):\n    name = 'mine'\n")

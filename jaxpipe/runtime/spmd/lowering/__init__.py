@@ -15,13 +15,16 @@ this package returns. Modules, in the order the lowering runs them:
 """
 
 from jaxpipe.runtime.spmd.lowering.allocate import allocate, first_fit
-from jaxpipe.runtime.spmd.lowering.lower import lower
+from jaxpipe.runtime.spmd.lowering.lower import lower, lower_accelerator
 from jaxpipe.runtime.spmd.lowering.messages import list_messages
 from jaxpipe.runtime.spmd.lowering.table import fill_table
 from jaxpipe.runtime.spmd.lowering.tick_rule import resettle, settle, tick_constraints
 from jaxpipe.runtime.spmd.lowering.ticks import assign_ticks, expand, ticks_of
 from jaxpipe.runtime.spmd.lowering.types import (
+    ACCELERATOR_EXCHANGE,
+    CPU_EXCHANGE,
     IDLE,
+    OVERLAPPED_EXCHANGE,
     PROGRAM_KINDS,
     ActionFields,
     Allocation,
@@ -37,7 +40,9 @@ from jaxpipe.runtime.spmd.lowering.types import (
     branch_id,
 )
 
-__all__ = ["IDLE", "PROGRAM_KINDS", "ActionFields", "Allocation", "Exchange", "Lowering",
-           "Message", "Messages", "Pool", "StepFields", "TickTable", "Ticks", "Timing",
-           "allocate", "assign_ticks", "branch_id", "expand", "fill_table", "first_fit",
-           "list_messages", "lower", "resettle", "settle", "tick_constraints", "ticks_of"]
+__all__ = ["ACCELERATOR_EXCHANGE", "CPU_EXCHANGE", "IDLE", "OVERLAPPED_EXCHANGE",
+           "PROGRAM_KINDS", "ActionFields", "Allocation", "Exchange", "Lowering", "Message",
+           "Messages", "Pool", "StepFields", "TickTable", "Ticks", "Timing", "allocate",
+           "assign_ticks", "branch_id", "expand", "fill_table", "first_fit",
+           "list_messages", "lower", "lower_accelerator", "resettle", "settle",
+           "tick_constraints", "ticks_of"]

@@ -25,6 +25,7 @@ from.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,11 +33,15 @@ from jaxpipe.runtime.spmd.lowering.allocate import allocate
 from jaxpipe.runtime.spmd.lowering.fusion import fused_backwards, fusing_saves_memory
 from jaxpipe.runtime.spmd.lowering.messages import list_messages
 from jaxpipe.runtime.spmd.lowering.refine import refine
-from jaxpipe.runtime.spmd.lowering.sync import split_cost, ticks_makespan
+from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan, split_cost, ticks_makespan
 from jaxpipe.runtime.spmd.lowering.table import fill_table, offset_index
 from jaxpipe.runtime.spmd.lowering.ticks import assign_ticks, expand
 from jaxpipe.runtime.spmd.lowering.types import (
+    ACCELERATOR_EXCHANGE,
+    CPU_EXCHANGE,
+    OVERLAPPED_EXCHANGE,
     Allocation,
+    Exchange,
     Lowering,
     Messages,
     Pool,
@@ -44,15 +49,17 @@ from jaxpipe.runtime.spmd.lowering.types import (
 )
 from jaxpipe.schedule import Action, Schedule
 from jaxpipe.schedule.graph import KB, paused_gc
+from jaxpipe.schedule.simulate import resolve_costs
 
-__all__ = ["lower"]
+__all__ = ["lower", "lower_accelerator"]
 
 
 def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
           body_of_stage: Sequence[int] | None = None, *, split_backward: bool = False,
           iw_same_tick: bool = False, fuse_fb: bool | str = False,
           max_patterns: int | None = None,
-          costs: Callable[[Action], float] | None = None, refine: int = 0) -> Lowering:
+          costs: Callable[[Action], float] | None = None, refine: int = 0,
+          exchange: Exchange = CPU_EXCHANGE) -> Lowering:
     """Lower ``schedule`` (validated here) given what each stage stores per microbatch.
 
     Args:
@@ -70,16 +77,57 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
         for (:func:`.table.exchange_patterns`); default ``min(4 * devices + 4, 64)``,
         every sender set of every built-in and gallery schedule up to p = 8 (the fill,
         the steady state and the drain each have their own).
+      costs: per-action costs; ticks then follow them where the sync model says that
+        runs faster (:mod:`.sync`).
+      refine: evaluations of the local search over ticks (:mod:`.refine`; needs
+        ``costs``).
+      exchange: how the program moves messages (:class:`~.types.Exchange`): which pairs
+        meet at a tick's end, and after how many ticks another device can read a message.
     """
+    if exchange.every_tick and iw_same_tick:
+        raise ValueError("iw_same_tick packs a W into its I's tick as a second step; a "
+                         "program that exchanges every tick runs one step per tick "
+                         "(pass iw_same_tick=False)")
     with paused_gc():
         return _lower(schedule, pool_counts, body_of_stage, split_backward, iw_same_tick,
-                      fuse_fb, max_patterns, costs, refine)
+                      fuse_fb, max_patterns, costs, refine, exchange)
+
+
+def lower_accelerator(schedule: Schedule,
+                      pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
+                      body_of_stage: Sequence[int] | None = None, *,
+                      overlap: bool | str = "auto", transfer: float = 0.0,
+                      costs: Callable[[Action], float] | None = None,
+                      **options: Any) -> Lowering:
+    """:func:`lower` for the accelerator program: one step per tick, every pair meets at
+    every tick's end, and with ``overlap`` a message moves during the tick after the one
+    that produced it (the program sends the previous tick's outbox, so the transfer
+    overlaps the compute) at the price of one more tick before another device can read
+    it.
+
+    ``overlap="auto"`` lowers both ways and keeps the one the sync model says runs
+    faster with ``transfer`` (a permutation's time, in the units of ``costs``; default
+    costs F=1, B=2, I=W=1): without a transfer time the extra tick only costs, so it is
+    off. ``options``: the other arguments of :func:`lower`.
+    """
+    if overlap not in (True, False, "auto"):
+        raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
+    ways = [False, True] if overlap == "auto" else [bool(overlap)]
+    lowered = [lower(schedule, pool_counts, body_of_stage, costs=costs,
+                     exchange=OVERLAPPED_EXCHANGE if way else ACCELERATOR_EXCHANGE, **options)
+               for way in ways]
+    if len(lowered) == 1:
+        return lowered[0]
+    cost = resolve_costs(costs)
+    times = [lowered_makespan(low, cost, transfer) for low in lowered]
+    return lowered[int(times[1] < times[0] * (1 - 1e-9))]
 
 
 def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
            body_of_stage: Sequence[int] | None, split_backward: bool,
            iw_same_tick: bool, fuse_fb: bool | str, max_patterns: int | None,
-           costs: Callable[[Action], float] | None, refine: int) -> Lowering:
+           costs: Callable[[Action], float] | None, refine: int,
+           exchange: Exchange) -> Lowering:
     schedule.graph()  # validates (once per schedule: the graph is cached)
     S, D = schedule.num_stages, schedule.num_devices
     if body_of_stage is None:
@@ -92,9 +140,9 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
     counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
     run, split = expand(schedule, split_backward)
     ticks, messages, alloc = _placed(run, split, iw_same_tick, fuse_fb is True, counts, costs,
-                                     refine)
+                                     refine, exchange)
     if fuse_fb == "auto" and fused_backwards(ticks.graph).any():
-        fused = _placed(run, split, iw_same_tick, True, counts, costs, refine)
+        fused = _placed(run, split, iw_same_tick, True, counts, costs, refine, exchange)
         if fusing_saves_memory(alloc, fused[2], fused[0], counts):
             ticks, messages, alloc = fused
     remote = messages.src != messages.dst
@@ -131,19 +179,21 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
         split_backward=split,
         fused_stages=frozenset(int(x) for x in ticks.graph.stages[
             ticks.fused & (ticks.graph.kinds == KB)]),
+        exchange=exchange,
     )
 
 
 def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
             counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
-            costs: Callable[[Action], float] | None,
-            refine_evals: int) -> tuple[Ticks, Messages, Allocation]:
+            costs: Callable[[Action], float] | None, refine_evals: int,
+            exchange: Exchange) -> tuple[Ticks, Messages, Allocation]:
     """Ticks, messages and buffers: the unit-cost ticks, or with ``costs`` whichever of
     them and the cost-grid ticks (:func:`assign_ticks`, both roundings) the sync model
     says runs fastest, then refined by a local search (:mod:`.refine`), among those that
     need no more buffer slots."""
-    ticks = assign_ticks(run, iw_same_tick, fuse_fb)
-    messages = list_messages(ticks)
+    delay = exchange.delay
+    ticks = assign_ticks(run, iw_same_tick, fuse_fb, delay=delay)
+    messages = list_messages(ticks, delay)
     alloc = allocate(ticks, messages, counts)
     if costs is None:
         return ticks, messages, alloc
@@ -153,11 +203,11 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
 
     cost = split_cost(costs, split)
     c = np.array([cost(a) for a in ticks.graph.actions], np.float64)
-    best, best_time = (ticks, messages, alloc), ticks_makespan(ticks, messages, c)
+    best, best_time = (ticks, messages, alloc), ticks_makespan(ticks, messages, c, exchange)
     for nearest in (False, True):
-        grid = assign_ticks(run, iw_same_tick, fuse_fb, c, nearest)
-        grid_messages = list_messages(grid)
-        time = ticks_makespan(grid, grid_messages, c)
+        grid = assign_ticks(run, iw_same_tick, fuse_fb, c, nearest, delay)
+        grid_messages = list_messages(grid, delay)
+        time = ticks_makespan(grid, grid_messages, c, exchange)
         if time >= best_time * (1 - 1e-9):
             continue
         grid_alloc = allocate(grid, grid_messages, counts)
@@ -169,11 +219,11 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
 
         def placed_fits(t: Ticks) -> bool:
             # the search returns one of the assignments it checked: keep their buffers
-            msgs = list_messages(t)
+            msgs = list_messages(t, delay)
             placed[id(t)] = (t, msgs, allocate(t, msgs, counts))  # t stays alive: id unique
             return fits(placed[id(t)][2])
 
-        refined = refine(start, c, refine_evals, placed_fits)
+        refined = refine(start, c, refine_evals, placed_fits, exchange=exchange)
         if refined is not None:
             best = placed[id(refined)]
     return best

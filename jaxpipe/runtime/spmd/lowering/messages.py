@@ -14,9 +14,10 @@ from jaxpipe.schedule.graph import KB, KF, KI
 __all__ = ["list_messages"]
 
 
-def list_messages(ticks: Ticks) -> Messages:
+def list_messages(ticks: Ticks, delay: int = 1) -> Messages:
     """Every stage carry (F -> next stage's F) and cotangent (B/I -> previous stage's B/I),
-    ordered by the producer's step and device."""
+    ordered by the producer's step and device. A message to another device arrives at
+    the end of its producer's tick, or ``delay - 1`` ticks later (``Exchange.delay``)."""
     graph = ticks.graph
     kind, data = graph.kinds, graph.data_deps
     carry = (kind == KF) & (data[:, 0] >= 0)
@@ -26,5 +27,6 @@ def list_messages(ticks: Ticks) -> Messages:
     order = np.lexsort((c, ticks.device[p], ticks.step[p]))
     p, c = p[order], c[order]
     src, dst = ticks.device[p], ticks.device[c]
-    sent = np.where(src == dst, ticks.step[p], ticks.tick_end[ticks.tick[p]])
+    arrival = np.minimum(ticks.tick[p] + delay - 1, ticks.num_ticks - 1)
+    sent = np.where(src == dst, ticks.step[p], ticks.tick_end[arrival])
     return Messages(p, c, src, dst, sent, ticks.step[c])

@@ -33,7 +33,7 @@ from jaxpipe.runtime.spmd.lowering.messages import list_messages
 from jaxpipe.runtime.spmd.lowering.sync import clock_makespan
 from jaxpipe.runtime.spmd.lowering.tick_rule import resettle, tick_constraints
 from jaxpipe.runtime.spmd.lowering.ticks import ticks_of
-from jaxpipe.runtime.spmd.lowering.types import Ticks
+from jaxpipe.runtime.spmd.lowering.types import CPU_EXCHANGE, Exchange, Ticks
 
 __all__ = ["WORK_LIMIT", "refine"]
 
@@ -44,7 +44,7 @@ WORK_LIMIT = 1_200_000
 
 
 def refine(ticks: Ticks, costs: np.ndarray, evals: int, fits: Callable[[Ticks], bool],
-           seed: int = 0) -> Ticks | None:
+           seed: int = 0, exchange: Exchange = CPU_EXCHANGE) -> Ticks | None:
     """A tick assignment faster than ``ticks`` under the sync model, or ``None``.
 
     ``ticks``: one action per device and step (no fused or packed pairs). ``costs``: per
@@ -64,7 +64,7 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, fits: Callable[[Ticks], 
 
     # the walk's ticks stay lists before empty ticks are dropped (a move may leave a tick
     # empty or make one below 0)
-    after = tick_constraints(graph)
+    after = tick_constraints(graph, exchange.delay)
     messages = list_messages(ticks)
     remote = messages.src != messages.dst
     pairs = list(zip(messages.producer[remote].tolist(), messages.src[remote].tolist(),
@@ -72,7 +72,7 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, fits: Callable[[Ticks], 
     devices, cost_list, D = graph.devices.tolist(), costs.tolist(), len(graph.lists)
 
     def makespan(tick: list[int]) -> float:
-        return clock_makespan(tick, devices, cost_list, pairs, D)
+        return clock_makespan(tick, devices, cost_list, pairs, D, exchange)
 
     _, ends = graph.run_costs(cost_list)
     bound = max(ends)  # the asynchronous makespan: no tick assignment beats it

@@ -1,15 +1,27 @@
 """How long the lowered program takes when devices run concurrently: the sync model.
 
-Devices are not held in a global barrier. Each runs its steps back to back; at the end
-of a tick in which messages move, every pair that exchanges a message then meets (the
-program's ``ppermute`` over each direction lists only those pairs: a send completes when
-the receiver is there, a receive when the sender is). So after a tick, a device's clock
-is the latest of its own and those of the devices it sends to or receives from at that
-tick (plus the transfer time, if given); a device that exchanges nothing waits for
-nobody. The *lowered makespan* is the largest clock at the end; comparing it with the
-schedule's own asynchronous makespan (``Schedule.simulate`` with the same costs) gives
-the *lowered efficiency*: 1.0 means the one SPMD program loses nothing to lock-step
-against an ideal MPMD runtime with free communication.
+Devices are not held in a global barrier. Each runs its steps back to back, and a
+collective-permute is where two devices wait for each other (a send completes when the
+receiver is there, a receive when the sender is). How often pairs meet is the program's
+:class:`~.types.Exchange`:
+
+- the CPU program (``every_tick=False``): at the end of a tick in which messages move,
+  only the pairs that exchange a message then meet (its ``ppermute`` over each direction
+  lists only those pairs); a device that exchanges nothing waits for nobody;
+- the accelerator program (``every_tick=True``): every tick ends with one unconditional
+  permutation per direction over the fixed pairs, so every device meets its neighbours
+  every tick. With ``delay=1`` the permutation sends what the tick computed: a device's
+  tick ends when it and its partners have finished computing (plus the transfer). With
+  ``delay=2`` it sends the previous tick's outbox, starting with the tick: it overlaps
+  the compute, and a tick ends at the later of the device's compute and the transfer,
+  which starts once the device and its partners have started the tick.
+
+A device's time in a tick is all it computes there (in the accelerator program one
+branch runs per tick; an idle device computes nothing). The *lowered makespan* is the
+largest clock at the end; comparing it with the schedule's own asynchronous makespan
+(``Schedule.simulate`` with the same costs) gives the *lowered efficiency*: 1.0 means
+the one SPMD program loses nothing to lock-step against an ideal MPMD runtime with free
+communication.
 
 Costs are per action (kind and stage), e.g. from the cutter
 (``CutResult.action_cost``). A full backward that the lowering runs as I then W costs
@@ -23,13 +35,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpipe.runtime.spmd.lowering.types import Lowering, Messages, Ticks
+from jaxpipe.runtime.spmd.lowering.types import (
+    CPU_EXCHANGE,
+    Exchange,
+    Lowering,
+    Messages,
+    Ticks,
+)
 from jaxpipe.schedule import Action, Schedule, Timeline, TimelineEvent
 from jaxpipe.schedule.simulate import resolve_costs
 
-__all__ = ["SyncReport", "clock_makespan", "lowered_makespan", "lowered_timeline",
-           "lowered_times", "meet", "split_cost", "sync_report", "tick_pairs", "tick_table",
-           "ticks_makespan"]
+__all__ = ["SyncReport", "advance", "clock_makespan", "fixed_pairs", "lowered_makespan",
+           "lowered_timeline", "lowered_times", "meet", "split_cost", "sync_report",
+           "tick_pairs", "tick_table", "ticks_makespan"]
 
 Cost = Callable[[Action], float]
 
@@ -45,10 +63,19 @@ def split_cost(cost: Cost, split: frozenset) -> Cost:
     return f
 
 
+def fixed_pairs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ``(sender, receiver)`` pairs of messages between devices: those the
+    accelerator program's permutations list every tick."""
+    pairs = np.unique(np.stack([src, dst], axis=1).reshape(-1, 2), axis=0)
+    return pairs[:, 0], pairs[:, 1]
+
+
 def tick_pairs(lowering: Lowering) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per tick, ``(senders, receivers)``: the pairs that exchange a message at its end
-    (the pairs its permutations list)."""
+    """Per tick, ``(senders, receivers)``: the pairs that meet at its end (the pairs its
+    permutations list)."""
     D = lowering.num_devices
+    if lowering.exchange.every_tick:
+        return [lowering.fixed_pairs] * lowering.num_ticks
     out = [(np.zeros(0, np.int64), np.zeros(0, np.int64))] * lowering.num_ticks
     ex = lowering.table.exchange[:, 0, :]  # same for every device
     for step in np.flatnonzero(ex.any(axis=1)):
@@ -74,7 +101,21 @@ def meet(clock: np.ndarray, src: np.ndarray, dst: np.ndarray,
     return new
 
 
-def ticks_makespan(ticks: Ticks, messages: Messages, costs: np.ndarray) -> float:
+def advance(clock: np.ndarray, work: np.ndarray, src: np.ndarray, dst: np.ndarray,
+            exchange: Exchange, transfer: float = 0.0) -> np.ndarray:
+    """Clocks after one tick: every device computes ``work``, then the pairs ``(src[i],
+    dst[i])`` meet as ``exchange`` says (see the module docstring)."""
+    end = clock + work
+    if not len(src):
+        return end
+    if not exchange.every_tick or exchange.delay == 1:
+        return meet(end, src, dst, transfer)
+    # the permutation of the previous tick's outbox runs alongside the compute
+    return np.maximum(end, meet(clock, src, dst, transfer))
+
+
+def ticks_makespan(ticks: Ticks, messages: Messages, costs: np.ndarray,
+                   exchange: Exchange = CPU_EXCHANGE) -> float:
     """The sync model's makespan of a tick assignment before it is lowered to a table
     (``costs``: per action of ``ticks.graph``, as the program runs it): what
     :func:`~.lower.lower` compares tick assignments by. Arrays, one tick at a time
@@ -83,21 +124,25 @@ def ticks_makespan(ticks: Ticks, messages: Messages, costs: np.ndarray) -> float
     work = np.zeros((ticks.num_ticks, D))
     np.add.at(work, (ticks.tick, ticks.device), costs)
     remote = messages.src != messages.dst
+    clock = np.zeros(D)
+    if exchange.every_tick:
+        src, dst = fixed_pairs(messages.src[remote], messages.dst[remote])
+        for t in range(ticks.num_ticks):
+            clock = advance(clock, work[t], src, dst, exchange)
+        return float(clock.max())
     at = ticks.tick[messages.producer[remote]]
     order = np.argsort(at, kind="stable")
     at, src, dst = at[order], messages.src[remote][order], messages.dst[remote][order]
     bounds = np.searchsorted(at, np.arange(ticks.num_ticks + 1))
-    clock = np.zeros(D)
     for t in range(ticks.num_ticks):
-        clock += work[t]
         lo, hi = bounds[t], bounds[t + 1]
-        if hi > lo:
-            clock = meet(clock, src[lo:hi], dst[lo:hi])
+        clock = advance(clock, work[t], src[lo:hi], dst[lo:hi], exchange)
     return float(clock.max())
 
 
 def clock_makespan(tick: Sequence[int], device: Sequence[int], costs: Sequence[float],
-                   pairs: Sequence[tuple[int, int, int]], num_devices: int) -> float:
+                   pairs: Sequence[tuple[int, int, int]], num_devices: int,
+                   exchange: Exchange = CPU_EXCHANGE) -> float:
     """:func:`ticks_makespan` from plain lists, for the local search (:mod:`.refine`),
     which calls it once per move: with a few devices and a few pairs per tick, faster
     than array calls, and its ticks need not be dense.
@@ -112,18 +157,24 @@ def clock_makespan(tick: Sequence[int], device: Sequence[int], costs: Sequence[f
     for t, d, c in zip(tick, device, costs, strict=True):
         work[t - lo][d] += c
     meets: list[list[tuple[int, int]]] = [[] for _ in range(T)]
-    for p, s, r in pairs:
-        meets[tick[p] - lo].append((s, r))
+    if exchange.every_tick:
+        meets = [sorted({(s, r) for _, s, r in pairs})] * T
+    else:
+        for p, s, r in pairs:
+            meets[tick[p] - lo].append((s, r))
+    overlap = exchange.every_tick and exchange.delay == 2
     clock = [0.0] * num_devices
     for t in range(T):
+        start = clock
         clock = [x + w for x, w in zip(clock, work[t], strict=True)]
         if meets[t]:
+            at = start if overlap else clock  # when each side's permute is issued
             new = list(clock)
             for s, r in meets[t]:  # each waits for the other
-                if clock[r] > new[s]:
-                    new[s] = clock[r]
-                if clock[s] > new[r]:
-                    new[r] = clock[s]
+                if at[r] > new[s]:
+                    new[s] = at[r]
+                if at[s] > new[r]:
+                    new[r] = at[s]
             clock = new
     return max(clock, default=0.0)
 
@@ -145,13 +196,13 @@ def lowered_times(lowering: Lowering, cost: Cost, transfer: float = 0.0
     clock = np.zeros(D)
     out = {}
     for t in range(lowering.num_ticks):
+        work = np.zeros(D)
         for d in range(D):
             for a in by_tick[t][d]:
-                out[a] = (float(clock[d]), float(clock[d]) + c(a))
-                clock[d] += c(a)
+                out[a] = (float(clock[d] + work[d]), float(clock[d] + work[d]) + c(a))
+                work[d] += c(a)
         src, dst = pairs[t]
-        if len(src):
-            clock = meet(clock, src, dst, transfer)
+        clock = advance(clock, work, src, dst, lowering.exchange, transfer)
     return out
 
 

@@ -76,7 +76,7 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
     j = offset_index(perm_offsets, (dst - src) % D)
     r = _rank_in_group((p_tick[remote] * D + src) * len(perm_offsets) + j)
     out_unit[p_step[remote], src, j] = r
-    end = ticks.tick_end[p_tick[remote]]
+    end = messages.sent[remote]  # the step at whose end it arrives
     recv_slot[end, dst, j, r] = slot[remote]
     exchange, patterns = exchange_patterns(end, j, src, T, D, len(perm_offsets),
                                            max_patterns)

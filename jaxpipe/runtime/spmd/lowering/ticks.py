@@ -60,7 +60,7 @@ def expand(schedule: Schedule, split_backward: bool) -> tuple[Schedule, frozense
 
 def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
                  fuse_fb: bool = False, costs: Sequence[float] | None = None,
-                 nearest: bool = False) -> Ticks:
+                 nearest: bool = False, delay: int = 1) -> Ticks:
     """One action per device per tick, ticks from the unit-cost simulation's start times
     (each device runs its actions in order, each as soon as its inputs exist).
 
@@ -77,6 +77,9 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
     its device's previous action or another device's producer needs it (then empty ticks
     are dropped). Devices with cheap actions then run ahead in ticks, as they would in
     time.
+
+    ``delay``: ticks from a producer to a reader on another device (``Exchange.delay``):
+    with 2, every action runs as early as the tick rule allows (:func:`.tick_rule.settle`).
     """
     graph = schedule.graph()
     n = len(graph.actions)
@@ -93,11 +96,14 @@ def assign_ticks(schedule: Schedule, iw_same_tick: bool = False,
         packed = after_i & ~joined
         partner[after_i] = graph.prev[after_i]
     merged = packed | fused
-    if costs is None:
+    if costs is None and delay == 1:
         starts, _ = graph.run_costs(np.where(merged, 0, 1).tolist())
         tick = np.array(starts, np.int64)[partner]
+    elif costs is None:
+        tick = settle(graph, [0] * n, partner, delay)
     else:
-        tick = _cost_grid(graph, np.asarray(costs, np.float64), merged, partner, nearest)
+        tick = _cost_grid(graph, np.asarray(costs, np.float64), merged, partner, nearest,
+                          delay)
     return ticks_of(graph, tick, packed, fused)
 
 
@@ -115,7 +121,7 @@ def ticks_of(graph: ScheduleGraph, tick: np.ndarray, packed: np.ndarray,
 
 
 def _cost_grid(graph: ScheduleGraph, costs: np.ndarray, merged: np.ndarray,
-               partner: np.ndarray, nearest: bool) -> np.ndarray:
+               partner: np.ndarray, nearest: bool, delay: int) -> np.ndarray:
     """Ticks from the simulation with ``costs`` (see :func:`assign_ticks`)."""
     costs = np.where(merged, 0.0, costs)
     starts, _ = graph.run_costs(costs.tolist())
@@ -123,4 +129,4 @@ def _cost_grid(graph: ScheduleGraph, costs: np.ndarray, merged: np.ndarray,
     step = positive.min() if len(positive) else 1.0
     at = np.asarray(starts) / step
     grid = (np.round(at) if nearest else np.floor(at + 1e-9)).astype(np.int64).tolist()
-    return settle(graph, grid, partner)
+    return settle(graph, grid, partner, delay)

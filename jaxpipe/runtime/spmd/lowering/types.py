@@ -28,7 +28,8 @@ import numpy as np
 from jaxpipe.schedule import ACTION_KINDS, Action
 from jaxpipe.schedule.graph import KI, ScheduleGraph
 
-__all__ = ["IDLE", "PROGRAM_KINDS", "ActionFields", "Allocation", "Exchange", "Lowering",
+__all__ = ["ACCELERATOR_EXCHANGE", "CPU_EXCHANGE", "IDLE", "OVERLAPPED_EXCHANGE",
+           "PROGRAM_KINDS", "ActionFields", "Allocation", "Exchange", "Lowering",
            "Message", "Messages", "Pool", "StepFields", "TickTable", "Ticks", "Timing",
            "branch_id"]
 
@@ -155,6 +156,15 @@ class Exchange:
     def __post_init__(self) -> None:
         if self.delay not in (1, 2):
             raise ValueError(f"Exchange.delay must be 1 or 2 ticks, got {self.delay}")
+
+
+#: The CPU program's exchange: only the pairs with a message meet, at the producing tick's
+#: end.
+CPU_EXCHANGE = Exchange()
+#: The accelerator program's: every pair every tick, without or with the overlap (the
+#: previous tick's outbox sent during the next tick).
+ACCELERATOR_EXCHANGE = Exchange(every_tick=True)
+OVERLAPPED_EXCHANGE = Exchange(every_tick=True, delay=2)
 
 
 @dataclass(frozen=True)
@@ -370,6 +380,7 @@ class Lowering:
         schedule says B.
       fused_stages: stages whose every B runs in its F's step
         (:func:`.fusion.fused_backwards`).
+      exchange: how messages move between devices (:class:`Exchange`).
     """
 
     table: TickTable
@@ -391,6 +402,7 @@ class Lowering:
     slots_per_device: tuple[dict[Hashable, int], ...]
     split_backward: frozenset[tuple[int, int]]
     fused_stages: frozenset[int] = frozenset()
+    exchange: Exchange = CPU_EXCHANGE
 
     @functools.cached_property
     def actions(self) -> dict[Action, Timing]:
@@ -408,6 +420,18 @@ class Lowering:
         ``split_backward``)."""
         g = self.ticks.graph
         return frozenset(int(s) for s in g.stages[g.kinds == KI])
+
+    @functools.cached_property
+    def fixed_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(senders, receivers)``: every pair some permutation lists at some tick, what
+        the accelerator program's permutations list every tick."""
+        D = self.num_devices
+        pairs = sorted({(s, (s + off) % D)
+                        for off, patterns in zip(self.perm_offsets, self.perm_patterns,
+                                                 strict=True)
+                        for senders in patterns for s in senders})
+        return (np.array([s for s, _ in pairs], np.int64),
+                np.array([r for _, r in pairs], np.int64))
 
     @property
     def used_branches(self) -> frozenset[int]:
