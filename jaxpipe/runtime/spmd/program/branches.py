@@ -40,16 +40,22 @@ class Branches:
     ``fused``: the stages that run every F with its B in one step (only their FB
     branch runs them); ``split``: the stages that run some backward as I then W (only
     their parts run in the I, W and IW branches: another member's hand-off may have no
-    storage at all); ``groups``: the gradient groups (:mod:`.param_groups`): branches take and
-    return the gradient list with them."""
+    storage at all); ``groups``: the gradient groups (:mod:`.param_groups`): branches
+    take and return the gradient list with them. ``direct_writes``: a layer scan writes
+    its residuals into storage and adds its gradients into their slots itself
+    (:mod:`.scan_buffers`), which needs buffers updated in place (the CPU program); off,
+    a branch's writes go through :mod:`.writes` only (the accelerator program records
+    them)."""
 
     def __init__(self, layouts: StageLayouts, num_microbatches: int,
-                 fused: frozenset[int], split: frozenset[int], groups: Groups) -> None:
+                 fused: frozenset[int], split: frozenset[int], groups: Groups,
+                 direct_writes: bool = True) -> None:
         self.L = layouts
         self.groups = groups
         self.m = num_microbatches
         self.fused = fused
         self.split = split
+        self.direct_writes = direct_writes
 
     # -- reading and writing the buffers ----------------------------------------------
     def unit_base(self, packing: Packing, slot: Any) -> dict:
@@ -84,7 +90,7 @@ class Branches:
     def accumulate(self, body: Body, gbuf: list, row: ActionFields, ct_par: Sequence) -> list:
         """Add each differentiated parameter's cotangent into its slot (``None``: added
         already, by the scan that produced it)."""
-        gbuf = list(gbuf)
+        gbuf = gbuf.copy()
         it = iter(ct_par)
         for j, diff in enumerate(body.fn.diff_param_mask):
             if not diff:
@@ -101,18 +107,40 @@ class Branches:
         return gbuf
 
     # -- the branches -------------------------------------------------------------------
-    def make(self, kind: str, body: Body) -> Branch:
-        """The branch running ``kind`` (one of ``lowering.PROGRAM_KINDS``) for ``body``."""
+    def variants(self, kind: str, body: Body) -> dict[int, int | None]:
+        """Per member stage of ``body``, the variant of the ``kind`` branch it runs when
+        every branch runs for one variant (:meth:`make`): its own stage where it runs a
+        prologue or epilogue around the core, else ``None`` (the core alone)."""
+        ends = {st.index for st in self._end_members(kind, body)}
+        return {s: s if s in ends else None for s in body.stages}
+
+    def _end_members(self, kind: str, body: Body) -> list:
+        """The members of ``body`` whose ``kind`` branch runs their prologue / epilogue
+        around the core (none: every member is the core; a fused stage runs whole, in
+        FB; I, W and IW run the parts of members that split some backward only)."""
+        if not body.shared:
+            return []
+        return [st for st in body.members if st.parts is not None
+                and st.index not in self.fused
+                and (kind not in ("I", "W", "IW") or st.index in self.split)]
+
+    def make(self, kind: str, body: Body, variant: int | str | None = "gated") -> Branch:
+        """The branch running ``kind`` (one of ``lowering.PROGRAM_KINDS``) for ``body``.
+
+        ``variant``: ``"gated"``, one branch for every member, each member's prologue
+        and epilogue run gated by the running stage (the CPU program); or one member's
+        (:meth:`variants`): its stage, whose parts run unconditionally, or ``None``, the
+        core alone (the accelerator program, whose one conditional picks the variant)."""
         if kind == "FB":
             return self._fused(body)
         L, m = self.L, self.m
         st = body.fn
         io = _DirectIO(self, body)
-        # a shared body's members split into parts run their prologue / epilogue around
-        # the core (none: every member is the core; a fused stage runs whole, in FB)
-        members = [st for st in body.members if st.index not in self.fused
-                   and (kind not in ("I", "W", "IW") or st.index in self.split)]
-        ends = Ends(L, members if body.shared else (), m, self.groups)
+        if variant == "gated":
+            ends = Ends(L, self._end_members(kind, body), m, self.groups)
+        else:
+            ends = Ends(L, [x for x in self._end_members(kind, body) if x.index == variant],
+                        m, self.groups, gate=False)
         a_in, c_back = L.act_in[body.in_stage], L.ct_in[body.in_stage]
         a_out, c_on = L.act_out[body.out_stage], L.ct_out[body.out_stage]
 
@@ -237,6 +265,7 @@ class _DirectIO:
 
     def __init__(self, branches: Branches, body: Body) -> None:
         self.br, self.body = branches, body
+        in_place = branches.direct_writes
         st = self.st = body.fn
         self.pools = ((Pool.RESIDUAL_A, st.i_only_residual_ids),
                       (Pool.RESIDUAL_B, st.w_res_ids))
@@ -254,7 +283,7 @@ class _DirectIO:
                         "bwd_i": {i: n_pb + i for i in range(n_res)},
                         "bwd_w": {i: n_pb + k for k, i in enumerate(st.w_res_ids)}}
         self.sunk = frozenset(i - self.n_out for i in scanio.direct_outputs(
-            st.fwd, range(self.n_out, self.n_out + n_res)))
+            st.fwd, range(self.n_out, self.n_out + n_res))) if in_place else frozenset()
         self.sourced = {"fwd": frozenset()}
         for name, pos in self.res_pos.items():
             direct = scanio.direct_inputs(getattr(st, name), list(pos.values()))
@@ -262,8 +291,10 @@ class _DirectIO:
         self.diff = [j for j, d in enumerate(st.diff_param_mask) if d]  # q -> param
         every = range(len(self.diff))
         self.grads = {"fwd": frozenset(), "bwd_i": frozenset(),
-                      "bwd": frozenset(scanio.direct_outputs(st.bwd, every)),
-                      "bwd_w": frozenset(scanio.direct_outputs(st.bwd_w, every))}
+                      "bwd": frozenset(scanio.direct_outputs(st.bwd, every)
+                                       if in_place else ()),
+                      "bwd_w": frozenset(scanio.direct_outputs(st.bwd_w, every)
+                                         if in_place else ())}
         # parameters with several candidate slots that a scan reads layer by layer, and
         # those a jaxpr does not read: either way the branch picks no whole slot for them
         multi = [j for j in range(len(st.param_ids)) if len(body.candidates(j)) > 1]
@@ -355,8 +386,11 @@ class _DirectIO:
                 sources[j] = (("param", j), scanio.pick_source(pick(self.body, j, row.stage)))
         outs, bufs = scanio.evaluate(closed, args, bufs, sinks=sinks, sources=sources)
         written = {self._location(row, i)[0] for i in sunk}
-        store = {c: bufs[c].reshape(x.shape) if c in written else x for c, x in store.items()}
-        gbuf = list(gbuf)
-        for k, shape in targets.items():
-            gbuf[k] = bufs[("grad", k)].reshape(shape)
+        if written:  # (only where writes are direct: the store is then a dict)
+            store = {c: bufs[c].reshape(x.shape) if c in written else x
+                     for c, x in store.items()}
+        if targets:
+            gbuf = list(gbuf)
+            for k, shape in targets.items():
+                gbuf[k] = bufs[("grad", k)].reshape(shape)
         return outs, store, gbuf

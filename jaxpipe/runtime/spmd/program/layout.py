@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.avals import aval_bytes
 from jaxpipe.runtime.spmd.lowering.types import Pool
+from jaxpipe.runtime.spmd.program.writes import get_rows, put_rows
 from jaxpipe.sharding import Dims, constrain, to_spec
 from jaxpipe.stages import StageFn
 
@@ -138,27 +139,25 @@ class Packing:
         ``None`` for the leaves in ``skip`` (read elsewhere)."""
         out: list[jax.Array | None] = [None] * len(self.avals)
         for c, start, idx in self._runs(skip):
-            rows = jax.lax.dynamic_slice_in_dim(bufs[c], base[c] + start, len(idx), 0,
-                                                allow_negative_indices=False)
+            rows = get_rows(bufs, c, base[c], start, len(idx))
             for j, i in enumerate(idx):
                 out[i] = rows[j].reshape(c.shape)
         return out
 
-    def write(self, bufs: dict[ValueClass, jax.Array], base: Mapping[ValueClass, Any],
+    def write(self, bufs: Mapping[ValueClass, jax.Array], base: Mapping[ValueClass, Any],
               leaves: Sequence[jax.Array | None], skip: frozenset[int] = frozenset()
-              ) -> dict[ValueClass, jax.Array]:
+              ) -> Mapping[ValueClass, jax.Array]:
         """In-place updates of the rows of ``leaves``, but those in ``skip`` (already
         written). Small leaves go in by runs of consecutive rows, one update per run:
         XLA:CPU compile time is mostly per kernel, and for a small leaf the kernel costs
         more than its bytes. A run is first built in a temporary buffer, so large leaves
         go one by one, each computed straight into its row (grouping all of them measured
-        +25% compiled memory)."""
-        bufs = dict(bufs)
+        +25% compiled memory). A :class:`~.writes.DeferredStore` records the writes
+        instead (the accelerator program makes them after its conditional)."""
         for c, start, idx in self._runs(skip):
-            bufs[c] = jax.lax.dynamic_update_slice_in_dim(
-                bufs[c], jnp.stack([jnp.asarray(leaves[i], c.dtype).reshape(c.row_shape)
-                           for i in idx]),
-                base[c] + start, 0, allow_negative_indices=False)
+            rows = jnp.stack([jnp.asarray(leaves[i], c.dtype).reshape(c.row_shape)
+                              for i in idx])
+            bufs = put_rows(bufs, c, base[c], start, rows)
         return bufs
 
     def location(self, i: int, base: Mapping[ValueClass, Any]) -> tuple[ValueClass, Any, int]:

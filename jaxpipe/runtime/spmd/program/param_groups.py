@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.layout import ValueClass
+from jaxpipe.runtime.spmd.program.writes import add_grad
 from jaxpipe.sharding import constrain
 
 __all__ = ["Groups", "of_stage", "pick"]
@@ -170,14 +171,10 @@ class Groups:
         """Add ``ct`` into slot ``k``'s gradient in place (``row``: the row in ``k``'s
         group, when it is picked at run time; ``k`` is then any slot of the group)."""
         if k not in self.where:
-            gbuf[k] = gbuf[k] + ct.astype(gbuf[k].dtype)
+            add_grad(gbuf, k, ct)
             return
         pos, q = self.where[k]
-        q = q if row is None else row
-        old = lax.dynamic_index_in_dim(gbuf[pos], q, 0, keepdims=False,
-                                       allow_negative_indices=False)
-        gbuf[pos] = lax.dynamic_update_index_in_dim(gbuf[pos], old + ct.astype(old.dtype),
-                                                    q, 0, allow_negative_indices=False)
+        add_grad(gbuf, pos, ct, q if row is None else row)
 
     def fold(self, gbuf: Sequence[jax.Array | None]) -> list[jax.Array]:
         """The gradient slots again: every grouped slot its group's row."""

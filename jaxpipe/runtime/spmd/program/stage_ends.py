@@ -49,7 +49,7 @@ class Fixed:
 
     def accumulate(self, gbuf: list, cts: Sequence) -> list:
         """``cts``: the cotangents of the differentiated parameters, in order."""
-        gbuf = list(gbuf)
+        gbuf = gbuf.copy()
         diff = [k for k, d in zip(self.slots, self.fn.diff_param_mask, strict=True) if d]
         for k, ct in zip(diff, cts, strict=True):
             self.groups.add(gbuf, k, ct)
@@ -113,14 +113,17 @@ class Ends:
     """The prologues and epilogues of a body's members (none: every step is the core).
 
     Each method runs every member's part gated by ``row.at_stage`` and returns what the
-    core reads next (or the updated buffers).
+    core reads next (or the updated buffers). With ``gate=False`` (one member, in a
+    branch that runs for that member alone: the accelerator program) the parts run
+    unconditionally.
     """
 
     def __init__(self, L: StageLayouts, members: Sequence[StageFn], num_microbatches: int,
-                 groups: Groups) -> None:
+                 groups: Groups, gate: bool = True) -> None:
         self.pre: list[_Part] = []
         self.post: list[_Part] = []
         self.m = num_microbatches
+        self.gate = gate
         for whole in members:
             parts = whole.parts
             if parts is None:
@@ -130,10 +133,12 @@ class Ends:
             if parts.epilogue is not None:
                 self.post.append(_Part(L, whole, parts.epilogue, groups))
 
-    @staticmethod
-    def _each(parts: list[_Part], row: ActionFields, fn: Callable, state: Any, *args: Any
-              ) -> Any:
+    def _each(self, parts: list[_Part], row: ActionFields, fn: Callable, state: Any,
+              *args: Any) -> Any:
         for part in parts:
+            if not self.gate:  # the branch runs for this member only
+                state = fn(part, state, *args)
+                continue
             state = gated(row.at_stage[part.stage],
                           lambda st, *a, part=part: fn(part, st, *a), state, *args)
         return state

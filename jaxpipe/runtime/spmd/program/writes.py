@@ -1,0 +1,203 @@
+"""Writes into a device's buffers: in place, or recorded to be made after a conditional.
+
+A step of the program reads stored values (residuals, the I -> W hand-off) and messages,
+writes stored values and adds parameter gradients. The CPU program runs the step inside
+a gated loop, which updates its carry in place: the writes happen where the branches make
+them. The accelerator program runs the step as one branch of a ``lax.switch``, and XLA
+copies every buffer a conditional passes through or updates (its copy insertion keeps a
+conditional's operands and results apart; measured on jaxlib 0.10: a copy of the whole
+buffer per step even where every branch writes in place). There the buffers stay outside
+the conditional, read-only inside it, and a branch only *records* its writes: the
+:class:`DeferredStore` and :class:`DeferredGrads` it is handed collect them, and the
+program makes them after the conditional (:class:`Ports`).
+
+The branches call :func:`get_rows`, :func:`put_rows` and :func:`add_grad`, which do one
+or the other by the container they are given, so one branch body serves both programs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["DeferredGrads", "DeferredStore", "Ports", "add_grad", "get_rows", "put_rows"]
+
+
+class DeferredStore(Mapping):
+    """A device's storage read-only (``store[c]``, as the dict the CPU program passes),
+    with the rows a branch writes recorded in :attr:`writes`, in order:
+    ``(class, base, offset, rows)``, the rows going to ``base + offset``."""
+
+    def __init__(self, arrays: Mapping[Hashable, jax.Array],
+                 writes: tuple[tuple[Hashable, Any, int, jax.Array], ...] = ()) -> None:
+        self.arrays = dict(arrays)
+        self.writes = writes
+
+    def __getitem__(self, c: Hashable) -> jax.Array:
+        return self.arrays[c]
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self.arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def put(self, c: Hashable, base: Any, offset: int, rows: jax.Array) -> DeferredStore:
+        return DeferredStore(self.arrays, (*self.writes, (c, base, offset, rows)))
+
+
+class DeferredGrads(list):
+    """A device's gradient list read-only, with the gradients a branch adds recorded in
+    :attr:`adds`: ``(position, row or None, value)``."""
+
+    def __init__(self, grads: Sequence[jax.Array | None],
+                 adds: list[tuple[int, Any, jax.Array]] | None = None) -> None:
+        super().__init__(grads)
+        self.adds = list(adds or [])
+
+    def copy(self) -> DeferredGrads:
+        return DeferredGrads(self, self.adds)
+
+
+def get_rows(bufs: Mapping[Hashable, jax.Array], c: Hashable, base: Any, offset: int,
+             n: int) -> jax.Array:
+    """Rows ``base + offset ..`` (``n`` of them) of class ``c``'s buffer."""
+    if isinstance(bufs, DeferredStore) and any(w[0] == c for w in bufs.writes):
+        # the conditional reads the buffer as it was before the step: a branch that read
+        # what it wrote itself would see the old rows
+        raise NotImplementedError(
+            f"a step reads {c} after writing it, which the accelerator program cannot "
+            "defer (a W joined to its I: use iw_same_tick=False)")
+    return lax.dynamic_slice_in_dim(bufs[c], base + offset, n, 0,
+                                    allow_negative_indices=False)
+
+
+def put_rows(bufs: Mapping[Hashable, jax.Array], c: Hashable, base: Any, offset: int,
+             rows: jax.Array) -> Mapping[Hashable, jax.Array]:
+    """``bufs`` with rows ``base + offset ..`` of class ``c`` replaced by ``rows``: in
+    place, or recorded (a :class:`DeferredStore`)."""
+    if isinstance(bufs, DeferredStore):
+        return bufs.put(c, base, offset, rows)
+    out = dict(bufs)
+    out[c] = lax.dynamic_update_slice_in_dim(bufs[c], rows.astype(bufs[c].dtype),
+                                             base + offset, 0, allow_negative_indices=False)
+    return out
+
+
+def add_grad(gbuf: list, pos: int, ct: jax.Array, row: Any = None) -> None:
+    """Add ``ct`` into gradient ``pos`` (its row ``row`` when it is a stacked group), in
+    place in the list, or recorded (a :class:`DeferredGrads`)."""
+    if isinstance(gbuf, DeferredGrads):
+        gbuf.adds.append((pos, row, ct))
+        return
+    gbuf[pos] = _added(gbuf[pos], ct, row)
+
+
+def _added(buf: jax.Array, ct: jax.Array, row: Any) -> jax.Array:
+    if row is None:
+        return buf + ct.astype(buf.dtype)
+    old = lax.dynamic_index_in_dim(buf, row, 0, keepdims=False, allow_negative_indices=False)
+    return lax.dynamic_update_index_in_dim(buf, old + ct.astype(old.dtype), row, 0,
+                                           allow_negative_indices=False)
+
+
+@dataclass(frozen=True)
+class _Port:
+    """One write every branch returns: rows of a class (``kind="rows"``: ``key`` the
+    class, ``shape`` the rows' shape), or a gradient (``"grad"``: ``key`` its position,
+    ``dynamic`` whether its row is picked at run time, ``row`` a fixed row)."""
+
+    kind: str
+    key: Any
+    shape: tuple[int, ...]
+    dtype: Any
+    row: int | None = None
+    dynamic: bool = False
+
+
+class Ports:
+    """The union of what a switch's branches write, as outputs of one fixed structure.
+
+    Every branch of a ``lax.switch`` returns the same structure. Each branch's recorded
+    writes are matched to *ports* by what they are (rows of one class and count; a
+    gradient of one position and row kind), the k-th such write of a branch to the k-th
+    port of its kind; a branch that writes less returns its unused ports empty (rows
+    marked not valid, gradients zero). After the switch, :meth:`apply` makes every
+    port's write: rows with ``dynamic_update_slice`` (an unused port writes back what is
+    there), gradients added in place.
+
+    Built from every branch's records (:meth:`signature` of each, then the union).
+    """
+
+    def __init__(self, signatures: Sequence[Sequence[_Port]]) -> None:
+        count: dict[_Port, int] = {}
+        for sig in signatures:
+            mine: dict[_Port, int] = {}
+            for p in sig:
+                mine[p] = mine.get(p, 0) + 1
+            for p, n in mine.items():
+                count[p] = max(count.get(p, 0), n)
+        self.ports = [p for p, n in count.items() for _ in range(n)]
+
+    @staticmethod
+    def signature(store: DeferredStore, gbuf: DeferredGrads) -> list[_Port]:
+        """The ports a branch's records need, in record order."""
+        out = [_Port("rows", c, tuple(rows.shape), jnp.dtype(rows.dtype))
+               for c, _, _, rows in store.writes]
+        for pos, row, ct in gbuf.adds:
+            static = isinstance(row, int)
+            out.append(_Port("grad", pos, tuple(ct.shape), jnp.dtype(gbuf[pos].dtype),
+                             row if static else None, dynamic=row is not None and not static))
+        return out
+
+    def outputs(self, store: DeferredStore, gbuf: DeferredGrads) -> list:
+        """A branch's records as one entry per port: ``(rows, start, valid)`` or
+        ``(value, row)``."""
+        records = list(zip(self.signature(store, gbuf),
+                           [(base + offset, rows) for _, base, offset, rows in store.writes]
+                           + [(row, ct) for _, row, ct in gbuf.adds], strict=True))
+        out = []
+        for port in self.ports:
+            k = next((i for i, (p, _) in enumerate(records) if p == port), None)
+            if k is None:
+                out.append(self._empty(port))
+                continue
+            _, (where, value) = records.pop(k)
+            if port.kind == "rows":
+                out.append((value.astype(port.dtype), jnp.int32(where), jnp.int32(1)))
+            else:
+                out.append((value.astype(port.dtype),
+                            jnp.int32(where if port.dynamic else 0)))
+        assert not records, records  # every record has a port (the union covers it)
+        return out
+
+    @staticmethod
+    def _empty(port: _Port) -> tuple:
+        zeros = jnp.zeros(port.shape, port.dtype)
+        if port.kind == "rows":
+            return zeros, jnp.int32(0), jnp.int32(0)
+        return zeros, jnp.int32(0)
+
+    def apply(self, store: dict, gbuf: list, outputs: Sequence) -> tuple[dict, list]:
+        """Make every port's write into the real buffers (after the switch)."""
+        store, gbuf = dict(store), list(gbuf)
+        for port, out in zip(self.ports, outputs, strict=True):
+            if port.kind == "rows":
+                rows, start, valid = out
+                buf = store[port.key]
+                # an unused port writes back the rows that are there: no dummy rows
+                old = lax.dynamic_slice_in_dim(buf, start, rows.shape[0], 0,
+                                               allow_negative_indices=False)
+                new = jnp.where(valid.astype(bool), rows, old)
+                store[port.key] = lax.dynamic_update_slice_in_dim(
+                    buf, new, start, 0, allow_negative_indices=False)
+            else:
+                value, row = out
+                gbuf[port.key] = _added(gbuf[port.key], value,
+                                        row if port.dynamic else port.row)
+        return store, gbuf
