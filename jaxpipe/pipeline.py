@@ -121,7 +121,7 @@ class Pipeline:
             : self.traced.num_params])
         st = stage(self.traced, schedule, cut, self.runtime.memory_model, mesh,
                    self.param_dims, share_cores=self.runtime.shares_cores(),
-                   split_backward=self.runtime.splits_backward())
+                   split_backward=self.runtime.splits_backward(mesh))
         self.stacks: tuple[Stack, ...] = st.stacks
         self.cut_traced: Traced = st.cut_traced
         self.cuts, self.cut_report = st.cuts, st.cut_report

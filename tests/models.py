@@ -4,7 +4,8 @@
 - ``skip_mlp``: a value produced by the first layer is consumed by the last one, so with
   three or more stages it jumps over the middle stages.
 - ``tiny_lm``: int token inputs, a token embedding tied to the output projection (read by
-  the first and the last stage), attention blocks with a marker after each.
+  the first and the last stage), attention blocks with a marker after each
+  (``block_scale`` < 1 keeps a deep stack's activations, and so float32 rounding, small).
 """
 
 from __future__ import annotations
@@ -54,15 +55,17 @@ def skip_mlp(n_layers: int, width: int = 8, batch: int = 16, seed: int = 1):
 
 
 def tiny_lm(n_layers: int, vocab: int = 11, width: int = 8, seq: int = 4, batch: int = 16,
-            seed: int = 2):
+            seed: int = 2, block_scale: float = 1.0):
     ks = _keys(seed, 4 * n_layers + 3)
     params = {
         "embed": jax.random.normal(ks[0], (vocab, width)) * 0.5,
         "pos": jax.random.normal(ks[1], (seq, width)) * 0.1,
         "blocks": [
             {"qkv": jax.random.normal(ks[2 + 4 * i], (width, 3 * width)) / jnp.sqrt(width),
-             "out": jax.random.normal(ks[3 + 4 * i], (width, width)) / jnp.sqrt(width),
-             "mlp": jax.random.normal(ks[4 + 4 * i], (width, width)) / jnp.sqrt(width)}
+             "out": block_scale * jax.random.normal(ks[3 + 4 * i], (width, width))
+             / jnp.sqrt(width),
+             "mlp": block_scale * jax.random.normal(ks[4 + 4 * i], (width, width))
+             / jnp.sqrt(width)}
             for i in range(n_layers)
         ],
     }

@@ -243,7 +243,7 @@ class Runtime(abc.ABC):
         core once. Default: no, every stage runs whole."""
         return False
 
-    def splits_backward(self) -> bool:
+    def splits_backward(self, mesh: Mesh | None = None) -> bool:
         """Whether this runtime runs backwards as I then W (then the hand-off between
         them is stored too, and splitting a stage into parts must not enlarge it)."""
         return False

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
-from jaxpipe.runtime.spmd.lowering import Lowering, lower
+from jaxpipe.runtime.spmd.lowering import Lowering, lower, lower_accelerator
 from jaxpipe.runtime.spmd.lowering.sync import sync_report
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
 from jaxpipe.runtime.spmd.program.build import (
@@ -52,52 +52,78 @@ class SpmdRuntime(Runtime):
     """Run the pipeline as one SPMD program over the mesh's pipe axis (the default).
 
     Args:
+      backend: the program to build: ``"cpu"`` (ticks run their branches in gated loops
+        and exchange only where messages move: right where a collective costs ~75 us and
+        a loop's trip count is read on the host anyway), or ``"gpu"`` / ``"tpu"`` (the
+        accelerator program: straight-line ticks, one ``lax.switch`` per tick holding no
+        collective, one unconditional permutation per direction, the buffers updated in
+        place outside the switch; :mod:`.program.accelerator_ticks`). ``"auto"``
+        (default): the mesh's platform. Either program builds and runs on any backend, so
+        the accelerator program is tested on CPU.
+      overlap: in the accelerator program, send each tick's message during the next tick
+        (the permutation's operand comes from the loop's carry, so XLA can overlap it
+        with the tick's compute), at one more tick before another device can read it.
+        ``"auto"`` (default): where the sync model says that runs faster, with a
+        permutation priced from the message's bytes and the stages' FLOPs
+        (:data:`LINK_FLOPS_PER_BYTE`, :data:`EXCHANGE_LATENCY_FLOPS`); without the
+        cutter's costs, off.
       share_bodies: run stages whose functions are identical up to their parameters
         through one compiled branch per action kind (smaller program, faster compile).
       split_backward: run every full backward ``B`` as its input half ``I`` then its
         weight half ``W`` (same device order and memory; balanced steps when devices run
-        concurrently). ``"auto"``: split on accelerators (GPU/TPU), where steps of equal
-        cost keep the lock-step program at the schedule's speed; not on CPU, where the
-        extra steps cost more than they save (2 gloo processes, p=2 m=8: GPipe 0.41 of
-        the ideal speed-up split vs 0.83 unsplit; benchmarks/README.md).
+        concurrently). ``"auto"``: split in the accelerator program, where steps of equal
+        cost keep the lock-step program at the schedule's speed; not in the CPU program,
+        where the extra steps cost more than they save (2 gloo processes, p=2 m=8: GPipe
+        0.41 of the ideal speed-up split vs 0.83 unsplit; benchmarks/README.md).
       iw_same_tick: run a W that directly follows its own I in the I's tick, the I's
         cotangent leaving after the W. Where every W of a stage directly follows its I
         (1F1B split into I + W), the pair runs as one step and the hand-off goes
         straight from I to W instead of through storage
-        (:func:`.lowering.fusion.joined_weights`); other such Ws run as the tick's second step.
-        ``"auto"`` (default): only where devices do not run concurrently (virtual CPU
-        devices in one process), where the later cotangent costs nothing and the joined
-        step removes the split's cost (1F1B p=4, I + W against B: 1.05 -> 0.995 on an
-        MLP, 1.06 -> 1.01 on GPT blocks; benchmarks/step_overhead.py). Where devices run
-        concurrently the later cotangent delays the stage before.
+        (:func:`.lowering.fusion.joined_weights`); other such Ws run as the tick's second
+        step. ``"auto"`` (default): only in the CPU program where devices do not run
+        concurrently (virtual CPU devices in one process), where the later cotangent
+        costs nothing and the joined step removes the split's cost (1F1B p=4, I + W
+        against B: 1.05 -> 0.995 on an MLP, 1.06 -> 1.01 on GPT blocks;
+        benchmarks/step_overhead.py). Where devices run concurrently the later cotangent
+        delays the stage before; the accelerator program runs one step per tick.
       fuse_fb: run a B that directly follows its own F (the last stage's, whose cotangent
         is its loss, in 1F1B and at p=1) in the F's step as one forward and backward, as
         plain ``jax.value_and_grad`` does: that stage stores no residuals, the pair takes
         one step, and its F and B compile as one branch. Only for stages whose every B
-        qualifies (see :func:`.lowering.fusion.fused_backwards`); not with ``split_backward``
-        (no B is left to fuse). ``"auto"`` (default): only where that does not raise the
-        stored bytes (always at p=1; at p>=2 the busiest device is another and the FB
-        step's scratch would add to it). ``True`` trades that memory for compile time
-        (GPT benchmark model p=2: XLA -17%, compiled memory +4%).
+        qualifies (see :func:`.lowering.fusion.fused_backwards`); not with
+        ``split_backward`` (no B is left to fuse). ``"auto"`` (default): only where that
+        does not raise the stored bytes (always at p=1; at p>=2 the busiest device is
+        another and the FB step's scratch would add to it). ``True`` trades that memory
+        for compile time (GPT benchmark model p=2: XLA -17%, compiled memory +4%).
+      refine: evaluations of the local search over ticks under the sync model
+        (:mod:`.lowering.refine`). ``"auto"``: :data:`REFINE_EVALS` where devices run
+        concurrently (the accelerator program, or several processes), else none.
     """
 
     name: ClassVar[str] = "spmd"
 
-    def __init__(self, *, share_bodies: bool = True, split_backward: bool | str = "auto",
+    def __init__(self, *, backend: str = "auto", overlap: bool | str = "auto",
+                 share_bodies: bool = True, split_backward: bool | str = "auto",
                  iw_same_tick: bool | str = "auto", fuse_fb: bool | str = "auto",
                  refine: int | str = "auto") -> None:
-        if split_backward not in (True, False, "auto"):
-            raise PipelineError(
-                f"split_backward must be True, False or 'auto', got {split_backward!r}.")
-        if iw_same_tick not in (True, False, "auto"):
-            raise PipelineError(
-                f"iw_same_tick must be True, False or 'auto', got {iw_same_tick!r}.")
-        if fuse_fb not in (True, False, "auto"):
-            raise PipelineError(f"fuse_fb must be True, False or 'auto', got {fuse_fb!r}.")
+        if backend not in BACKENDS:
+            raise PipelineError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, "
+                                f"got {backend!r}.")
+        for name, value in (("overlap", overlap), ("split_backward", split_backward),
+                            ("iw_same_tick", iw_same_tick), ("fuse_fb", fuse_fb)):
+            if value not in (True, False, "auto"):
+                raise PipelineError(f"{name} must be True, False or 'auto', got {value!r}.")
         if refine != "auto" and (isinstance(refine, bool) or not isinstance(refine, int)
                                  or refine < 0):
             raise PipelineError(
                 f"refine must be 'auto' or a number of evaluations >= 0, got {refine!r}.")
+        if backend in ("gpu", "tpu") and iw_same_tick is True:
+            raise PipelineError(
+                "iw_same_tick=True runs a W as a second step in its I's tick; the "
+                f"accelerator program (backend={backend!r}) runs one step per tick. Use "
+                "iw_same_tick=False or 'auto', or backend='cpu'.")
+        self.backend = backend
+        self.overlap = overlap
         self.refine = refine
         self.fuse_fb = fuse_fb
         self.share_bodies = bool(share_bodies)
@@ -113,31 +139,44 @@ class SpmdRuntime(Runtime):
     def build(self, spec: RuntimeSpec) -> SpmdExecutor:
         return SpmdExecutor(spec, self)
 
-    def resolve_refine(self) -> int:
+    def resolve_backend(self, mesh: Any = None) -> str:
+        """The program built for ``mesh`` (``backend="auto"``: its devices' platform)."""
+        if self.backend != "auto":
+            return self.backend
+        platform = (mesh.devices.flat[0].platform if mesh is not None
+                    else jax.default_backend())
+        return "cpu" if platform == "cpu" else ("tpu" if platform == "tpu" else "gpu")
+
+    def accelerated(self, mesh: Any = None) -> bool:
+        """Whether the accelerator program runs on ``mesh``."""
+        return self.resolve_backend(mesh) != "cpu"
+
+    def resolve_refine(self, mesh: Any = None) -> int:
         """Local-search evaluations the lowering runs (``refine="auto"`` resolved)."""
         if self.refine != "auto":
             return self.refine
-        return REFINE_EVALS if _concurrent() else 0
+        return REFINE_EVALS if self.accelerated(mesh) or _concurrent() else 0
 
-    def resolve_iw_same_tick(self) -> bool:
+    def resolve_iw_same_tick(self, mesh: Any = None) -> bool:
         """Whether a W runs in its own I's tick (``iw_same_tick="auto"`` resolved)."""
         if self.iw_same_tick != "auto":
             return bool(self.iw_same_tick)
-        return not _concurrent()
+        return not (self.accelerated(mesh) or _concurrent())
 
-    def resolve_split(self) -> bool:
+    def resolve_split(self, mesh: Any = None) -> bool:
         if self.split_backward != "auto":
             return bool(self.split_backward)
-        return jax.default_backend() != "cpu"
+        return self.accelerated(mesh)
 
     def shares_cores(self) -> bool:
         return self.share_bodies
 
-    def splits_backward(self) -> bool:
-        return self.resolve_split()
+    def splits_backward(self, mesh: Any = None) -> bool:
+        return self.resolve_split(mesh)
 
     def __repr__(self) -> str:
-        return (f"SpmdRuntime(share_bodies={self.share_bodies}, "
+        return (f"SpmdRuntime(backend={self.backend!r}, overlap={self.overlap!r}, "
+                f"share_bodies={self.share_bodies}, "
                 f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick!r}, "
                 f"fuse_fb={self.fuse_fb!r}, refine={self.refine!r})")
 
@@ -175,11 +214,22 @@ class SpmdExecutor(Executor):
                                           spec.param_dims)
         self.bodies, self.body_of_stage = group_bodies(
             spec.stages, self.layouts.slots, share=runtime.share_bodies)
-        self.lowering: Lowering = lower(sched, self.layouts.pool_counts(), self.body_of_stage,
-                                        split_backward=runtime.resolve_split(),
-                                        iw_same_tick=runtime.resolve_iw_same_tick(),
-                                        fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
-                                        refine=runtime.resolve_refine())
+        mesh = spec.mesh
+        self.backend = runtime.resolve_backend(mesh)
+        self.accelerated = self.backend != "cpu"
+        options = dict(split_backward=runtime.resolve_split(mesh),
+                       iw_same_tick=runtime.resolve_iw_same_tick(mesh),
+                       fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
+                       refine=runtime.resolve_refine(mesh))
+        pool_counts = self.layouts.pool_counts()
+        if self.accelerated:
+            overlap = runtime.overlap if spec.action_cost is not None else (
+                runtime.overlap is True)
+            self.lowering: Lowering = lower_accelerator(
+                sched, pool_counts, self.body_of_stage, overlap=overlap,
+                transfer=exchange_flops(self.backend, self.layouts.unit_bytes()), **options)
+        else:
+            self.lowering = lower(sched, pool_counts, self.body_of_stage, **options)
         holds = slot_inputs(spec, self.layouts.slots)
         self.groups = Groups(
             self.bodies, self.layouts.slots.classes, axis=spec.axis,
@@ -187,7 +237,7 @@ class SpmdExecutor(Executor):
             whole=lambda g: interleaved_leaf(spec, self.layouts.slots, holds, g) is not None)
         self._build = functools.partial(build_step, self.bodies, self.layouts, self.lowering,
                                         spec.mesh, spec.mesh_axes, len(spec.microbatch_avals),
-                                        groups=self.groups)
+                                        groups=self.groups, accelerator=self.accelerated)
         self._step = self._build()
         # value_and_grad moves parameters in and gradients out by group (.picks)
         self._step_grouped = self._build(grouped=True)
@@ -375,6 +425,25 @@ class SpmdExecutor(Executor):
         digest = hashlib.sha256(self.lowering.table.digest_bytes()).hexdigest()[:16]
         return {"table_sha256": digest, "num_steps": str(self.lowering.num_steps),
                 "bodies": str(len(self.bodies))}
+
+
+#: The programs :class:`SpmdRuntime` builds.
+BACKENDS = ("auto", "cpu", "gpu", "tpu")
+
+#: Nominal FLOPs a device computes in the time its link to a neighbour moves one byte,
+#: and in the fixed time of one permutation (launch, handshake): what
+#: ``SpmdRuntime(overlap="auto")`` prices an exchange at against the cutter's FLOP
+#: costs. GPU: H100/H200-class, ~4e14 FLOP/s sustained, ~4e11 B/s NVLink a direction,
+#: ~10 us a permutation; TPU: v5-class, ~2e14 FLOP/s, ~1e11 B/s ICI, ~10 us. Estimates,
+#: not measurements: pass ``overlap=True`` / ``False`` where a measurement says
+#: otherwise.
+LINK_FLOPS_PER_BYTE = {"gpu": 1.0e3, "tpu": 2.0e3}
+EXCHANGE_LATENCY_FLOPS = {"gpu": 4.0e9, "tpu": 2.0e9}
+
+
+def exchange_flops(backend: str, message_bytes: int) -> float:
+    """One permutation of a ``message_bytes`` message, in FLOPs of compute time."""
+    return message_bytes * LINK_FLOPS_PER_BYTE[backend] + EXCHANGE_LATENCY_FLOPS[backend]
 
 
 #: Local-search evaluations over the ticks where devices run concurrently

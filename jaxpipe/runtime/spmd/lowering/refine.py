@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxpipe.runtime.spmd.lowering.messages import list_messages
 from jaxpipe.runtime.spmd.lowering.sync import clock_makespan
-from jaxpipe.runtime.spmd.lowering.tick_rule import resettle, tick_constraints
+from jaxpipe.runtime.spmd.lowering.tick_rule import compact, resettle, tick_constraints
 from jaxpipe.runtime.spmd.lowering.ticks import ticks_of
 from jaxpipe.runtime.spmd.lowering.types import CPU_EXCHANGE, Exchange, Ticks
 
@@ -59,8 +59,8 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, fits: Callable[[Ticks], 
         return None
 
     def as_ticks(tick: list[int]) -> Ticks:
-        dense = np.unique(np.asarray(tick, np.int64), return_inverse=True)[1].reshape(-1)
-        return ticks_of(graph, dense, np.zeros(n, bool), ticks.fused)
+        return ticks_of(graph, compact(after, tick, np.arange(n)), np.zeros(n, bool),
+                        ticks.fused)
 
     # the walk's ticks stay lists before empty ticks are dropped (a move may leave a tick
     # empty or make one below 0)

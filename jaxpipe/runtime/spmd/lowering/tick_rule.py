@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxpipe.schedule.graph import ScheduleGraph
 
-__all__ = ["resettle", "settle", "tick_constraints"]
+__all__ = ["compact", "resettle", "settle", "tick_constraints"]
 
 
 def settle(graph: ScheduleGraph, want: Sequence[int], partner: np.ndarray,
@@ -26,8 +26,19 @@ def settle(graph: ScheduleGraph, want: Sequence[int], partner: np.ndarray,
     """Each action's tick: ``want``, or later where its device's previous action (one
     tick earlier) or another device's producer (``delay`` ticks earlier) needs it; an
     action with a partner runs in the partner's tick. Empty ticks are dropped."""
-    tick = resettle(tick_constraints(graph, delay), list(want), [], 0, partner.tolist())
-    return np.unique(np.asarray(tick, np.int64), return_inverse=True)[1].reshape(-1)
+    after = tick_constraints(graph, delay)
+    return compact(after, resettle(after, list(want), [], 0, partner.tolist()), partner)
+
+
+def compact(after: Sequence[Sequence[tuple[int, int]]], tick: Sequence[int],
+            partner: np.ndarray) -> np.ndarray:
+    """Settled ticks from 0 without empty ticks, but those a message in flight needs (a
+    producer on another device ``delay`` > 1 ticks before its reader: dropping the tick
+    between them would bring them closer)."""
+    dense = np.unique(np.asarray(tick, np.int64), return_inverse=True)[1].reshape(-1)
+    if all(gap == 1 for deps in after for _, gap in deps):
+        return dense
+    return np.asarray(resettle(after, dense.tolist(), [], 0, partner.tolist()), np.int64)
 
 
 def tick_constraints(graph: ScheduleGraph, delay: int = 1) -> list[list[tuple[int, int]]]:

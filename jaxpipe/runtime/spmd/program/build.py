@@ -1,35 +1,22 @@
 """The SPMD program: one ``jax.jit(jax.shard_map(...))`` runs a lowered schedule.
 
-Every device runs the same program: ``lax.scan`` over the steps of the
-:class:`~..lowering.types.TickTable` (as :class:`~..lowering.types.ActionFields` and
-:class:`~..lowering.types.StepFields`: one array per scalar, gates as trip counts). In a step, a
-device runs the branch of one (action kind, body) pair, or nothing (kind ``"FB"``: a
-last stage's F and its own B in one step, the residuals passed straight from one to the
-other; ``"IW"``: an I and its own W in one step, the hand-off passed straight on):
+Every device runs the same program: ``lax.scan`` over the steps of the lowering's
+:class:`~jaxpipe.runtime.spmd.lowering.types.TickTable`, read as one ``[steps,
+devices]`` int32 array per scalar. What a step does is the tick loop's, built for the
+backend the program runs on:
 
-- parameters come from slots, whole arrays (a shared body whose members use different
-  slots on one device picks the running stage's from a small table by ``row.stage``),
-  and their gradients accumulate in place, those of such a body in a stacked *group*
-  per parameter (:mod:`.param_groups`), split into slots after the last step;
-- residuals and the I -> W hand-off (of a W in a step of its own) are stored in
-  per-class buffers at the slots the lowering chose, and gradients accumulate in place;
-- an output message goes into the outbox unit of its direction (or into an inbox slot
-  when it stays on the device, the turn of a V). At the end of a tick's last step, every
-  permutation someone uses runs once (``lax.ppermute`` of that direction's whole outbox)
-  and the arriving units land in inbox slots. That ``ppermute`` lists only the pairs that
-  carry a message at that tick (one permutation per sender set, picked by the table), so
-  a device waits only for the devices it exchanges with.
+- :class:`~.cpu_ticks.CpuTicks`: every (kind, body) branch in a gated loop, buffers
+  updated in place inside them, and an exchange only on ticks that carry messages;
+- :class:`~.accelerator_ticks.AcceleratorTicks`: straight-line ticks for GPUs and TPUs,
+  one ``lax.switch`` over the step's variants with the buffers read-only inside it and
+  written after it, and one unconditional permutation per direction.
 
-Branch selection is a chain of zero-or-one-trip ``while_loop``s rather than
-``lax.switch``: XLA copies every buffer that an untaken ``conditional`` branch passes
-through (whole storage and gradients, every step), while a ``while_loop`` updates its
-carry in place. Per-step work is thus proportional to one microbatch, and idle steps cost
-a few scalar reads.
+Around the loop, this module sets up the device's parameters and batch, reduces the loss
+and gradients over the batch axes, and runs the optimizer epilogue if there is one.
 """
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,28 +28,18 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.runtime.spmd.lowering.types import (
-    IDLE,
-    PROGRAM_KINDS,
-    ActionFields,
-    Lowering,
-    StepFields,
-    branch_id,
-)
+from jaxpipe.runtime.spmd.lowering.types import Lowering
+from jaxpipe.runtime.spmd.program.accelerator_ticks import AcceleratorTicks
 from jaxpipe.runtime.spmd.program.bodies import Body
-from jaxpipe.runtime.spmd.program.branches import Branches
-from jaxpipe.runtime.spmd.program.gated import gated
-from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.program.cpu_ticks import CpuTicks
+from jaxpipe.runtime.spmd.program.layout import StageLayouts
 from jaxpipe.runtime.spmd.program.param_groups import Groups
-from jaxpipe.runtime.spmd.program.stage_ends import gated_stages
 from jaxpipe.sharding import MeshAxes, constrain, manual_spec
 
 __all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
 
 #: ``epilogue(params_local, grads_local, loss, *extra_local)`` -> outputs of the program.
 Epilogue = Callable[..., object]
-
-Bufs = dict[ValueClass, jax.Array]
 
 
 def build_step(
@@ -77,6 +54,7 @@ def build_step(
     epilogue_out_specs: object = None,
     groups: Groups | None = None,
     grouped: bool = False,
+    accelerator: bool = False,
 ) -> Callable:
     """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss)`` as a shard_map'ed function.
 
@@ -99,42 +77,25 @@ def build_step(
     ``(pslots, parrays)`` and the step returns ``((gslots, garrays), loss)``, the slots in
     no group (a list over all positions, ``None`` at grouped ones) and every group's
     array, ``[devices, len(group), *shape]``. The public path moves the user's leaves
-    into and out of groups directly (:mod:`.param_moves`); the staged parameters stay slots.
+    into and out of groups directly (:mod:`.param_moves`); the staged parameters stay
+    slots.
+
+    ``accelerator``: build the straight-line tick loop for GPUs and TPUs
+    (:mod:`.accelerator_ticks`; the lowering must exchange every tick); else the CPU's
+    (:mod:`.cpu_ticks`).
     """
     axis = axes.axis
     manual_batch = axes.manual_batch_axes
     m = lowering.num_microbatches
     L = layouts
-    D = lowering.num_devices
-    # per offset, one permutation per sender set: it lists only the pairs that carry a
-    # message at that tick end, so no device waits for a neighbour it exchanges nothing with
-    perms = [[[(d, (d + off) % D) for d in senders] for senders in patterns]
-             for off, patterns in zip(lowering.perm_offsets, lowering.perm_patterns,
-                                      strict=True)]
-    unit = L.unit
-    units = lowering.units
-    num_bodies = len(bodies)
-
     groups = groups if groups is not None else Groups(bodies, L.slots.classes)
-    branch_of = Branches(L, m, lowering.fused_stages, lowering.split_stages, groups)
+    if accelerator:  # a byte buffer would lose the sharding of automatic axes
+        loop = AcceleratorTicks(bodies, L, lowering, axis, groups,
+                                packed=set(axes.manual_axes) == set(mesh.axis_names))
+    else:
+        loop = CpuTicks(bodies, L, lowering, axis, groups)
 
-    # Only (kind, body) pairs the schedule runs get a branch (e.g. no I/W for 1F1B).
-    used = lowering.used_branches - {IDLE}
-    branches = {branch_id(kind, b.index, num_bodies): branch_of.make(kind, b)
-                for kind in PROGRAM_KINDS for b in bodies
-                if branch_id(kind, b.index, num_bodies) in used}
-
-    # W reads no message. Passing the inbox through its loops anyway made XLA copy the
-    # whole inbox twice per step (+8% step time for 1F1B split into I + W, MLP p=4).
-    reads_inbox = {b for b in branches
-                   if b not in {branch_id("W", x.index, num_bodies) for x in bodies}}
-
-    def write_unit(buf: Bufs, msg: Bufs, slot: Any) -> Bufs:
-        return {c: lax.dynamic_update_slice_in_dim(buf[c], msg[c], slot * n, 0,
-                                                   allow_negative_indices=False)
-                for c, n in unit.items()}
-
-    def per_device(pbuf, batch, fields: tuple[ActionFields, StepFields], *extra):
+    def per_device(pbuf, batch, fields, *extra):
         pslots, parrays = pbuf if grouped else (pbuf, [])
         pbuf = [None if v is None else constrain(v[0], c.dims)
                 for v, c in zip(pslots, L.slots.classes, strict=True)]
@@ -143,55 +104,17 @@ def build_step(
         if axes.auto_batch_axes:  # split over the automatic batch axes (FSDP)
             batch = [constrain(x, ((), axes.auto_batch_axes)) for x in batch]
         fields = jax.tree.map(lambda x: x[:, 0], fields)  # this device's column
-        store = {c: c.zeros(n) for c, n in lowering.slots.items()}
-        inbox = {c: c.zeros((lowering.num_inbox + 1) * n) for c, n in unit.items()}
-        # Only senders write an outbox (the writes are gated), so it needs no dummy unit
-        # and a ppermute moves exactly the units in use.
-        outbox = [{c: c.zeros(k * n) for c, n in unit.items()} for k in units]
-        gbuf = groups.zero_grads()
 
-        def step(carry, fields: tuple[ActionFields, StepFields]):
-            row, at = fields
-            store, inbox, outbox, gbuf, loss = carry
+        def step(carry, fields):
+            state, gbuf, loss = carry
+            row = fields[0]
             mbd = [lax.dynamic_index_in_dim(x, row.microbatch, 0, keepdims=False,
                                             allow_negative_indices=False)
                    for x in batch]
-            # One gated loop per branch instead of lax.switch: a conditional copies every
-            # buffer its untaken branches pass through, while a loop updates its carry in
-            # place.
-            state = (store, gbuf, branch_of.empty_msg(), loss)
-            for b in sorted(branches):
-                ins = (row, pbuf, mbd, inbox) if b in reads_inbox else (row, pbuf, mbd)
-                state = gated(at.runs[b],
-                              lambda st, rw, pb, mb, ib=None, b=b: branches[b](rw, pb, mb, ib, st),
-                              state, *ins)
-            store, gbuf, msg, loss = state
-            # The message goes to its inbox slot (it stays here, the turn of a V) or to
-            # its outbox unit. Each write is gated: most steps send nothing in a given
-            # direction, and a unit written to a dummy slot costs a full-unit copy.
-            inbox = gated(at.keep, lambda box: write_unit(box, msg, at.local_slot), inbox)
-            outbox = [gated(at.send[j],
-                            lambda box, j=j: write_unit(box, msg, at.out_unit[j]), box)
-                      for j, box in enumerate(outbox)]
-            # End of a tick: every direction someone sends over runs once, over the pairs
-            # that carry a message (the pattern number is the same on every device); the
-            # units that arrive go to their inbox slots.
-            for j, perm in enumerate(perms):
-                def exchange(inbox, ob, j=j, perm=perm):
-                    recv = (lax.ppermute(ob, axis, perm[0]) if len(perm) == 1 else
-                            lax.switch(at.pattern[j],
-                                       [functools.partial(lax.ppermute, axis_name=axis,
-                                                          perm=pk) for pk in perm], ob))
-                    for r in range(units[j]):
-                        inbox = write_unit(inbox, {
-                            c: lax.slice_in_dim(recv[c], r * n, (r + 1) * n)
-                            for c, n in unit.items()}, at.recv_slot[j][r])
-                    return inbox
-                inbox = gated(at.exchange[j], exchange, inbox, outbox[j])
-            return (store, inbox, outbox, gbuf, loss), None
+            return loop.step(state, gbuf, loss, fields, pbuf, mbd), None
 
-        init = (store, inbox, outbox, gbuf, jnp.zeros((), jnp.float32))
-        (_, _, _, gbuf, loss), _ = lax.scan(step, init, fields)
+        init = (loop.init(), groups.zero_grads(), jnp.zeros((), jnp.float32))
+        (_, gbuf, loss), _ = lax.scan(step, init, fields)
         loss = lax.psum(loss, axis) / m
         # Manual batch axes average explicitly; over the automatic ones the stages saw
         # the whole microbatch and XLA already reduced.
@@ -206,10 +129,7 @@ def build_step(
         return ([None if v is None else v[None] for v in gbuf[:n]],
                 [v[None] for v in gbuf[n:]]), loss
 
-    table = lowering.table
-    table_arrays = jax.tree.map(jnp.asarray, (
-        table.actions(gated_stages(bodies)),
-        table.steps(sorted(branches), lowering.num_inbox, units)))
+    table_arrays = jax.tree.map(jnp.asarray, loop.fields)
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
     batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
     pspec = [c.spec(axis) for c in L.slots.classes]

@@ -1,0 +1,110 @@
+"""The accelerator program (``SpmdRuntime(backend="gpu")``), built and run on CPU.
+
+Its tick loop must be straight-line where XLA:GPU would otherwise stop the host: no
+``while`` whose trip count XLA does not know, at most one ``conditional`` and no
+collective inside one, one collective-permute per direction, no buffer copied per tick;
+and its gradients must equal ``jax.value_and_grad`` of the unpipelined model.
+"""
+
+from pathlib import Path
+
+import jax
+import pytest
+from models import MODELS, assert_matches, reference
+
+import jaxpipe as jp
+from jaxpipe.runtime.spmd import SpmdRuntime
+from jaxpipe.runtime.spmd.program.hlo_census import census
+
+GALLERY = Path(__file__).resolve().parents[1] / "schedules"
+
+
+def _gallery(spec: str):
+    return jp.load_schedule(str(GALLERY / spec))
+
+
+SCHEDULES = {
+    "GPipe": jp.GPipe,
+    "1F1B": jp.OneFOneB,
+    "Interleaved1F1B": lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=2),
+    "Eager1F1B": _gallery("eager_1f1b.py:Eager1F1B"),
+    "LoopedBFS": _gallery("looped_bfs.py:LoopedBFS"),
+    "ZeroBubbleH1": _gallery("zero_bubble.py:ZeroBubbleH1"),
+    "DualPipeV": _gallery("dualpipe_v.py:DualPipeV"),
+    "VHalf": _gallery("v_half.py:VHalf"),
+}
+
+
+def _build(schedule, runtime, layers=None):
+    """tiny_lm (a token embedding and a tied head around attention blocks), one block per
+    stage, pipelined over ``schedule``."""
+    m = schedule.num_microbatches
+    # (residual blocks scaled down: 16 of them at full scale reach a loss of ~4000, where
+    # float32 rounding alone is 1e-4 of a gradient, in the reference as in the pipeline)
+    loss_fn, params, batch = MODELS["tiny_lm"](layers or schedule.num_stages, batch=2 * m,
+                                               block_scale=0.3)
+    mesh = jax.make_mesh((schedule.num_devices,), ("pipe",))
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut="markers",
+                       runtime=runtime)
+    return pipe, loss_fn, params, batch
+
+
+def _storage_shapes(pipe) -> set[str]:
+    """HLO shapes of the program's storage, inbox and gradient buffers."""
+    hlo = {"float32": "f32", "int32": "s32", "bool": "pred"}
+    low, lay = pipe.executor.lowering, pipe.executor.layouts
+
+    def shape(c, lead):
+        return f"{hlo[c.dtype]}[{','.join(map(str, (*lead, *c.row_shape)))}]"
+
+    return ({shape(c, (n,)) for c, n in low.slots.items()}
+            | {shape(c, ((low.num_inbox + 1) * n,)) for c, n in lay.unit.items()})
+
+
+@pytest.mark.parametrize("p", [4, 8])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_tick_loop_is_straight_line_and_exact(name, p):
+    """Every built-in and gallery schedule (v=2 where it has chunks), on a model with an
+    embedding and a tied head: inside the tick loop no while without a known trip count,
+    one conditional, no collective-permute in it, at most two permutes (one per
+    direction: V placements need no third, their turn stays on the device), no carried
+    buffer copied; gradients exact."""
+    schedule = SCHEDULES[name](p, 2 * p)
+    pipe, loss_fn, params, batch = _build(schedule, SpmdRuntime(backend="gpu"))
+    compiled = pipe.value_and_grad_fn.lower(params, batch).compile()
+    found = census(compiled.as_text())
+    low = pipe.executor.lowering
+    assert found.trip_count == low.num_ticks
+    assert found.unknown_trip_whiles == 0, found
+    assert found.conditionals == 1, found
+    assert found.permutes_in_conditionals == 0, found
+    assert found.permutes == len(low.perm_offsets) <= 2, found
+    assert not set(found.copied) & _storage_shapes(pipe), found.copied
+    assert_matches(compiled(params, batch),
+                   reference(loss_fn, params, batch, schedule.num_microbatches))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("name", ["1F1B", "DualPipeV"])
+def test_overlap_on_and_off_are_exact(name, overlap):
+    """The permute of the previous tick's message (overlap) or of this tick's: both
+    exact, the overlap's operand from the loop carry (it runs before the switch)."""
+    schedule = SCHEDULES[name](4, 8)
+    pipe, loss_fn, params, batch = _build(schedule, SpmdRuntime(backend="gpu",
+                                                                overlap=overlap))
+    assert pipe.executor.lowering.exchange.delay == (2 if overlap else 1)
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 8))
+
+
+def test_the_cpu_program_is_the_one_that_gates():
+    """The CPU program's tick loop gates each branch and exchange in a loop of unknown
+    trip count (right on CPU, where a collective costs ~75 us and the host reads every
+    trip count anyway); the accelerator program's has none, on the same pipeline."""
+    schedule = jp.OneFOneB(4, 8)
+    cpu, *_ = _build(schedule, SpmdRuntime(backend="cpu"))
+    gpu, loss_fn, params, batch = _build(schedule, SpmdRuntime(backend="gpu"))
+    on_cpu = census(cpu.value_and_grad_fn.lower(params, batch).compile().as_text())
+    on_gpu = census(gpu.value_and_grad_fn.lower(params, batch).compile().as_text())
+    assert on_cpu.unknown_trip_whiles > 0 and on_cpu.permutes_in_conditionals > 0
+    assert on_gpu.unknown_trip_whiles == 0 and on_gpu.permutes_in_conditionals == 0
+    assert not set(on_cpu.copied) & _storage_shapes(cpu), on_cpu.copied
