@@ -3,6 +3,9 @@
     python tests/fuzz_runtime.py 250 --seed 11              # p in {2, 3, 4}, m <= 6
     python tests/fuzz_runtime.py 80 --seed 21 --ps 5,6,8 --max-m 10
 
+Both programs: ``--backends cpu,gpu`` (default) draws the CPU program or the accelerator
+program (built and run on CPU), the latter with the overlap on, off or automatic.
+
 Longer than CI can afford (1-7 s per case on 2 cores); ``test_random_schedules_run_exactly``
 in ``tests/test_spmd.py`` runs a few of the same draws in CI. Each case draws a schedule
 from :mod:`random_schedules` (random order, loop or V placement, some backwards split
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ps", default="2,3,4", help="pipeline sizes to draw from")
     ap.add_argument("--max-m", type=int, default=6, help="most microbatches")
+    ap.add_argument("--backends", default="cpu,gpu",
+                    help="programs to draw from (gpu: the accelerator program, on CPU)")
     args = ap.parse_args(argv)
     ps = [int(x) for x in args.ps.split(",")]
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(ps)}")
@@ -56,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         seed = rng.randint(0, 2**16)
         options = {"split_backward": rng.random() < 0.5, "refine": rng.choice([0, 50, 400]),
                    "iw_same_tick": rng.choice([False, True, "auto"]),
-                   "fuse_fb": rng.choice([False, "auto", True])}
+                   "fuse_fb": rng.choice([False, "auto", True]),
+                   "backend": rng.choice(args.backends.split(","))}
+        if options["backend"] != "cpu":  # one step per tick: no W packed into its I's
+            options["iw_same_tick"] = rng.choice([False, "auto"])
+            options["overlap"] = rng.choice([False, True, "auto"])
         model = rng.choice(sorted(models.MODELS))
         tag = (f"#{k} {model} p={p} v={v} m={m} v_shape={v_shape} split_prob={split_prob} "
                f"seed={seed} {options}")
