@@ -6,7 +6,10 @@
 
 Runs on whatever backend JAX finds: CPU with ``--devices`` virtual devices by default
 (single-threaded XLA, so one device = one core and ratios measure work, not threading);
-on GPU/TPU the real devices, where it also reports TFLOP/s per device and MFU. Sections
+on GPU/TPU the real devices, where it also reports TFLOP/s per device and MFU, and sets
+the XLA flags the accelerator program wants (``jaxpipe/xla_flags.py``) unless
+``XLA_FLAGS`` names them. ``--program cpu|gpu|tpu`` builds that SPMD program whatever the
+devices (default: the devices' platform), so both programs run on one machine. Sections
 (``--sections``, comma separated, default all):
 
 overhead     plain JAX (``value_and_grad`` over microbatches in one jit, a ``lax.scan``)
@@ -77,6 +80,17 @@ def _preparse(argv: list[str]) -> None:
     if cores > 0 and hasattr(os, "sched_setaffinity") and not _accelerator_plugin():
         mine = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, set(mine[:cores]))
+    # on GPU/TPU, the flags the accelerator program wants (jaxpipe/xla_flags.py)
+    import importlib.util
+
+    platform = ("tpu" if importlib.util.find_spec("libtpu") is not None else "gpu"
+                if _accelerator_plugin() else "cpu")
+    spec = importlib.util.spec_from_file_location(
+        "_jaxpipe_xla_flags", os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "jaxpipe", "xla_flags.py"))
+    flags_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flags_module)  # (not via jaxpipe: that imports jax)
+    flags_module.apply(platform)
 
 
 if __name__ == "__main__":
@@ -103,6 +117,7 @@ import jaxpipe as jp  # noqa: E402
 from benchmarks import common as C  # noqa: E402
 from benchmarks import remat as R  # noqa: E402
 from benchmarks.baselines import spmd_gpipe as B  # noqa: E402
+from jaxpipe.runtime.spmd import SpmdRuntime  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("overhead", "baseline", "sweep", "scaling", "concurrency", "remat", "lowering",
@@ -169,6 +184,7 @@ class Settings:
     remat_m_factor: int = 2  # remat: m = factor * p
     remat_budget: float = 0.6  # remat: budget as a fraction of the no-recompute peak
     plots: bool = True
+    program: str = "auto"  # SpmdRuntime(backend=...): "auto", "cpu", "gpu" or "tpu"
     sections: tuple[str, ...] = SECTIONS
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -274,7 +290,8 @@ class Runner:
         batch = C.make_blocks_batch(cfg, m * s.mb)
         t0 = time.perf_counter()
         pipe = jp.pipeline(C.blocks_loss(cfg), self.blocks_params, batch, mesh=_mesh(p),
-                           schedule=schedule, cut="markers")
+                           schedule=schedule, cut="markers",
+                           runtime=SpmdRuntime(backend=s.program))
         build_s = time.perf_counter() - t0
         program = "resident"
         args: tuple = (pipe.shard(self.blocks_params), batch)
@@ -282,6 +299,8 @@ class Runner:
         tl = schedule.simulate()
         low = pipe.executor.lowering
         info.update({"build_s": build_s, "program": program,
+                     "tick_program": pipe.executor.backend,
+                     "overlap": low.exchange.delay == 2,
                      "bubble": float(tl.bubble_fraction), "makespan": float(tl.makespan),
                      "num_ticks": int(low.num_ticks),
                      "res_peak": [int(x) for x in low.residual_peak]})
@@ -875,6 +894,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--no-plots", dest="plots", action="store_false")
+    ap.add_argument("--program", choices=("auto", "cpu", "gpu", "tpu"), default="auto",
+                    help="the SPMD program to build (SpmdRuntime(backend=...)); auto: the "
+                    "devices' platform. On a GPU, run once with each to compare them")
     ap.add_argument("--summarize", metavar="JSON", default=None,
                     help="only print the markdown summary of an existing benchmarks.json")
     args = ap.parse_args(argv)
@@ -895,6 +917,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     s.repeats = args.repeats or s.repeats
     s.warmup = s.warmup if args.warmup is None else args.warmup
     s.plots = args.plots
+    s.program = args.program
     s.sections = tuple(x for x in args.sections.split(",") if x)
     bad = set(s.sections) - set(SECTIONS)
     if bad:

@@ -174,3 +174,20 @@ def test_sharded_meshes(axes):
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 4))
     found = census(pipe.value_and_grad_fn.lower(params, batch).compile().as_text())
     assert found.unknown_trip_whiles == 0 and found.permutes_in_conditionals == 0, found
+
+
+def test_xla_flags_for_the_accelerator_program():
+    """jaxpipe.xla_flags.apply adds what JAX's GPU pipeline guide recommends, keeps what
+    XLA_FLAGS already sets (a flag named there wins), and names an unknown platform."""
+    from jaxpipe import xla_flags
+
+    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false --foo=1"}
+    flags = xla_flags.apply("gpu", env).split()
+    assert flags[:2] == ["--xla_gpu_enable_latency_hiding_scheduler=false", "--foo=1"]
+    assert "--xla_disable_hlo_passes=collective-permute-motion" in flags
+    assert "--xla_gpu_enable_command_buffer=" in flags
+    assert sum(f.startswith("--xla_gpu_enable_latency_hiding_scheduler") for f in flags) == 1
+    assert xla_flags.apply("gpu", env).split() == flags  # applying twice adds nothing
+    assert xla_flags.apply("cpu", {}) == ""
+    with pytest.raises(ValueError, match="unknown platform 'cuda'"):
+        xla_flags.apply("cuda", {})

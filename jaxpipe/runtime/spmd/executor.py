@@ -398,6 +398,18 @@ class SpmdExecutor(Executor):
         return check_stage_collectives
 
     # -- reports --------------------------------------------------------------------
+    def switch_bytes(self) -> dict[str, int] | None:
+        """In the accelerator program, the bytes every tick returns from its switch and
+        writes into the buffers: stored rows (``"rows"``) and gradients (``"grad"``:
+        zeros but in the steps that add a gradient, the price of keeping the gradient
+        buffers out of the conditional). Known once a value-and-grad step was traced;
+        ``None`` before, and in the CPU program."""
+        for step in (self._step_grouped, self._step):
+            ports = step.tick_loop.ports
+            if ports is not None:
+                return {"rows": ports.nbytes("rows"), "grad": ports.nbytes("grad")}
+        return None
+
     def memory_report(self) -> dict[str, Any]:
         low, lay = self.lowering, self.layouts
         store_bytes = sum(c.nbytes * n for c, n in low.slots.items())

@@ -97,6 +97,7 @@ class AcceleratorTicks:
                                   lowering.split_stages, groups, direct_writes=False)
         table = lowering.table
         variant = np.zeros(table.branch.shape, np.int32)
+        self.ports: Ports | None = None  # known once a step is traced
         self.variant_fns: list[Callable] = []
         self.variant_names: list[str] = []
         num_bodies = len(bodies)
@@ -170,7 +171,7 @@ class AcceleratorTicks:
                 signatures.append(Ports.signature(store, g))
                 return loss
             jax.eval_shape(probe, *operands)
-        ports = Ports(signatures)
+        ports = self.ports = Ports(signatures)  # (kept for reports: Ports.nbytes)
 
         def idle(*args):
             return (empty(), jnp.zeros((), jnp.float32),

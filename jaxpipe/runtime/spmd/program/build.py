@@ -161,6 +161,7 @@ def build_step(
         out = fn(*place_tree(args, mesh, in_specs))
         return place_tree(out, mesh, out_specs) if manual != set(mesh.axis_names) else out
 
+    run.tick_loop = loop  # what the step runs, for reports
     return run
 
 

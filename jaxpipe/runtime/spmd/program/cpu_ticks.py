@@ -57,6 +57,7 @@ class CpuTicks:
                  axis: str, groups: Groups) -> None:
         D = lowering.num_devices
         self.axis, self.lowering, self.unit = axis, lowering, layouts.unit
+        self.ports = None  # its branches write in place: nothing goes through ports
         # per offset, one permutation per sender set: it lists only the pairs that carry a
         # message at that tick end, so no device waits for a neighbour it exchanges
         # nothing with

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["DeferredGrads", "DeferredStore", "Ports", "add_grad", "get_rows", "put_rows"]
@@ -143,6 +144,14 @@ class Ports:
             for p, n in mine.items():
                 count[p] = max(count.get(p, 0), n)
         self.ports = [p for p, n in count.items() for _ in range(n)]
+
+    def nbytes(self, kind: str) -> int:
+        """Bytes every step returns and writes through the ports of ``kind`` (``"rows"``
+        or ``"grad"``), whatever its branch wrote: the price of keeping the buffers out of
+        the conditional. A gradient port costs its bytes in every step (zeros but in a
+        step that adds a gradient), so the W steps' gradients are added in every tick."""
+        return sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
+                   for p in self.ports if p.kind == kind)
 
     @staticmethod
     def signature(store: DeferredStore, gbuf: DeferredGrads) -> list[_Port]:

@@ -1,0 +1,68 @@
+"""The XLA flags a pipeline wants on each backend, set before JAX starts its backend.
+
+The accelerator program (``SpmdRuntime(backend="gpu")``) is built so that XLA:GPU can run
+ahead: straight-line ticks, one unconditional collective-permute per direction, with the
+overlap option its operand from the loop's carry. What XLA then does with it depends on
+flags that are off by default on GPU; JAX's GPU performance guide
+(``docs/gpu_performance_tips.md``, "Pipeline Parallelism on GPU") recommends them for
+pipelines:
+
+- ``--xla_gpu_enable_latency_hiding_scheduler=true``: schedule a collective-permute's start
+  early and its end late, around independent compute (the overlap);
+- ``--xla_gpu_enable_command_buffer=`` (empty): no CUDA graphs, which JAX's pipeline
+  guide turns off (and whose conditional nodes are off by default anyway);
+- ``--xla_disable_hlo_passes=collective-permute-motion``: keep the permutes where the
+  program puts them;
+- ``--xla_gpu_experimental_pipeline_parallelism_opt_level=PIPELINE_PARALLELISM_OPT_LEVEL_ENABLE``:
+  XLA's pipeline-parallelism scheduling of loop-carried permutes.
+
+On TPU, XLA:TPU schedules collectives with its latency-hiding scheduler by default;
+jaxpipe asks for nothing there. On CPU nothing is needed.
+
+Call :func:`apply` before the first JAX computation (JAX reads ``XLA_FLAGS`` once, when
+it starts a backend), or set the flags where you launch::
+
+    import jaxpipe.xla_flags
+    jaxpipe.xla_flags.apply("gpu")   # before jax starts its backend
+    import jax
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+__all__ = ["RECOMMENDED", "apply", "recommended"]
+
+#: Per platform, the flags :func:`apply` adds (see the module docstring).
+RECOMMENDED: dict[str, tuple[str, ...]] = {
+    "gpu": (
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+        "--xla_gpu_enable_command_buffer=",
+        "--xla_disable_hlo_passes=collective-permute-motion",
+        "--xla_gpu_experimental_pipeline_parallelism_opt_level="
+        "PIPELINE_PARALLELISM_OPT_LEVEL_ENABLE",
+    ),
+    "tpu": (),
+    "cpu": (),
+}
+
+
+def recommended(platform: str) -> tuple[str, ...]:
+    """The flags for ``platform`` (``"gpu"``, ``"tpu"`` or ``"cpu"``)."""
+    if platform not in RECOMMENDED:
+        raise ValueError(f"unknown platform {platform!r}: expected one of "
+                         f"{', '.join(map(repr, RECOMMENDED))}")
+    return RECOMMENDED[platform]
+
+
+def apply(platform: str, env: MutableMapping[str, str] | None = None) -> str:
+    """Add :func:`recommended` flags for ``platform`` to ``env["XLA_FLAGS"]`` (default
+    ``os.environ``), keeping every flag already set there (a flag named there wins over
+    ours). Returns the new ``XLA_FLAGS``. Has no effect on a backend JAX has started."""
+    env = os.environ if env is None else env
+    have = env.get("XLA_FLAGS", "").split()
+    names = {f.split("=", 1)[0] for f in have}
+    added = [f for f in recommended(platform) if f.split("=", 1)[0] not in names]
+    env["XLA_FLAGS"] = " ".join([*have, *added])
+    return env["XLA_FLAGS"]
