@@ -18,6 +18,9 @@ cutter's ``CutResult.action_cost``). Each with the full backward run as one step
 does where devices run concurrently), lowered with the costs it is priced under and the
 local search over ticks, as the runtime lowers where devices run concurrently (ticks
 follow the cutter's costs where that runs faster; :mod:`jaxpipe.runtime.spmd.lowering.refine`).
+The accelerator program (``SpmdRuntime(backend="gpu")``) is lowered too, B as I then W
+and every pair meeting every tick (its sync model, :mod:`jaxpipe.runtime.spmd.lowering.sync`),
+with the overlap as the runtime picks it (off without a transfer time) and forced on.
 Deterministic: no timing.
 """
 
@@ -73,7 +76,7 @@ def section_lowering(ps: tuple[int, ...] = (2, 4, 8), layers: int = 16,
                      gpt: bool = True) -> dict[str, Any]:
     """Lowered efficiency for every schedule, p in ``ps``, m in {p, 2p, 4p}."""
     from jaxpipe.runtime.spmd.executor import REFINE_EVALS
-    from jaxpipe.runtime.spmd.lowering import lower
+    from jaxpipe.runtime.spmd.lowering import lower, lower_accelerator
     from jaxpipe.runtime.spmd.lowering.sync import sync_report
     from jaxpipe.schedule.simulate import resolve_costs
 
@@ -102,10 +105,19 @@ def section_lowering(ps: tuple[int, ...] = (2, 4, 8), layers: int = 16,
                         rep = sync_report(sched, low, cost)
                         row[f"{cname}_{tag}"] = rep.efficiency
                         row[f"{cname}_ticks_{tag}"] = low.num_ticks
+                # the accelerator program: B as I then W, every pair meeting every tick;
+                # the overlap as the runtime picks it (off without a transfer time) and
+                # forced on (one more tick before a message can be read)
+                for cname, cost in costs.items():
+                    for tag, overlap in (("accel", "auto"), ("accel_overlap", True)):
+                        low = lower_accelerator(sched, {}, split_backward=True, costs=cost,
+                                                refine=REFINE_EVALS, overlap=overlap)
+                        row[f"{cname}_{tag}"] = sync_report(sched, low, cost).efficiency
                 rows.append(row)
     done = [r for r in rows if "skipped" not in r]
     summary = {k: min((r[k] for r in done if k in r), default=None)
-               for k in ("uniform_b", "uniform_split", "gpt_b", "gpt_split")}
+               for k in ("uniform_b", "uniform_split", "gpt_b", "gpt_split", "uniform_accel",
+                         "uniform_accel_overlap", "gpt_accel", "gpt_accel_overlap")}
     return {"ps": list(ps), "layers": layers, "rows": rows, "min_efficiency": summary}
 
 
@@ -136,8 +148,9 @@ def section_scale(p: int = 64, m: int = 512) -> dict[str, Any]:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = ["| schedule | p | m | uniform, B | uniform, I+W | GPT costs, B | GPT costs, I+W |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| schedule | p | m | uniform, B | uniform, I+W | GPT costs, B | GPT costs, I+W "
+             "| accel., uniform | accel. + overlap, uniform | accel., GPT | accel. + overlap, "
+             "GPT |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x: Any) -> str:
         return "-" if x is None else f"{x:.3f}"
@@ -147,7 +160,9 @@ def markdown(res: dict[str, Any]) -> str:
             continue
         lines.append(f"| {r['schedule']} | {r['p']} | {r['m']} | {f(r.get('uniform_b'))} | "
                      f"{f(r.get('uniform_split'))} | {f(r.get('gpt_b'))} | "
-                     f"{f(r.get('gpt_split'))} |")
+                     f"{f(r.get('gpt_split'))} | {f(r.get('uniform_accel'))} | "
+                     f"{f(r.get('uniform_accel_overlap'))} | {f(r.get('gpt_accel'))} | "
+                     f"{f(r.get('gpt_accel_overlap'))} |")
     return "\n".join(lines)
 
 

@@ -503,3 +503,14 @@ def test_schedule_file_that_does_not_import_or_is_a_directory(tmp_path):
         jp.load_schedule(f"{bad}:A")
     with pytest.raises(jp.ScheduleError, match=r"is a directory; name the Python file"):
         jp.load_schedule(f"{tmp_path}:A")
+
+
+def test_spmd_runtime_options():
+    from jaxpipe.runtime.spmd import SpmdRuntime
+
+    with pytest.raises(jp.PipelineError, match="backend must be one of 'auto', 'cpu'"):
+        SpmdRuntime(backend="cuda")
+    with pytest.raises(jp.PipelineError, match="overlap must be True, False or 'auto'"):
+        SpmdRuntime(overlap="yes")
+    with pytest.raises(jp.PipelineError, match="runs one step per tick.*iw_same_tick=False"):
+        SpmdRuntime(backend="gpu", iw_same_tick=True)

@@ -118,10 +118,7 @@ class SpmdRuntime(Runtime):
             raise PipelineError(
                 f"refine must be 'auto' or a number of evaluations >= 0, got {refine!r}.")
         if backend in ("gpu", "tpu") and iw_same_tick is True:
-            raise PipelineError(
-                "iw_same_tick=True runs a W as a second step in its I's tick; the "
-                f"accelerator program (backend={backend!r}) runs one step per tick. Use "
-                "iw_same_tick=False or 'auto', or backend='cpu'.")
+            raise _packed_w_error(backend)
         self.backend = backend
         self.overlap = overlap
         self.refine = refine
@@ -223,6 +220,8 @@ class SpmdExecutor(Executor):
                        refine=runtime.resolve_refine(mesh))
         pool_counts = self.layouts.pool_counts()
         if self.accelerated:
+            if runtime.iw_same_tick is True:  # backend="auto" on a GPU or TPU mesh
+                raise _packed_w_error(self.backend)
             overlap = runtime.overlap if spec.action_cost is not None else (
                 runtime.overlap is True)
             self.lowering: Lowering = lower_accelerator(
@@ -461,6 +460,13 @@ def exchange_flops(backend: str, message_bytes: int) -> float:
 #: Local-search evaluations over the ticks where devices run concurrently
 #: (:mod:`.lowering.refine`): 0.3-0.7 s of lowering at p=8, m=16-32, at most ~0.8 s at p=64.
 REFINE_EVALS = 1200
+
+
+def _packed_w_error(backend: str) -> PipelineError:
+    return PipelineError(
+        "iw_same_tick=True runs a W as a second step in its I's tick; the accelerator "
+        f"program (backend={backend!r}) runs one step per tick. Use iw_same_tick=False or "
+        "'auto', or backend='cpu'.")
 
 
 def _concurrent() -> bool:
