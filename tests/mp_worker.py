@@ -9,7 +9,8 @@ in one process.
 
 The test imports ``make_model`` and ``loss_fn`` from here to compute the reference.
 
-Usage: ``mp_worker.py ok <out>`` or ``mp_worker.py mismatch <out>`` (process 1 builds
+Usage: ``mp_worker.py ok <out>``, ``mp_worker.py accelerator <out>`` (the same on the
+accelerator program) or ``mp_worker.py mismatch <out>`` (process 1 builds
 its schedule with a different ``num_microbatches``, which must fail with a clear error),
 or ``mp_worker.py sharded <out>``: a pipe 2 x model 2 mesh (the pipe axis across the
 processes, the tensor-parallel ``model`` axis inside each), an MLP whose weights are
@@ -28,6 +29,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpipe as jp
+from jaxpipe.runtime.spmd import SpmdRuntime
 from jaxpipe import checkpoint as jpc
 from jaxpipe import distributed as jpd
 
@@ -75,8 +77,10 @@ def main(mode: str, out: str) -> None:
     host_params, host_batch = make_model()
     params = jpd.replicate(host_params, mesh)
     batch = jpd.global_batch(host_batch, mesh)
+    # "accelerator": the GPU/TPU program (straight-line ticks), built and run on CPU
+    runtime = {"runtime": SpmdRuntime(backend="gpu")} if mode == "accelerator" else {}
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh,
-                       schedule=jp.OneFOneB(P_STAGES, m), cut="markers")
+                       schedule=jp.OneFOneB(P_STAGES, m), cut="markers", **runtime)
     jpd.check_consistent(pipe)  # raises on the mismatch, in every process
 
     loss, grads = pipe.value_and_grad(params, batch)

@@ -91,8 +91,11 @@ def _run_worker(mode: str, out: Path) -> dict:
     return np.load(out)
 
 
-def test_two_processes_match_unpipelined(tmp_path):
-    got = _run_worker("ok", tmp_path / "result.npz")
+@pytest.mark.parametrize("mode", ["ok", "accelerator"])
+def test_two_processes_match_unpipelined(tmp_path, mode):
+    """The CPU program and the accelerator program (its every-tick permutes between the
+    processes, over gloo): exact, trained, restored."""
+    got = _run_worker(mode, tmp_path / "result.npz")
     w = _worker_module()
     params, batch = w.make_model()
     _check_against_unpipelined(got, w.loss_fn, params, batch, w.M, optax.sgd(w.LR),
