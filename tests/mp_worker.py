@@ -29,9 +29,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpipe as jp
-from jaxpipe.runtime.spmd import SpmdRuntime
 from jaxpipe import checkpoint as jpc
 from jaxpipe import distributed as jpd
+from jaxpipe.runtime.spmd import SpmdRuntime
 
 P_STAGES, M, WIDTH, BATCH = 4, 4, 8, 16
 TRAIN_STEPS, LR = 2, 0.05
