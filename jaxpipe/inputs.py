@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.objective import REDUCTIONS, Objective
 from jaxpipe.sharding import Dims, MeshAxes, to_spec
 
 if TYPE_CHECKING:
@@ -352,6 +353,17 @@ def check_pipeline_args(loss_fn: Any, schedule: Any, axis: Any, rng: Any) -> Non
                                 f"got {axis!r}.")
     if not isinstance(rng, bool):
         raise PipelineTypeError(f"rng must be True or False, got {rng!r}.")
+
+
+def check_objective(has_aux: Any, reduction: Any) -> Objective:
+    """``jp.pipeline``'s ``has_aux`` and ``reduction`` as an :class:`Objective`."""
+    if not isinstance(has_aux, bool):
+        raise PipelineTypeError(f"has_aux must be True or False, got {has_aux!r}.")
+    if reduction not in REDUCTIONS:
+        raise PipelineError(
+            f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got "
+            f"{reduction!r}; 'weighted' takes loss_fn returning (loss_sum, weight).")
+    return Objective(reduction=reduction, has_aux=has_aux)
 
 
 def check_microbatch_rows(mb_shapes: Sequence[tuple[int, ...]], num_microbatches: int,

@@ -38,11 +38,13 @@ from jaxpipe.inputs import (
     check_mesh,
     check_microbatch_rows,
     check_no_keys,
+    check_objective,
     check_params,
     check_pipeline_args,
     leaf_paths,
     live_state,
 )
+from jaxpipe.objective import Objective
 from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
 from jaxpipe.sharding import resolve_mesh_axes, to_spec
@@ -89,8 +91,10 @@ class Pipeline:
     def __init__(self, loss_fn: Callable[..., jax.Array], params: Any, batch: Any, *,
                  mesh: Mesh, schedule: Schedule, cut: Any = "auto", axis: str = "pipe",
                  runtime: str | Runtime = "spmd", rng: bool = False,
-                 batch_axes: Any = None, param_specs: Any = None) -> None:
+                 batch_axes: Any = None, param_specs: Any = None, has_aux: bool = False,
+                 reduction: str = "mean") -> None:
         check_pipeline_args(loss_fn, schedule, axis, rng)
+        objective = check_objective(has_aux, reduction)
         self.runtime: Runtime = resolve(runtime)
         schedule.validate()
         self.loss_fn = loss_fn
@@ -116,7 +120,9 @@ class Pipeline:
         self.key_dtype = jax.random.key(0).dtype if rng else None
         self.traced = trace_shard(
             loss_fn, params, mb, self._shards(self.mesh_axes.manual_batch_axes),
-            self._shards(self.mesh_axes.auto_batch_axes) if rng else 0, self.key_dtype)
+            self._shards(self.mesh_axes.auto_batch_axes) if rng else 0, self.key_dtype,
+            objective)
+        self.objective: Objective = self.traced.objective
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
         st = stage(self.traced, schedule, cut, self.runtime.memory_model, mesh,
@@ -132,10 +138,14 @@ class Pipeline:
         self._param_paths = leaf_paths(self.traced.params_treedef)
         self._vg = jax.jit(self._value_and_grad)
         self._staged_vg = jax.jit(self._staged_value_and_grad)
+        self._loss_jit = jax.jit(self._loss)
+        self._staged_loss_jit = jax.jit(self._staged_loss)
         check = self.executor.compiled_check()
         self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad", check)
         self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad",
                                              check)
+        self._loss_watch = CompileWatch(self._loss_jit, "pipe.loss", check)
+        self._staged_loss_watch = CompileWatch(self._staged_loss_jit, "pipe.loss", check)
         self._shard_jit = jax.jit(self.executor.shard)
         self._unshard_jit = jax.jit(self.executor.unshard)
         self._plan = None
@@ -273,22 +283,63 @@ class Pipeline:
     def stage_params(self, staged: Any) -> list[list[jax.Array]]:
         """Every stage's parameter inputs as its device holds them (tied: each copy; a
         stacked weight split over stages: the stage's rows)."""
-        staged = self._place_staged(staged, "stage_params")
-        if hasattr(self.executor, "stage_params"):
-            return self.executor.stage_params(staged)
-        inputs = self.views.take(self.executor.unshard(staged))
-        return [[inputs[i] for i in st.param_ids] for st in self.stages]
+        return self.executor.stage_params(self._place_staged(staged, "stage_params"))
 
     # ---------------------------------------------------------------- compute
+    def _value(self, loss: jax.Array, aux: list) -> Any:
+        """``loss``, or ``(loss, aux)`` with ``has_aux`` (aux as the user's pytree)."""
+        if not self.objective.has_aux:
+            return loss
+        return loss, jax.tree.unflatten(self.objective.aux_treedef, aux)
+
     def _value_and_grad(self, params: Any, batch: Any, key: Any = None
-                        ) -> tuple[jax.Array, Any]:
-        loss, grads = self.executor.value_and_grad(self.check_params(params),
-                                                   self.microbatches(batch, key))
-        return loss, self._user_tree(grads)
+                        ) -> tuple[Any, Any]:
+        loss, aux, grads = self.executor.value_and_grad(self.check_params(params),
+                                                        self.microbatches(batch, key))
+        return self._value(loss, aux), self._user_tree(grads)
 
     def _staged_value_and_grad(self, staged: Any, batch: Any, key: Any = None
-                               ) -> tuple[jax.Array, Any]:
-        return self.executor.staged_value_and_grad(staged, self.microbatches(batch, key))
+                               ) -> tuple[Any, Any]:
+        loss, aux, grads = self.executor.staged_value_and_grad(
+            staged, self.microbatches(batch, key))
+        return self._value(loss, aux), grads
+
+    def _loss(self, params: Any, batch: Any, key: Any = None) -> Any:
+        return self._value(*self.executor.loss(self.check_params(params),
+                                               self.microbatches(batch, key)))
+
+    def _staged_loss(self, staged: Any, batch: Any, key: Any = None) -> Any:
+        return self._value(*self.executor.staged_loss(staged, self.microbatches(batch, key)))
+
+    def loss(self, params_or_state: Any, batch: Any, key: Any = None) -> Any:
+        """The pipelined loss, forward only: evaluation and batched inference.
+
+        Runs the schedule's forward actions only (each device's F actions in its order):
+        no residual is kept and no backward is compiled. ``params_or_state``: the user's
+        parameter pytree, or a :class:`~jaxpipe.train.TrainState` (evaluated in the stage
+        layout, nothing gathered). Returns the loss reduced as the pipeline's
+        ``reduction`` says, or ``(loss, aux)`` with ``has_aux`` (each aux leaf stacked
+        over microbatches, as :meth:`value_and_grad` returns it). ``key``: with
+        ``rng=True``, the PRNG key of this call.
+
+        Example::
+
+            eval_loss = pipe.loss(state, eval_batch)      # no gradient, no gather
+            loss, aux = pipe.loss(params, batch)          # with has_aux=True
+        """
+        from jaxpipe.train import TrainState
+
+        batch = self._place_batch(batch)
+        key = self._place_key(key, "pipe.loss")
+        if isinstance(params_or_state, TrainState):
+            staged = self._live_state(params_or_state, "pipe.loss").params
+            if self.executor.eager:
+                return self._staged_loss(staged, batch, key)
+            return self._staged_loss_watch(staged, batch, key)
+        params = self._place_params(params_or_state, "pipe.loss(params, ...)")
+        if self.executor.eager:
+            return self._loss(params, batch, key)
+        return self._loss_watch(params, batch, key)
 
     def value_and_grad(self, params: Any, batch: Any, key: Any = None
                        ) -> tuple[jax.Array, Any]:
@@ -303,7 +354,7 @@ class Pipeline:
         params = self._place_params(params)
         batch = self._place_batch(batch)
         key = self._place_key(key, "pipe.value_and_grad")
-        if getattr(self.executor, "eager", False):
+        if self.executor.eager:
             return self._value_and_grad(params, batch, key)
         return self._vg_watch(params, batch, key)
 
@@ -314,7 +365,7 @@ class Pipeline:
         staged = self._place_staged(staged, "staged_value_and_grad")
         batch = self._place_batch(batch)
         key = self._place_key(key, "pipe.staged_value_and_grad")
-        if getattr(self.executor, "eager", False):
+        if self.executor.eager:
             return self._staged_value_and_grad(staged, batch, key)
         return self._staged_vg_watch(staged, batch, key)
 
@@ -322,6 +373,12 @@ class Pipeline:
     def value_and_grad_fn(self) -> Any:
         """The ``jax.jit`` object behind :meth:`value_and_grad` (for ``.lower``/AOT)."""
         return self._vg
+
+    @property
+    def eval_fn(self) -> Any:
+        """The ``jax.jit`` object behind :meth:`loss` with a parameter pytree (for
+        ``.lower``/AOT: the forward-only program)."""
+        return self._loss_jit
 
     @property
     def staged_value_and_grad_fn(self) -> Any:
@@ -339,9 +396,9 @@ class Pipeline:
         """Same as :meth:`value_and_grad`, run by the sequential reference executor."""
         params = self._place_params(params)
         key = self._place_key(key, "pipe.reference_value_and_grad")
-        loss, grads = self._reference.value_and_grad(
+        loss, aux, grads = self._reference.value_and_grad(
             self.check_params(params), self.microbatches(self._place_batch(batch), key))
-        return loss, self._user_tree(grads)
+        return self._value(loss, aux), self._user_tree(grads)
 
     def lower_step(self, params: Any, batch: Any) -> Any:
         """``jax.jit(...).lower`` of the value-and-grad step (for memory/cost inspection)."""
@@ -384,7 +441,11 @@ class Pipeline:
         state = self._live_state(state, "train_step")
         batch = self._place_batch(batch)
         key = self._place_key(key, "pipe.train_step")
-        return state.trainer.step(state, batch, key)
+        state, metrics = state.trainer.step(state, batch, key)
+        aux = metrics.pop("aux", [])
+        if self.objective.has_aux:
+            metrics["aux"] = jax.tree.unflatten(self.objective.aux_treedef, aux)
+        return state, metrics
 
     def _live_state(self, state: Any, what: str) -> Any:
         """``state`` checked (type, owner, layout, not donated) and placed on the mesh."""
@@ -449,6 +510,8 @@ def pipeline(
     rng: bool = False,
     batch_axes: Any = None,
     param_specs: Any = None,
+    has_aux: bool = False,
+    reduction: str = "mean",
 ) -> Pipeline:
     """Compile ``loss_fn`` for pipelined execution under ``schedule`` on ``mesh``.
 
@@ -484,6 +547,22 @@ def pipeline(
         optimizer state keep these shardings (a slot array is ``P(axis, *spec)``); the
         stages run under JAX's sharding over these axes (see docs/multihost.md).
 
+      has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` any pytree of arrays computed
+        on whichever stage computes it (logged values, predictions): ``value_and_grad``
+        returns ``((loss, aux), grads)`` as ``jax.value_and_grad(has_aux=True)`` does,
+        ``loss`` returns ``(loss, aux)``, ``train_step`` puts it in ``metrics["aux"]``.
+        Each aux leaf comes back stacked over microbatches on a leading axis of size
+        ``num_microbatches``, in microbatch order; over batch axes the program splits by
+        hand (data parallelism), a second axis holds each data shard's value. Aux values
+        never enter the gradient.
+      reduction: how the microbatches' losses combine: ``"mean"`` (default), ``"sum"``, or
+        ``"weighted"``: ``loss_fn`` returns ``(loss_sum, weight)`` (with ``has_aux``,
+        ``((loss_sum, weight), aux)``) and the pipeline's loss is ``sum(loss_sum) /
+        sum(weight)`` over every microbatch and data shard, with exactly that quotient's
+        gradient (the weights are not differentiated; the division happens once, after
+        the last microbatch). E.g. a per-token loss over padded sequences: return the
+        summed loss of the real tokens and their count.
+
     Example::
 
         mesh = jax.make_mesh((4,), ("pipe",))
@@ -492,4 +571,5 @@ def pipeline(
         loss, grads = pipe.value_and_grad(params, batch)
     """
     return Pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut=cut, axis=axis,
-                    runtime=runtime, rng=rng, batch_axes=batch_axes, param_specs=param_specs)
+                    runtime=runtime, rng=rng, batch_axes=batch_axes, param_specs=param_specs,
+                    has_aux=has_aux, reduction=reduction)

@@ -242,7 +242,8 @@ def _rewrite(traced: Traced, stacks: Sequence[Stack],
     assert len(markers) == len(ids), (markers, ids)
     leaf_avals = tuple(v.aval for v in traced.jaxpr.invars[: traced.num_params])
     new = Traced(closed, jax.tree.structure(list(range(len(views)))), traced.batch_treedef,
-                 len(views), markers, tuple(eqns[i].params.get("name") for i in markers))
+                 len(views), markers, tuple(eqns[i].params.get("name") for i in markers),
+                 traced.objective)
     return StackCut(new, ParamViews(tuple(views), leaf_avals), tuple(ids),
                     {k: tuple(b) for k, b in bounds.items()})
 

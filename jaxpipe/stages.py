@@ -4,7 +4,8 @@ Stage ``k`` runs the equations between cut ``k-1`` and cut ``k``. Its inputs are
 parameter leaves and microbatch leaves it reads plus the *carry*: every value defined
 in an earlier stage and used by this or any later stage (so a skip connection that jumps
 over a stage is passed through it). Its outputs are the carry for the next stage; the
-last stage outputs the scalar loss.
+last stage outputs the scalar loss, then the weight and the aux leaves the loss function
+returns (:mod:`jaxpipe.objective`; only the loss is differentiated).
 
 Every stage is turned into closed jaxprs once, here, so the runtimes only evaluate them:
 
@@ -64,7 +65,7 @@ class StageFn:
     param_ids: tuple[int, ...]  # param leaves read (indices into the flat params)
     batch_ids: tuple[int, ...]  # microbatch leaves read
     in_avals: list  # carry received from the previous stage
-    out_avals: list  # carry sent to the next stage (last stage: [loss])
+    out_avals: list  # carry sent to the next stage (last stage: [loss, weight?, *aux])
     residual_avals: list  # residuals stored per microbatch between F and B/W
     w_residual_avals: list  # values the I half hands to the W half
     fwd: jcore.ClosedJaxpr
@@ -167,9 +168,12 @@ class Fragments:
                     self.last_use[v] = k
             for v in eqn.outvars:
                 self.defined[v] = k
-        self.loss_var = jaxpr.outvars[0]
-        if isinstance(self.loss_var, jcore.Var):
-            self.last_use[self.loss_var] = len(self.eqns)  # "read" by the output
+        # the loss, then the weight and aux leaves (jaxpipe.objective), all "read" by the
+        # output: one computed in an earlier stage is carried to the last
+        self.out_vars = list(jaxpr.outvars)
+        for v in self.out_vars:
+            if isinstance(v, jcore.Var):
+                self.last_use[v] = len(self.eqns)
         # Parameter leaves the loss never reads still belong to a stage (the first): they
         # keep their values through shard/unshard and training and get zero gradients, as
         # with jax.grad; an optimizer may still change them (weight decay).
@@ -202,7 +206,7 @@ class Fragments:
         if carry_in is None:
             carry_in = self.carry_at(a) if a > 0 else []
         if carry_out is None:
-            carry_out = [self.loss_var] if is_last else self.carry_at(b)
+            carry_out = list(self.out_vars) if is_last else self.carry_at(b)
         # a key prints the fragment: matching cores asks for a few of them twice
         memo = (a, b, policy, is_last, tuple(carry_in), tuple(carry_out))
         if memo not in self._fragments:
@@ -213,8 +217,8 @@ class Fragments:
                   carry_out: list) -> tuple:
         eqns, jaxpr = self.eqns, self.jaxpr
         used = [v for e in eqns[a:b] for v in e.invars if isinstance(v, jcore.Var)]
-        if is_last and isinstance(self.loss_var, jcore.Var):
-            used.append(self.loss_var)
+        if is_last:
+            used += [v for v in self.out_vars if isinstance(v, jcore.Var)]
         used = set(used) | set(carry_out) | (set(self.unread) if a == 0 else set())
         p_ids = tuple(sorted(self.param_index[v] for v in used if v in self.param_index))
         b_ids = tuple(sorted(self.batch_index[v] for v in used if v in self.batch_index))
@@ -301,6 +305,8 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
     do = tuple(is_differentiable(a) for a in out_avals)
     if is_last and not do[0]:
         raise PipelineError("the loss must be a floating-point scalar.")
+    if is_last:  # a weight or an aux output is never differentiated
+        do = do[:1] + (False,) * (len(do) - 1)
 
     io = group_io(eqns, groups, rng[0], carry_out)
 

@@ -79,6 +79,7 @@ class Staging:
                         if any(any(d) for d in param_dims) else ()),
             param_axes=mesh_axes.param_axes,
             action_cost=self.cut_report.action_cost,
+            objective=traced.objective,
         )
 
 

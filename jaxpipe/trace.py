@@ -1,7 +1,8 @@
 """Trace a per-microbatch loss function to one flat jaxpr and find its candidate cuts.
 
-The traced program has the parameter leaves and the microbatch leaves as inputs and
-the scalar loss as its only output. ``jaxpipe_boundary`` equations at the top level are
+The traced program has the parameter leaves and the microbatch leaves as inputs and the
+scalar loss as its first output (then, as the pipeline's :class:`~jaxpipe.objective.Objective`
+says, a weight and the aux leaves). ``jaxpipe_boundary`` equations at the top level are
 the candidate cut points. Boundaries hidden inside ``jit``-ted helpers are inlined to
 the top level. A top-level ``scan`` whose body holds boundaries is kept as it is: it is a
 scanned layer stack, cut between its iterations by :mod:`jaxpipe.stacks`. Boundaries
@@ -11,19 +12,24 @@ there and raise a clear error.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import eval_eqns, read
 from jaxpipe.markers import boundary_p
+from jaxpipe.objective import MEAN, Objective
 
-__all__ = ["Traced", "trace", "trace_shard", "segments", "microbatch_like", "with_key"]
+__all__ = ["Traced", "trace", "trace_shard", "segments", "split_output", "microbatch_like",
+           "with_key"]
 
 # Call-like primitives whose bodies we may inline so markers inside them become cuttable.
 _INLINE = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"}
@@ -39,6 +45,7 @@ class Traced:
     num_params: int
     markers: tuple[int, ...]
     marker_names: tuple[str | None, ...]
+    objective: Objective = MEAN
 
     @property
     def jaxpr(self) -> jcore.Jaxpr:
@@ -135,40 +142,102 @@ def microbatch_like(batch: Any, num_microbatches: int) -> Any:
     )
 
 
-def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any) -> Traced:
+def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any,
+          objective: Objective = MEAN) -> Traced:
     """Trace ``loss_fn(params, microbatch)`` to a flat ClosedJaxpr with top-level markers.
 
-    ``params`` and ``microbatch`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees.
+    ``params`` and ``microbatch`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. The
+    jaxpr outputs the loss, then (``objective``) the weight and the aux leaves; the
+    returned :attr:`Traced.objective` records the aux leaves' shapes and structure.
     """
     _check_array_leaves(params, "params")
     p_leaves, p_tree = jax.tree.flatten(params)
     b_leaves, b_tree = jax.tree.flatten(microbatch)
+    aux_tree: list = []
 
     def flat_loss(*leaves):
         p = jax.tree.unflatten(p_tree, leaves[: len(p_leaves)])
         b = jax.tree.unflatten(b_tree, leaves[len(p_leaves):])
-        out = loss_fn(p, b)
-        out_leaves = jax.tree.leaves(out)
-        if len(out_leaves) != 1 or jnp.shape(out_leaves[0]) != ():
-            shapes = [jnp.shape(x) for x in out_leaves]
-            raise PipelineError(
-                f"loss_fn must return one scalar (the per-microbatch loss); it returned "
-                f"{len(out_leaves)} leaves with shapes {shapes}. Reduce it, e.g. with jnp.mean."
-            )
-        if not jnp.issubdtype(jnp.result_type(out_leaves[0]), jnp.floating):
-            raise PipelineError(
-                f"loss_fn must return a floating-point scalar, got dtype "
-                f"{jnp.result_type(out_leaves[0])}; cast it, e.g. loss.astype(jnp.float32)."
-            )
-        return out_leaves[0]
+        main, aux = split_output(loss_fn(p, b), objective)
+        aux_leaves, tree = jax.tree.flatten(aux)
+        aux_tree.append(tree)
+        return [*main, *aux_leaves]
 
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in p_leaves + b_leaves]
     raw = jax.make_jaxpr(flat_loss)(*avals)
+    if any(isinstance(v, jcore.Literal) for v in raw.jaxpr.outvars):
+        # a constant output (``return 0.0`` while the model is being written): an equation
+        # of its own, so the stages see a value (whose gradient is zero)
+        fixed = raw
+        raw = jax.make_jaxpr(lambda *a: [
+            lax.optimization_barrier(x) if isinstance(v, jcore.Literal) else x
+            for x, v in zip(jcore.jaxpr_as_fun(fixed)(*a),
+                            fixed.jaxpr.outvars, strict=True)])(*avals)
     if any(_has_marker_eqn(e) for e in raw.jaxpr.eqns):  # markers hidden in sub-jaxprs
         raw = jax.make_jaxpr(lambda *a: _inline_eval(raw.jaxpr, raw.consts, a))(*avals)
     markers = tuple(i for i, e in enumerate(raw.jaxpr.eqns) if e.primitive is boundary_p)
     names = tuple(raw.jaxpr.eqns[i].params.get("name") for i in markers)
-    return Traced(raw, p_tree, b_tree, len(p_leaves), markers, names)
+    n_main = 1 + int(objective.weighted)
+    traced_objective = dataclasses.replace(
+        objective, aux_avals=tuple(raw.out_avals[n_main:]),
+        aux_treedef=aux_tree[0] if objective.has_aux else None)
+    return Traced(raw, p_tree, b_tree, len(p_leaves), markers, names, traced_objective)
+
+
+def split_output(out: Any, objective: Objective) -> tuple[list, Any]:
+    """``loss_fn``'s return value as ``([loss, weight?], aux)``; a clear error where it is
+    not what ``objective`` says it returns."""
+    if objective.has_aux:
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise PipelineError(
+                f"has_aux=True: loss_fn must return a pair (loss, aux), got "
+                f"{_describe(out)}. Return (loss, aux), or drop has_aux=True.")
+        main, aux = out
+        for path, leaf in jax.tree.flatten_with_path(aux)[0]:
+            if not isinstance(leaf, jax.Array | np.ndarray | np.generic | float | int | bool):
+                raise PipelineError(
+                    f"aux leaf {jax.tree_util.keystr(path) or '(root)'} is a "
+                    f"{type(leaf).__name__}; aux must be a pytree of arrays (keep other "
+                    "values out of it, or make them arrays).")
+    else:
+        main, aux = out, None
+    if objective.weighted:
+        if not (isinstance(main, tuple | list) and len(main) == 2):
+            raise PipelineError(
+                "reduction='weighted': loss_fn must return (loss_sum, weight) "
+                f"{'as the first element of (loss, aux) ' if objective.has_aux else ''}"
+                f"(e.g. the summed loss of the microbatch's real tokens and their count), "
+                f"got {_describe(main)}.")
+        return [_scalar(main[0], "loss_sum", objective),
+                _scalar(main[1], "weight", objective, float_only=False)], aux
+    return [_scalar(main, "loss", objective)], aux
+
+
+def _describe(x: Any) -> str:
+    leaves = jax.tree.leaves(x)
+    return (f"{type(x).__name__} with {len(leaves)} leaves of shapes "
+            f"{[tuple(jnp.shape(v)) for v in leaves]}")
+
+
+def _scalar(x: Any, what: str, objective: Objective, float_only: bool = True) -> Any:
+    leaves = jax.tree.leaves(x)
+    if len(leaves) != 1 or jnp.shape(leaves[0]) != ():
+        hint = ("" if objective.has_aux or len(leaves) != 2 else
+                " If it returns (loss, aux), pass has_aux=True.")
+        name = "" if what == "loss" else f" {what}"
+        raise PipelineError(
+            f"loss_fn must return one scalar{name} (the per-microbatch {what}); it "
+            f"returned {len(leaves)} leaves with shapes {[jnp.shape(v) for v in leaves]}. "
+            f"Reduce it, e.g. with jnp.mean.{hint}")
+    dtype = jnp.result_type(leaves[0])
+    if float_only and not jnp.issubdtype(dtype, jnp.floating):
+        name = "" if what == "loss" else f" {what}"
+        raise PipelineError(
+            f"loss_fn must return a floating-point scalar{name}, got dtype {dtype}; cast "
+            f"it, e.g. {what}.astype(jnp.float32).")
+    if not float_only and not jnp.issubdtype(dtype, jnp.number):
+        raise PipelineError(f"the weight must be a number, got dtype {dtype}.")
+    return leaves[0]
 
 
 def _has_marker_eqn(eqn) -> bool:
@@ -194,7 +263,8 @@ def with_key(loss_fn: Callable[..., jax.Array]) -> Callable[[Any, Any], jax.Arra
 
 
 def trace_shard(loss_fn: Callable[..., jax.Array], params: Any, microbatch: Any,
-                manual_shards: int, key_shards: int = 0, key_dtype: Any = None) -> Traced:
+                manual_shards: int, key_shards: int = 0, key_dtype: Any = None,
+                objective: Objective = MEAN) -> Traced:
     """Trace ``loss_fn`` on what one stage call sees: one manual batch shard of a microbatch.
 
     Stage functions run on one manual batch shard (the global view of the automatic batch
@@ -207,6 +277,6 @@ def trace_shard(loss_fn: Callable[..., jax.Array], params: Any, microbatch: Any,
         lambda a: jax.ShapeDtypeStruct((a.shape[0] // manual_shards, *a.shape[1:]), a.dtype),
         microbatch)
     if not key_shards:
-        return trace(loss_fn, params, shard)
+        return trace(loss_fn, params, shard, objective)
     keys = jax.ShapeDtypeStruct((key_shards,), key_dtype)
-    return trace(with_key(loss_fn), params, (shard, keys))
+    return trace(with_key(loss_fn), params, (shard, keys), objective)

@@ -514,3 +514,18 @@ def test_spmd_runtime_options():
         SpmdRuntime(overlap="yes")
     with pytest.raises(jp.PipelineError, match="runs one step per tick.*iw_same_tick=False"):
         SpmdRuntime(backend="gpu", iw_same_tick=True)
+
+
+@pytest.mark.parametrize("fn, kw, what", [
+    (loss_fn, {"has_aux": True}, r"has_aux=True: loss_fn must return a pair \(loss, aux\)"),
+    (lambda p, b: (loss_fn(p, b), loss_fn(p, b)), {},
+     r"returned 2 leaves.*If it returns \(loss, aux\), pass has_aux=True"),
+    (lambda p, b: (loss_fn(p, b), {"name": "x"}), {"has_aux": True},
+     r"aux leaf \['name'\] is a str; aux must be a pytree of arrays"),
+    (loss_fn, {"reduction": "weighted"},
+     r"reduction='weighted': loss_fn must return \(loss_sum, weight\)"),
+    (loss_fn, {"reduction": "avg"}, r"reduction must be one of 'mean', 'sum', 'weighted'"),
+])
+def test_aux_and_reduction_mismatches(fn, kw, what):
+    with pytest.raises(jp.PipelineError, match=what):
+        build(loss_fn=fn, **kw)

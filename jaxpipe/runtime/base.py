@@ -27,6 +27,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpipe.avals import aval_bytes
+from jaxpipe.objective import MEAN, Objective
 from jaxpipe.sharding import Dims, MeshAxes
 from jaxpipe.views import ParamViews
 
@@ -74,6 +75,9 @@ class RuntimeSpec:
       action_cost: the cutter's cost of every action (``CutResult.action_cost``), or
         ``None``. The SPMD runtime groups actions into ticks by it where that runs
         faster under its sync model (:func:`jaxpipe.runtime.spmd.lowering.lower`).
+      objective: what the loss function returns and how the pipeline reduces it
+        (:class:`jaxpipe.objective.Objective`: the last stage outputs the loss, then the
+        weight and aux leaves; every runtime reduces them alike).
     """
 
     stages: tuple[StageFn, ...]
@@ -89,6 +93,7 @@ class RuntimeSpec:
     param_dims: tuple[Dims, ...] = ()
     param_axes: tuple[str, ...] = ()
     action_cost: Callable[[Action], float] | None = None
+    objective: Objective = MEAN
 
     @property
     def mesh_axes(self) -> MeshAxes:
@@ -149,9 +154,18 @@ class Executor(abc.ABC):
     the flat leaves of the user's pytree (``param_leaves``: a scanned stack's stacked
     weights whole, not the stages' views of them; ``spec.views`` maps between the two).
     Batches arrive as flat leaves shaped ``[num_microbatches, microbatch, ...]``.
+
+    Every compute method reduces the loss as ``spec.objective`` says and returns the aux
+    leaves of the loss function (``[]`` without ``has_aux``), each stacked over
+    microbatches: ``[m, *shape]``, or ``[m, shards, *shape]`` over batch axes the
+    runtime splits microbatches over by hand.
     """
 
     spec: RuntimeSpec
+
+    #: ``True`` for an executor whose compute runs eagerly, op by op (``Pipeline`` then
+    #: calls it directly instead of jitting it): the reference executor.
+    eager: ClassVar[bool] = False
 
     # -- parameters ---------------------------------------------------------------
     @abc.abstractmethod
@@ -170,14 +184,31 @@ class Executor(abc.ABC):
     def check_staged(self, staged: Any, what: str) -> None:
         """Raise ``PipelineError`` naming ``what`` unless ``staged`` has the staged layout."""
 
+    def stage_params(self, staged: Any) -> list[list[jax.Array]]:
+        """Every stage's parameter inputs as its device holds them (tied: each copy; a
+        stacked weight split over stages: the stage's rows). Default: from
+        :meth:`unshard` and the spec's views."""
+        inputs = self.spec.views.take(self.unshard(staged))
+        return [[inputs[i] for i in st.param_ids] for st in self.spec.stages]
+
     # -- compute ------------------------------------------------------------------
     @abc.abstractmethod
-    def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
-        """Mean loss over microbatches and the gradient of every user parameter leaf."""
+    def value_and_grad(self, param_leaves: list, batch_mb: list
+                       ) -> tuple[jax.Array, list, list]:
+        """``(loss, aux leaves, gradient of every user parameter leaf)``."""
 
     @abc.abstractmethod
-    def staged_value_and_grad(self, staged: Any, batch_mb: list) -> tuple[jax.Array, Any]:
+    def staged_value_and_grad(self, staged: Any, batch_mb: list
+                              ) -> tuple[jax.Array, list, Any]:
         """As :meth:`value_and_grad`, parameters and gradients in the staged layout."""
+
+    @abc.abstractmethod
+    def loss(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
+        """``(loss, aux leaves)``, forward only: no residual kept, no backward run."""
+
+    @abc.abstractmethod
+    def staged_loss(self, staged: Any, batch_mb: list) -> tuple[jax.Array, list]:
+        """As :meth:`loss`, parameters in the staged layout."""
 
     # -- training -----------------------------------------------------------------
     @abc.abstractmethod
@@ -186,7 +217,8 @@ class Executor(abc.ABC):
 
         Returns ``(step, init_opt_state)``: ``step(staged, opt_state, batch_mb)`` computes
         gradients and applies the per-stage optimizer update (see :mod:`jaxpipe.train`),
-        returning ``(staged, opt_state, metrics)``; ``init_opt_state(param_leaves)`` builds
+        returning ``(staged, opt_state, metrics)`` (``metrics["aux"]``: the aux leaves,
+        with ``has_aux``); ``init_opt_state(param_leaves)`` builds
         the optimizer state in the executor's layout. Both are traceable; the caller jits.
         """
 

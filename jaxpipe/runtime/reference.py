@@ -16,8 +16,10 @@ import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.errors import PipelineError
+from jaxpipe.objective import MEAN, Objective
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.schedule import Schedule
+from jaxpipe.schedule.forward import ForwardOnly
 from jaxpipe.schedule.liveness import peak_overlap, unit_lifetimes
 from jaxpipe.stages import StageFn
 from jaxpipe.train import StageOptimizer, TrainOptions, global_norm_scale, sq_norm
@@ -26,14 +28,19 @@ __all__ = ["ReferenceExecutor", "ReferenceRuntime", "run_reference"]
 
 
 def run_reference(
-    stages: list[StageFn], schedule: Schedule, param_leaves: list, batch_mb: list
-) -> tuple[jax.Array, list, list[int]]:
+    stages: list[StageFn], schedule: Schedule, param_leaves: list, batch_mb: list,
+    objective: Objective = MEAN, forward_only: bool = False,
+) -> tuple[jax.Array, list, list, list[int]]:
     """Run ``schedule`` on ``stages``; ``batch_mb`` leaves are shaped ``[m, microbatch, ...]``.
 
-    Returns ``(mean loss, gradient per param leaf, peak live residual sets per device)``.
+    Returns ``(loss, aux leaves, gradient per param leaf, peak live residual sets per
+    device)``, the loss reduced and the gradients scaled as ``objective`` says, each aux
+    leaf stacked over microbatches. ``forward_only``: run the schedule's forward actions
+    only (:class:`~jaxpipe.schedule.forward.ForwardOnly`); no gradients (``[]``).
     """
     m = schedule.num_microbatches
-    timeline = schedule.simulate(costs={"F": 1, "B": 1, "I": 1, "W": 1})
+    run = ForwardOnly(schedule) if forward_only else schedule
+    timeline = run.simulate(costs={"F": 1, "B": 1, "I": 1, "W": 1})
     order = sorted(timeline.events, key=lambda e: (e.start, e.device))
     fns = {
         st.index: {k: jax.jit(jaxpr_as_fun(getattr(st, k))) for k in ("fwd", "bwd", "bwd_i",
@@ -45,6 +52,7 @@ def run_reference(
     cts: dict = {}  # (stage, mb) -> cotangent received by that stage
     res: dict = {}
     handoff: dict = {}
+    extras: dict = {}  # mb -> the last stage's outputs after the loss
     loss = jnp.zeros((), jnp.float32)
 
     def add_grads(st, ct_par):
@@ -59,13 +67,16 @@ def run_reference(
         key = (a.stage, a.microbatch)
         params = [param_leaves[i] for i in st.param_ids]
         batch = [batch_mb[i][a.microbatch] for i in st.batch_ids]
-        ct = [jnp.full((), 1.0 / m, st.out_avals[0].dtype)] if st.is_last else None
+        ct = ([jnp.full((), objective.seed(m), st.out_avals[0].dtype)] if st.is_last
+              else None)
         if a.kind == "F":
             outs = fns[a.stage]["fwd"](*params, *batch, *acts.pop(key, []))
             n = len(st.out_avals)
-            res[key] = outs[n:]
+            if not forward_only:
+                res[key] = outs[n:]
             if st.is_last:
-                loss = loss + outs[0] / m
+                loss = loss + outs[0].astype(jnp.float32)
+                extras[a.microbatch] = outs[1:n]
             else:
                 acts[(a.stage + 1, a.microbatch)] = outs[:n]
             continue
@@ -88,12 +99,19 @@ def run_reference(
         if a.kind in ("B", "W"):
             del res[key]
     assert not res and not acts and not cts, "schedule left work undone"
+    rows = [jnp.stack([extras[i][k] for i in range(m)]) for k in range(len(extras[0]))]
+    if objective.weighted:
+        total = jnp.sum(rows[0].astype(jnp.float32))
+        loss, rows = loss / total, rows[1:]
+        grads = [(g / total.astype(g.dtype)).astype(g.dtype) for g in grads]
+    elif objective.reduction == "mean":
+        loss = loss / m
     # residual sets live from F to the last backward action, counted in execution order
     peaks = []
     for d in range(schedule.num_devices):
         mine = [(e.action, i) for i, e in enumerate(o for o in order if o.device == d)]
         peaks.append(peak_overlap(unit_lifetimes(mine).values()))
-    return loss, grads, peaks
+    return loss, rows, [] if forward_only else grads, peaks
 
 
 class ReferenceRuntime(Runtime):
@@ -143,14 +161,26 @@ class ReferenceExecutor(Executor):
                 f"{what} expects the reference runtime's staged layout (the flat list of "
                 f"parameter leaves {[w[0] for w in want]}), got {type(staged).__name__}.")
 
-    def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
-        loss, grads = self.staged_value_and_grad(self.spec.views.take(param_leaves), batch_mb)
-        return loss, self.spec.views.gather(grads)
+    def value_and_grad(self, param_leaves: list, batch_mb: list
+                       ) -> tuple[jax.Array, list, list]:
+        loss, aux, grads = self.staged_value_and_grad(self.spec.views.take(param_leaves),
+                                                      batch_mb)
+        return loss, aux, self.spec.views.gather(grads)
 
-    def staged_value_and_grad(self, staged: Any, batch_mb: list) -> tuple[jax.Array, list]:
-        loss, grads, _ = run_reference(list(self.spec.stages), self.spec.schedule,
-                                       list(staged), batch_mb)
-        return loss, grads
+    def staged_value_and_grad(self, staged: Any, batch_mb: list
+                              ) -> tuple[jax.Array, list, list]:
+        loss, aux, grads, _ = run_reference(list(self.spec.stages), self.spec.schedule,
+                                            list(staged), batch_mb, self.spec.objective)
+        return loss, aux, grads
+
+    def loss(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
+        return self.staged_loss(self.spec.views.take(param_leaves), batch_mb)
+
+    def staged_loss(self, staged: Any, batch_mb: list) -> tuple[jax.Array, list]:
+        loss, aux, _, _ = run_reference(list(self.spec.stages), self.spec.schedule,
+                                        list(staged), batch_mb, self.spec.objective,
+                                        forward_only=True)
+        return loss, aux
 
     def make_train_step(self, optimizer: Any, options: TrainOptions) -> tuple[StepFn, Any]:
         spec = self.spec
@@ -162,7 +192,7 @@ class ReferenceExecutor(Executor):
                     for st in spec.stages]
 
         def step(staged: list, opt_state: list, batch_mb: list) -> tuple:
-            loss, grads = self.staged_value_and_grad(staged, batch_mb)
+            loss, aux, grads = self.staged_value_and_grad(staged, batch_mb)
             gnorm, scale = global_norm_scale(sq_norm(grads), options)
             grads = [(g * scale).astype(g.dtype) for g in grads]
             new_p, new_o = list(staged), []
@@ -180,7 +210,8 @@ class ReferenceExecutor(Executor):
                 new_o = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_o, opt_state)
             metrics = {"loss": loss, "grad_norm": gnorm,
                        "skipped": jnp.logical_and(options.skip_nonfinite,
-                                                  ~finite).astype(jnp.int32)}
+                                                  ~finite).astype(jnp.int32),
+                       "aux": aux}
             return new_p, new_o, metrics
 
         return step, init_opt_state

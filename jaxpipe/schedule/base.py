@@ -92,6 +92,9 @@ class Schedule(abc.ABC):
     """
 
     name: ClassVar[str | None] = None
+    #: A schedule of forward actions only (evaluating a loss: :class:`.forward.ForwardOnly`);
+    #: every other schedule lists one backward per forward.
+    forward_only: ClassVar[bool] = False
 
     def __init__(self, num_devices: int, num_microbatches: int, stages_per_device: int = 1):
         self.num_devices = _positive_int("num_devices", num_devices)

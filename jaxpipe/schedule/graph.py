@@ -232,6 +232,9 @@ def _compile_structure(schedule: Schedule) -> tuple[dict, np.ndarray, np.ndarray
     f, b, i, w = where.reshape(4, n * m)
     has_b, has_i, has_w = b >= 0, i >= 0, w >= 0
     first_back = np.where(has_b, b, i)
+    if schedule.forward_only:  # forwards only, every one of them
+        return None if (f < 0).any() or (has_b | has_i | has_w).any() else (
+            lists, np.stack([dev, pos, kind, stage, mb]), has_i)
     if ((f < 0).any() or (has_b & (has_i | has_w)).any() or (has_i != has_w).any()
             or (~has_b & ~has_i).any() or (first_back < f).any() or (w < i).any()):
         return None

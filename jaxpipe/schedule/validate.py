@@ -151,6 +151,13 @@ def check_structure(schedule: Schedule) -> tuple[dict[int, list[Action]], frozen
 
             if f is None:
                 raise _fail(device, act("F"), "missing F", "this forward never runs")
+            if schedule.forward_only:
+                back = next((k for k, x in zip("BIW", (b, i, w), strict=True)
+                             if x is not None), None)
+                if back is not None:
+                    raise _fail(device, act(back), "backward in a forward-only schedule",
+                                "a forward-only schedule lists F actions only")
+                continue
             if b is not None and (i is not None or w is not None):
                 other = act("I") if i is not None else act("W")
                 raise _fail(

@@ -42,6 +42,7 @@ from jaxpipe.runtime.spmd.program.param_moves import (
     slot_inputs,
     to_slots,
 )
+from jaxpipe.schedule.forward import ForwardOnly
 from jaxpipe.sharding import manual_spec, to_spec
 from jaxpipe.train import StageOptimizer, TrainOptions
 
@@ -218,17 +219,10 @@ class SpmdExecutor(Executor):
                        iw_same_tick=runtime.resolve_iw_same_tick(mesh),
                        fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
                        refine=runtime.resolve_refine(mesh))
-        pool_counts = self.layouts.pool_counts()
-        if self.accelerated:
-            if runtime.iw_same_tick is True:  # backend="auto" on a GPU or TPU mesh
-                raise _packed_w_error(self.backend)
-            overlap = runtime.overlap if spec.action_cost is not None else (
-                runtime.overlap is True)
-            self.lowering: Lowering = lower_accelerator(
-                sched, pool_counts, self.body_of_stage, overlap=overlap,
-                transfer=exchange_flops(self.backend, self.layouts.unit_bytes()), **options)
-        else:
-            self.lowering = lower(sched, pool_counts, self.body_of_stage, **options)
+        if self.accelerated and runtime.iw_same_tick is True:  # "auto" on a GPU/TPU mesh
+            raise _packed_w_error(self.backend)
+        self._runtime, self._options = runtime, options
+        self.lowering: Lowering = self._lower(sched, self.layouts.pool_counts())
         holds = slot_inputs(spec, self.layouts.slots)
         self.groups = Groups(
             self.bodies, self.layouts.slots.classes, axis=spec.axis,
@@ -236,10 +230,38 @@ class SpmdExecutor(Executor):
             whole=lambda g: interleaved_leaf(spec, self.layouts.slots, holds, g) is not None)
         self._build = functools.partial(build_step, self.bodies, self.layouts, self.lowering,
                                         spec.mesh, spec.mesh_axes, len(spec.microbatch_avals),
-                                        groups=self.groups, accelerator=self.accelerated)
+                                        groups=self.groups, accelerator=self.accelerated,
+                                        objective=spec.objective)
         self._step = self._build()
-        # value_and_grad moves parameters in and gradients out by group (.picks)
+        # value_and_grad moves parameters in and gradients out by group (.param_groups)
         self._step_grouped = self._build(grouped=True)
+
+    def _lower(self, schedule: Any, pool_counts: Any) -> Lowering:
+        """The lowering of ``schedule`` for this executor's program."""
+        runtime, options = self._runtime, self._options
+        if not self.accelerated:
+            return lower(schedule, pool_counts, self.body_of_stage, **options)
+        overlap = (runtime.overlap if self.spec.action_cost is not None
+                   else runtime.overlap is True)
+        return lower_accelerator(
+            schedule, pool_counts, self.body_of_stage, overlap=overlap,
+            transfer=exchange_flops(self.backend, self.layouts.unit_bytes()), **options)
+
+    @functools.cached_property
+    def forward_lowering(self) -> Lowering:
+        """The lowering of the schedule's forward actions (:meth:`loss`): no residuals
+        stored, so no storage at all (built on first use)."""
+        return self._lower(ForwardOnly(self.spec.schedule), {})
+
+    @functools.cached_property
+    def _forward_steps(self) -> tuple[Any, Any]:
+        """The evaluation programs: ``(from staged slots, from groups)``."""
+        build = functools.partial(build_step, self.bodies, self.layouts,
+                                  self.forward_lowering, self.spec.mesh,
+                                  self.spec.mesh_axes, len(self.spec.microbatch_avals),
+                                  groups=self.groups, accelerator=self.accelerated,
+                                  objective=self.spec.objective, forward_only=True)
+        return build(), build(grouped=True)
 
     def _shard_map(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
         """``jax.shard_map`` manual over the program's manual axes; ``in_specs`` /
@@ -344,14 +366,22 @@ class SpmdExecutor(Executor):
                 for st in self.spec.stages]
 
     # -- compute --------------------------------------------------------------------
-    def staged_value_and_grad(self, staged: list, batch_mb: list) -> tuple[jax.Array, list]:
-        gbuf, loss = self._step(list(staged), batch_mb)
-        return loss, gbuf
+    def staged_value_and_grad(self, staged: list, batch_mb: list
+                              ) -> tuple[jax.Array, list, list]:
+        gbuf, loss, aux = self._step(list(staged), batch_mb)
+        return loss, aux, gbuf
 
-    def value_and_grad(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
-        (gslots, garrays), loss = self._step_grouped(self._to_slots(param_leaves, True),
-                                                     batch_mb)
-        return loss, self._gather(gslots, owner_only=False, grouped=garrays)
+    def value_and_grad(self, param_leaves: list, batch_mb: list
+                       ) -> tuple[jax.Array, list, list]:
+        (gslots, garrays), loss, aux = self._step_grouped(self._to_slots(param_leaves, True),
+                                                          batch_mb)
+        return loss, aux, self._gather(gslots, owner_only=False, grouped=garrays)
+
+    def staged_loss(self, staged: list, batch_mb: list) -> tuple[jax.Array, list]:
+        return self._forward_steps[0](list(staged), batch_mb)
+
+    def loss(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
+        return self._forward_steps[1](self._to_slots(param_leaves, True), batch_mb)
 
     # -- training -------------------------------------------------------------------
     def make_train_step(self, optimizer: Any, options: TrainOptions) -> tuple[StepFn, Any]:
@@ -367,7 +397,8 @@ class SpmdExecutor(Executor):
         )
 
         def step(staged: list, opt_state: list, batch_mb: list) -> tuple:
-            return core(list(staged), batch_mb, list(opt_state))
+            (params, opt_state, metrics), aux = core(list(staged), batch_mb, list(opt_state))
+            return params, opt_state, {**metrics, "aux": aux}
 
         def init_opt_state(param_leaves: list) -> list:
             D = spec.schedule.num_devices

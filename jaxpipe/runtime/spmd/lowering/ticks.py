@@ -55,6 +55,8 @@ def expand(schedule: Schedule, split_backward: bool) -> tuple[Schedule, frozense
         return schedule, frozenset()
     units = frozenset((a.stage, a.microbatch) for a in schedule.graph().actions
                       if a.kind == "B")
+    if not units:  # nothing to split (a forward-only schedule, say)
+        return schedule, units
     return _Expanded(schedule, units), units
 
 

@@ -42,6 +42,7 @@ from jaxpipe.runtime.spmd.lowering.types import IDLE, PROGRAM_KINDS, Lowering
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.branches import Branches
 from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, Ports
 
@@ -72,12 +73,15 @@ class AcceleratorTicks:
     """The accelerator program's tick loop for one lowering (see the module docstring):
     its table fields (host arrays), its carry and its step.
 
-    ``packed``: move a message of several classes as one byte buffer (only where no mesh
-    axis is left to JAX's sharding inside the program).
+    ``outputs``: where the last stage's outputs go (:mod:`.loss_outputs`);
+    ``forward_only``: an evaluation program (F steps storing nothing). ``packed``: move a
+    message of several classes as one byte buffer (only where no mesh axis is left to
+    JAX's sharding inside the program).
     """
 
     def __init__(self, bodies: Sequence[Body], layouts: StageLayouts, lowering: Lowering,
-                 axis: str, groups: Groups, packed: bool = True) -> None:
+                 axis: str, groups: Groups, outputs: LossOutputs, forward_only: bool = False,
+                 packed: bool = True) -> None:
         if not lowering.exchange.every_tick or lowering.num_steps != lowering.num_ticks:
             raise ValueError("the accelerator program needs a lowering with one step per "
                              "tick that exchanges every tick (lower_accelerator)")
@@ -93,8 +97,10 @@ class AcceleratorTicks:
         # one permutation per direction, over every pair that ever uses it
         self.perms = [[(d, (d + off) % D) for d in mine]
                       for off, mine in zip(lowering.perm_offsets, senders, strict=True)]
-        self.branch_of = Branches(layouts, lowering.num_microbatches, lowering.fused_stages,
-                                  lowering.split_stages, groups, direct_writes=False)
+        self.outputs = outputs
+        self.branch_of = Branches(layouts, outputs, lowering.fused_stages,
+                                  lowering.split_stages, groups, direct_writes=False,
+                                  forward_only=forward_only)
         table = lowering.table
         variant = np.zeros(table.branch.shape, np.int32)
         self.ports: Ports | None = None  # known once a step is traced
@@ -120,10 +126,11 @@ class AcceleratorTicks:
 
     # -- carry and messages ------------------------------------------------------------
     def init(self) -> tuple:
-        """The carry besides gradients and loss: storage, inbox, and (with the overlap)
-        the message the previous tick produced, as it travels."""
+        """The carry besides gradients and loss: storage (the loss function's outputs
+        too), inbox, and (with the overlap) the message the previous tick produced, as it
+        travels."""
         low, unit = self.lowering, self.unit
-        store = {c: c.zeros(n) for c, n in low.slots.items()}
+        store = {c: c.zeros(n) for c, n in low.slots.items()} | self.outputs.buffers()
         inbox = {c: c.zeros((low.num_inbox + 1) * n) for c, n in unit.items()}
         pending = self._pack(self.branch_of.empty_msg()) if self.overlap else ()
         return store, inbox, pending

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
@@ -26,6 +25,7 @@ from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
 from jaxpipe.runtime.spmd.program import scan_buffers as scanio
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.layout import Packing, StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups, of_stage, pick
 from jaxpipe.runtime.spmd.program.stage_ends import Ends, Fixed
 
@@ -41,21 +41,25 @@ class Branches:
     branch runs them); ``split``: the stages that run some backward as I then W (only
     their parts run in the I, W and IW branches: another member's hand-off may have no
     storage at all); ``groups``: the gradient groups (:mod:`.param_groups`): branches
-    take and return the gradient list with them. ``direct_writes``: a layer scan writes
-    its residuals into storage and adds its gradients into their slots itself
+    take and return the gradient list with them. ``outputs``: where the last stage's
+    loss and other outputs go (:mod:`.loss_outputs`). ``forward_only``: F branches store
+    no residuals (an evaluation program, which runs no backward). ``direct_writes``: a
+    layer scan writes its residuals into storage and adds its gradients into their slots
+    itself
     (:mod:`.scan_buffers`), which needs buffers updated in place (the CPU program); off,
     a branch's writes go through :mod:`.writes` only (the accelerator program records
     them)."""
 
-    def __init__(self, layouts: StageLayouts, num_microbatches: int,
+    def __init__(self, layouts: StageLayouts, outputs: LossOutputs,
                  fused: frozenset[int], split: frozenset[int], groups: Groups,
-                 direct_writes: bool = True) -> None:
+                 direct_writes: bool = True, forward_only: bool = False) -> None:
         self.L = layouts
         self.groups = groups
-        self.m = num_microbatches
+        self.outputs = outputs
         self.fused = fused
         self.split = split
-        self.direct_writes = direct_writes
+        self.direct_writes = direct_writes and not forward_only
+        self.forward_only = forward_only
 
     # -- reading and writing the buffers ----------------------------------------------
     def unit_base(self, packing: Packing, slot: Any) -> dict:
@@ -133,14 +137,16 @@ class Branches:
         core alone (the accelerator program, whose one conditional picks the variant)."""
         if kind == "FB":
             return self._fused(body)
-        L, m = self.L, self.m
+        L = self.L
         st = body.fn
         io = _DirectIO(self, body)
+        keep = not self.forward_only
         if variant == "gated":
-            ends = Ends(L, self._end_members(kind, body), m, self.groups)
+            ends = Ends(L, self._end_members(kind, body), self.outputs, self.groups,
+                        store_residuals=keep)
         else:
             ends = Ends(L, [x for x in self._end_members(kind, body) if x.index == variant],
-                        m, self.groups, gate=False)
+                        self.outputs, self.groups, gate=False, store_residuals=keep)
         a_in, c_back = L.act_in[body.in_stage], L.ct_in[body.in_stage]
         a_out, c_on = L.act_out[body.out_stage], L.ct_out[body.out_stage]
 
@@ -152,7 +158,7 @@ class Branches:
 
         def received_ct(row, inbox):
             if st.is_last:
-                return [jnp.full((), 1.0 / m, st.out_avals[0].dtype)]
+                return [self.outputs.seed()]
             return c_on.read(inbox, self.unit_base(c_on, row.in_slot))
 
         def f_branch(row, pbuf, mbd, inbox, state):
@@ -162,9 +168,12 @@ class Branches:
             core_in, store = ends.before_core(row, pbuf, mbd, store, core_in)
             outs, store, gbuf = io.run("fwd", row, store, gbuf, [*params, *batch, *core_in],
                                        pbuf)
-            store = io.store_residuals(row, store, outs[io.n_out:])
+            if keep:
+                store = io.store_residuals(row, store, outs[io.n_out:])
             if st.is_last:
-                return store, gbuf, msg, loss + outs[0].astype(jnp.float32)
+                store, loss = self.outputs.record(row.microbatch, store, loss,
+                                                  outs[:io.n_out])
+                return store, gbuf, msg, loss
             store, loss = ends.after_core(row, pbuf, mbd, store, loss, outs[:io.n_out])
             return store, gbuf, self.as_msg(a_out, outs[:io.n_out]), loss
 
@@ -229,7 +238,7 @@ class Branches:
         """F and its own B in one step (the last stage, fusion.fused_backwards): the
         residuals go straight from the forward to the backward, never to storage. Runs
         the body's last member whole, from its own parameter slots."""
-        L, m = self.L, self.m
+        L = self.L
         st = body.last
         if st is None:
             return None
@@ -244,9 +253,8 @@ class Branches:
             outs = jaxpr_as_fun(st.fwd)(*ins, *a_in.read(inbox, self.unit_base(a_in,
                                                                             row.in_slot)))
             n = len(st.out_avals)
-            loss = loss + outs[0].astype(jnp.float32)
-            outs = jaxpr_as_fun(st.bwd)(*ins, *outs[n:],
-                                        jnp.full((), 1.0 / m, st.out_avals[0].dtype))
+            store, loss = self.outputs.record(row.microbatch, store, loss, outs[:n])
+            outs = jaxpr_as_fun(st.bwd)(*ins, *outs[n:], self.outputs.seed())
             gbuf = fixed.accumulate(gbuf, outs[:n_diff])
             return store, gbuf, self.as_msg(c_back, outs[n_diff:]), loss
 

@@ -28,11 +28,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
+from jaxpipe.objective import MEAN, Objective
 from jaxpipe.runtime.spmd.lowering.types import Lowering
 from jaxpipe.runtime.spmd.program.accelerator_ticks import AcceleratorTicks
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.cpu_ticks import CpuTicks
 from jaxpipe.runtime.spmd.program.layout import StageLayouts
+from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.sharding import MeshAxes, constrain, manual_spec
 
@@ -40,6 +42,7 @@ __all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
 
 #: ``epilogue(params_local, grads_local, loss, *extra_local)`` -> outputs of the program.
 Epilogue = Callable[..., object]
+
 
 
 def build_step(
@@ -55,8 +58,11 @@ def build_step(
     groups: Groups | None = None,
     grouped: bool = False,
     accelerator: bool = False,
+    objective: Objective = MEAN,
+    forward_only: bool = False,
 ) -> Callable:
-    """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss)`` as a shard_map'ed function.
+    """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss, aux)`` as a shard_map'ed
+    function.
 
     ``pbuf``/``gbuf``: the slot list (``layouts.slots``), each ``[devices, *shape]``
     sharded ``P(pipe, *dims)`` (its class's sharding over the other axes).
@@ -67,14 +73,21 @@ def build_step(
     shard no parameter); every other axis keeps JAX's sharding inside the stages, which
     are traced on the global view of those axes.
 
-    With ``epilogue``, the step instead returns ``epilogue(pbuf_local, gbuf_local, loss,
-    *extra_local)`` computed on each device inside the same program (the optimizer update
-    uses this), with ``extra_in_specs`` / ``epilogue_out_specs`` as the specs of its
-    extra inputs and outputs outside the program (their manual part is the shard_map's).
+    ``objective``: what the loss function returns and how the program reduces it
+    (:mod:`jaxpipe.objective`, :mod:`.loss_outputs`); ``aux``: its aux leaves, each
+    ``[m, *shape]`` (``[m, shards, *shape]`` over manual batch axes).
+
+    With ``epilogue``, the step instead returns ``(epilogue(pbuf_local, gbuf_local, loss,
+    *extra_local), aux)``, the epilogue computed on each device inside the same program
+    (the optimizer update uses this), with ``extra_in_specs`` / ``epilogue_out_specs`` as
+    the specs of its extra inputs and outputs outside the program (their manual part is
+    the shard_map's). ``forward_only``: the program evaluates the loss and returns
+    ``(loss, aux)``; its lowering must be of a forward-only schedule
+    (:class:`jaxpipe.schedule.forward.ForwardOnly`).
 
     ``groups``: the slot groups (:mod:`.param_groups`; built from ``bodies`` when not given).
     With ``grouped=True`` parameters come in and gradients go out by group: ``pbuf`` is
-    ``(pslots, parrays)`` and the step returns ``((gslots, garrays), loss)``, the slots in
+    ``(pslots, parrays)`` and the step returns ``((gslots, garrays), loss, aux)``, the slots in
     no group (a list over all positions, ``None`` at grouped ones) and every group's
     array, ``[devices, len(group), *shape]``. The public path moves the user's leaves
     into and out of groups directly (:mod:`.param_moves`); the staged parameters stay
@@ -86,14 +99,15 @@ def build_step(
     """
     axis = axes.axis
     manual_batch = axes.manual_batch_axes
-    m = lowering.num_microbatches
     L = layouts
     groups = groups if groups is not None else Groups(bodies, L.slots.classes)
+    last = next(st for b in bodies for st in b.members if st.is_last)
+    outputs = LossOutputs(last.out_avals, objective, lowering.num_microbatches)
     if accelerator:  # a byte buffer would lose the sharding of automatic axes
-        loop = AcceleratorTicks(bodies, L, lowering, axis, groups,
+        loop = AcceleratorTicks(bodies, L, lowering, axis, groups, outputs, forward_only,
                                 packed=set(axes.manual_axes) == set(mesh.axis_names))
     else:
-        loop = CpuTicks(bodies, L, lowering, axis, groups)
+        loop = CpuTicks(bodies, L, lowering, axis, groups, outputs, forward_only)
 
     def per_device(pbuf, batch, fields, *extra):
         pslots, parrays = pbuf if grouped else (pbuf, [])
@@ -113,21 +127,21 @@ def build_step(
                    for x in batch]
             return loop.step(state, gbuf, loss, fields, pbuf, mbd), None
 
-        init = (loop.init(), groups.zero_grads(), jnp.zeros((), jnp.float32))
-        (_, gbuf, loss), _ = lax.scan(step, init, fields)
-        loss = lax.psum(loss, axis) / m
-        # Manual batch axes average explicitly; over the automatic ones the stages saw
+        init = (loop.init(), [] if forward_only else groups.zero_grads(),
+                jnp.zeros((), jnp.float32))
+        ((store, *_), gbuf, loss), _ = lax.scan(step, init, fields)
+        # Manual batch axes reduce explicitly; over the automatic ones the stages saw
         # the whole microbatch and XLA already reduced.
-        if manual_batch:
-            loss = lax.pmean(loss, manual_batch)
-            gbuf = jax.tree.map(lambda x: lax.pmean(x, manual_batch), gbuf)
+        loss, gbuf, aux = outputs.finish(store, loss, gbuf, axis, manual_batch)
+        if forward_only:
+            return loss, aux
         if epilogue is not None:
-            return epilogue(pbuf, groups.fold(gbuf), loss, *extra)
+            return epilogue(pbuf, groups.fold(gbuf), loss, *extra), aux
         if not grouped:
-            return [v[None] for v in groups.fold(gbuf)], loss
+            return [v[None] for v in groups.fold(gbuf)], loss, aux
         n = len(L.slots)
         return ([None if v is None else v[None] for v in gbuf[:n]],
-                [v[None] for v in gbuf[n:]]), loss
+                [v[None] for v in gbuf[n:]]), loss, aux
 
     table_arrays = jax.tree.map(jnp.asarray, loop.fields)
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
@@ -136,10 +150,15 @@ def build_step(
     by_group = groups.specs(pspec, axis)
     in_specs = (groups.specs(pspec, axis, params=True) if grouped else pspec, batch_specs,
                 table_specs, *extra_in_specs)
-    if epilogue is not None:
-        out_specs = epilogue_out_specs
+    # an aux leaf: [m, *shape], or [m, shards, *shape] over manual batch axes
+    aux_specs = [P(None, manual_batch) if manual_batch else P()
+                 for _ in outputs.classes[int(objective.weighted):]]
+    if forward_only:
+        out_specs = (P(), aux_specs)
+    elif epilogue is not None:
+        out_specs = (epilogue_out_specs, aux_specs)
     else:
-        out_specs = (by_group if grouped else pspec, P())
+        out_specs = (by_group if grouped else pspec, P(), aux_specs)
     manual = set(axes.manual_axes)
 
     def inner(specs):

@@ -41,6 +41,7 @@ from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.branches import Branches
 from jaxpipe.runtime.spmd.program.gated import gated
 from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.stage_ends import gated_stages
 
@@ -54,7 +55,8 @@ class CpuTicks:
     ``[steps, devices]`` int32 array per scalar), its carry and its step."""
 
     def __init__(self, bodies: Sequence[Body], layouts: StageLayouts, lowering: Lowering,
-                 axis: str, groups: Groups) -> None:
+                 axis: str, groups: Groups, outputs: LossOutputs,
+                 forward_only: bool = False) -> None:
         D = lowering.num_devices
         self.axis, self.lowering, self.unit = axis, lowering, layouts.unit
         self.ports = None  # its branches write in place: nothing goes through ports
@@ -64,8 +66,9 @@ class CpuTicks:
         self.perms = [[[(d, (d + off) % D) for d in senders] for senders in patterns]
                       for off, patterns in zip(lowering.perm_offsets, lowering.perm_patterns,
                                                strict=True)]
-        self.branch_of = Branches(layouts, lowering.num_microbatches, lowering.fused_stages,
-                                  lowering.split_stages, groups)
+        self.outputs = outputs
+        self.branch_of = Branches(layouts, outputs, lowering.fused_stages,
+                                  lowering.split_stages, groups, forward_only=forward_only)
         num_bodies = len(bodies)
         # Only (kind, body) pairs the schedule runs get a branch (e.g. no I/W for 1F1B).
         used = lowering.used_branches - {IDLE}
@@ -81,9 +84,10 @@ class CpuTicks:
                        table.steps(sorted(self.branches), lowering.num_inbox, lowering.units))
 
     def init(self) -> tuple:
-        """The carry besides gradients and loss: storage, inbox, one outbox a direction."""
+        """The carry besides gradients and loss: storage (the loss function's outputs
+        too, :mod:`.loss_outputs`), inbox, one outbox a direction."""
         low, unit = self.lowering, self.unit
-        store = {c: c.zeros(n) for c, n in low.slots.items()}
+        store = {c: c.zeros(n) for c, n in low.slots.items()} | self.outputs.buffers()
         inbox = {c: c.zeros((low.num_inbox + 1) * n) for c, n in unit.items()}
         # Only senders write an outbox (the writes are gated), so it needs no dummy unit
         # and a ppermute moves exactly the units in use.

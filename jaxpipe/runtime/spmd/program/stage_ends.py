@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.gated import gated
 from jaxpipe.runtime.spmd.program.layout import StageLayouts
+from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.stages import StageFn
 
@@ -115,15 +115,17 @@ class Ends:
     Each method runs every member's part gated by ``row.at_stage`` and returns what the
     core reads next (or the updated buffers). With ``gate=False`` (one member, in a
     branch that runs for that member alone: the accelerator program) the parts run
-    unconditionally.
+    unconditionally. ``outputs``: where the epilogue's loss and other outputs go;
+    ``store_residuals=False``: a forward-only program, which keeps none.
     """
 
-    def __init__(self, L: StageLayouts, members: Sequence[StageFn], num_microbatches: int,
-                 groups: Groups, gate: bool = True) -> None:
+    def __init__(self, L: StageLayouts, members: Sequence[StageFn], outputs: LossOutputs,
+                 groups: Groups, gate: bool = True, store_residuals: bool = True) -> None:
         self.pre: list[_Part] = []
         self.post: list[_Part] = []
-        self.m = num_microbatches
+        self.outputs = outputs
         self.gate = gate
+        self.store_residuals = store_residuals
         for whole in members:
             parts = whole.parts
             if parts is None:
@@ -132,6 +134,10 @@ class Ends:
                 self.pre.append(_Part(L, whole, parts.prologue, groups))
             if parts.epilogue is not None:
                 self.post.append(_Part(L, whole, parts.epilogue, groups))
+
+    def _save(self, part: _Part, row: ActionFields, store: Any, residuals: Sequence) -> Any:
+        # a forward-only program keeps no residuals (XLA drops what computes them)
+        return part.save(row, store, residuals) if self.store_residuals else store
 
     def _each(self, parts: list[_Part], row: ActionFields, fn: Callable, state: Any,
               *args: Any) -> Any:
@@ -150,16 +156,19 @@ class Ends:
             _, store = state
             outs = jaxpr_as_fun(part.fn.fwd)(*part.inputs(pbuf, mbd))
             n = len(part.fn.out_avals)
-            return list(outs[:n]), part.save(row, store, outs[n:])
+            return list(outs[:n]), self._save(part, row, store, outs[n:])
 
         return self._each(self.pre, row, run, (list(core_in), store), row, pbuf, mbd)
 
     def after_core(self, row, pbuf, mbd, store, loss, core_out: list) -> tuple[dict, Any]:
-        """The epilogue's forward: the loss and the epilogue's residuals."""
+        """The epilogue's forward: the loss (and the loss function's other outputs,
+        :mod:`.loss_outputs`) and the epilogue's residuals."""
         def run(part, state, row, pbuf, mbd, core_out):
             store, loss = state
             outs = jaxpr_as_fun(part.fn.fwd)(*part.inputs(pbuf, mbd), *core_out)
-            return part.save(row, store, outs[1:]), loss + outs[0].astype(jnp.float32)
+            n = len(part.fn.out_avals)
+            return self.outputs.record(row.microbatch, self._save(part, row, store, outs[n:]),
+                                       loss, outs[:n])
 
         return self._each(self.post, row, run, (store, loss), row, pbuf, mbd, list(core_out))
 
@@ -171,7 +180,7 @@ class Ends:
         def run(part, state, row, pbuf, mbd):
             _, store, gbuf = state
             fn = part.fn
-            seed = [jnp.full((), 1.0 / self.m, fn.out_avals[0].dtype)]
+            seed = [self.outputs.seed()]
             outs = jaxpr_as_fun(getattr(fn, half))(
                 *part.inputs(pbuf, mbd), *part.load(row, store, range(len(fn.residual_avals))),
                 *seed)

@@ -1,0 +1,72 @@
+"""What a pipeline's ``loss_fn`` returns per microbatch, and how the pipeline reduces it.
+
+A leaf module: the trace, the stages and every runtime read an :class:`Objective`, and
+it imports nothing of jaxpipe.
+
+- ``reduction="mean"`` (default): ``loss_fn`` returns the microbatch's loss; the
+  pipeline's loss is their mean over microbatches (for a mean loss over equal
+  microbatches, the full batch's loss).
+- ``"sum"``: their sum.
+- ``"weighted"``: ``loss_fn`` returns ``(loss_sum, weight)`` (e.g. the summed loss of a
+  microbatch's real tokens and their count); the pipeline's loss is ``sum(loss_sum) /
+  sum(weight)`` over every microbatch and data shard, and its gradient that quotient's:
+  each microbatch's gradient is of its ``loss_sum``, and the total is divided by the
+  total weight once, after the last microbatch. Weights are not differentiated.
+- ``has_aux=True``: ``loss_fn`` returns ``(loss, aux)`` (with ``"weighted"``:
+  ``((loss_sum, weight), aux)``), ``aux`` any pytree of arrays. Aux values never enter
+  the gradient; the pipeline returns each leaf stacked over microbatches.
+
+The traced loss outputs ``[loss, weight?, *aux leaves]``; the last stage outputs the
+same, and only the loss is differentiated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MEAN", "REDUCTIONS", "Objective"]
+
+#: The reductions a pipeline's loss may use.
+REDUCTIONS = ("mean", "sum", "weighted")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What ``loss_fn`` returns and how the pipeline reduces it (see the module docstring).
+
+    Attributes:
+      reduction: ``"mean"``, ``"sum"`` or ``"weighted"``.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      aux_avals: one microbatch's aux leaves (abstract values; set by the trace).
+      aux_treedef: the aux pytree's structure (set by the trace; ``None`` without aux).
+    """
+
+    reduction: str = "mean"
+    has_aux: bool = False
+    aux_avals: tuple[Any, ...] = ()
+    aux_treedef: Any = None
+
+    def __post_init__(self) -> None:
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, "
+                             f"got {self.reduction!r}")
+
+    @property
+    def weighted(self) -> bool:
+        return self.reduction == "weighted"
+
+    @property
+    def num_extras(self) -> int:
+        """Outputs of the traced loss after the loss itself: the weight, then the aux
+        leaves."""
+        return int(self.weighted) + len(self.aux_avals)
+
+    def seed(self, num_microbatches: int) -> float:
+        """The cotangent each microbatch's loss output gets: ``1/m`` for a mean, else 1
+        (a weighted loss divides the total gradient by the total weight at the end)."""
+        return 1.0 / num_microbatches if self.reduction == "mean" else 1.0
+
+
+#: The default objective: one scalar loss, averaged over microbatches.
+MEAN = Objective()
