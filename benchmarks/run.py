@@ -121,7 +121,7 @@ from jaxpipe.runtime.spmd import SpmdRuntime  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("overhead", "baseline", "sweep", "scaling", "concurrency", "remat", "lowering",
-            "step", "compile", "sharded")
+            "step", "compile", "sharded", "eval")
 
 #: Fields every section of the JSON has (the test suite checks them).
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -139,6 +139,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "step": ("p1_overhead", "split_backward"),
     "compile": ("rows", "targets"),
     "sharded": ("model", "memory", "p1_overhead"),
+    "eval": ("p", "microbatches", "value_and_grad", "loss", "time_ratio", "temp_ratio"),
     "headline": ("overhead_p1", "overhead_p4", "memory_1f1b_vs_baseline_m4p",
                  "step_1f1b_vs_baseline_m4p", "concurrency_fraction_of_ideal"),
 }
@@ -355,6 +356,34 @@ def _ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
     return {"wall": _ratio(a["median_s"], b["median_s"]),
             "wall_min": _ratio(a["min_s"], b["min_s"]),
             "cpu": _ratio(a["cpu_median_s"], b["cpu_median_s"])}
+
+
+def section_eval(r: Runner) -> dict[str, Any]:
+    """``pipe.loss`` (forward only) against ``pipe.value_and_grad`` on the full GPT, 1F1B
+    at p=P, m=2P: step time and compiled temp memory."""
+    s, cfg = r.s, r.s.model
+    p, m = s.p, 2 * s.p
+    params = C.init_params(cfg, jax.random.key(0), embed=True)
+    batch = C.make_gpt_batch(cfg, m * s.mb)
+    pipe = jp.pipeline(C.gpt_loss(cfg), params, batch, mesh=_mesh(p),
+                       schedule=jp.OneFOneB(p, m), runtime=SpmdRuntime(backend=s.program))
+    flops = C.model_flops(cfg, m * s.mb * cfg.seq, embed=True)
+    group = {}
+    for name, fn in (("value_and_grad", pipe.value_and_grad_fn), ("loss", pipe.eval_fn)):
+        compiled, info = _compile(fn, (params, batch))
+        group[name] = Prepared(compiled, (params, batch), info, flops / 3 if name == "loss"
+                               else flops, p)
+    res = _time_group(group, s)
+    vg, ev = res["value_and_grad"], res["loss"]
+    out = {"p": p, "microbatches": m, "mb_size": s.mb, "model": "gpt", "schedule": "1F1B",
+           "value_and_grad": vg, "loss": ev,
+           "num_ticks": {"value_and_grad": int(pipe.executor.lowering.num_ticks),
+                         "loss": int(pipe.executor.forward_lowering.num_ticks)},
+           "time_ratio": _ratios(ev, vg),
+           "temp_ratio": _ratio(ev["memory"]["temp_bytes"], vg["memory"]["temp_bytes"])}
+    _log(f"eval: pipe.loss / value_and_grad time x{out['time_ratio']['wall']:.2f} wall, "
+         f"temp memory x{out['temp_ratio']:.2f}")
+    return out
 
 
 def section_overhead(r: Runner) -> dict[str, Any]:

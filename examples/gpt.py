@@ -26,12 +26,18 @@ style: the MLP's first matrix split by columns, its second by rows;
 
 The corpus is the Python standard library's own source code (present on every
 machine, no download), read as characters. Files are taken in sorted order; the last
-10% of the characters (whole, different files) are held out for evaluation.
+10% of the characters (whole, different files) are held out for evaluation. Training
+documents have random lengths, padded to the context: the loss is the per-token
+cross-entropy over the batch's real tokens (``reduction="weighted"``: each microbatch
+returns its summed loss and its token count), and the token accuracy comes back as an
+aux output (``has_aux=True``). The held-out loss and accuracy are evaluated through the
+pipeline too (``pipe.loss(state, batch)``: forward only, on the train state's stage
+layout), so no part of the run leaves the pipeline.
 
 The script prints the pipeline plan, the schedule's timeline, a progress bar (loss,
-tokens/s), then the final train / held-out loss next to the uniform-guess loss
-ln(vocab), and on its last line ``RESULT {json}`` for scripts and tests. ``main(argv)``
-returns the same dict.
+tokens/s), then the final train / held-out loss and accuracy next to the uniform-guess
+loss ln(vocab), and on its last line ``RESULT {json}`` (a summary) for scripts and
+tests. ``main(argv)`` returns the same dict.
 
 Virtual CPU devices run one after another, so tokens/s here measures the
 pipeline's overhead, not its speed-up; on real accelerators the stages overlap.
@@ -122,21 +128,29 @@ def load_data(max_chars: int, heldout_frac: float = 0.1) -> tuple[np.ndarray, np
     return ids[:split], ids[split:]
 
 
-def sample_batch(ids: np.ndarray, rng: np.random.Generator, batch: int, seq: int) -> dict:
-    """Random windows: ``x`` = ``seq`` characters, ``y`` = the same shifted by one."""
-    starts = rng.integers(0, len(ids) - seq - 1, size=batch)
+def _windows(ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, seq: int) -> dict:
+    """Documents of ``lengths`` characters from ``starts``, padded to ``seq``: ``x`` the
+    characters, ``y`` the next ones, ``mask`` 1 on a document's real positions."""
     idx = starts[:, None] + np.arange(seq + 1)[None, :]
     windows = ids[idx]
-    return {"x": windows[:, :-1], "y": windows[:, 1:]}
+    mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.float32)
+    return {"x": np.where(mask > 0, windows[:, :-1], 0).astype(np.int32),
+            "y": windows[:, 1:], "mask": mask}
+
+
+def sample_batch(ids: np.ndarray, rng: np.random.Generator, batch: int, seq: int) -> dict:
+    """Random documents of random lengths (a quarter of ``seq`` to all of it), padded:
+    rows hold very different numbers of real tokens, as packed or padded corpora do."""
+    starts = rng.integers(0, len(ids) - seq - 1, size=batch)
+    lengths = rng.integers(max(1, seq // 4), seq + 1, size=batch)
+    return _windows(ids, starts, lengths, seq)
 
 
 def heldout_batches(ids: np.ndarray, batch: int, seq: int, n: int) -> list[dict]:
-    """``n`` fixed, evenly spaced held-out batches (deterministic evaluation)."""
-    count = batch * n
-    starts = np.linspace(0, len(ids) - seq - 2, count).astype(np.int64)
-    idx = starts[:, None] + np.arange(seq + 1)[None, :]
-    windows = ids[idx].reshape(n, batch, seq + 1)
-    return [{"x": w[:, :-1], "y": w[:, 1:]} for w in windows]
+    """``n`` fixed, evenly spaced held-out batches of whole windows (deterministic)."""
+    starts = np.linspace(0, len(ids) - seq - 2, batch * n).astype(np.int64)
+    full = np.full(batch, seq)
+    return [_windows(ids, s, full, seq) for s in starts.reshape(n, batch)]
 
 
 # ----------------------------------------------------------------------------- model
@@ -237,10 +251,28 @@ class GPT(nnx.Module):
         return self.ln_f(h) @ self.embed[...].T
 
 
-def loss_fn(model: GPT, batch: dict) -> jax.Array:
-    """Mean next-character cross-entropy (nats)."""
+#: How many times ``loss_fn`` ran (traced) in this process: in the pipelined run, only
+#: inside jaxpipe (every forward and every evaluation goes through the pipeline).
+LOSS_FN_CALLS = [0]
+
+
+def loss_fn(model: GPT, batch: dict) -> tuple[tuple[jax.Array, jax.Array], dict]:
+    """Next-character cross-entropy (nats) summed over a microbatch's real tokens, and
+    their count: the pipeline reduces them as ``sum(loss) / sum(count)`` over the whole
+    batch (``reduction="weighted"``), the per-token loss of padded documents. Aux: the
+    real tokens predicted right (for the accuracy)."""
+    LOSS_FN_CALLS[0] += 1
     logits = model(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    mask = batch["mask"]
+    correct = jnp.sum((jnp.argmax(logits, -1) == batch["y"]) * mask)
+    return (jnp.sum(nll * mask), jnp.sum(mask)), {"correct": correct, "tokens": jnp.sum(mask)}
+
+
+def batch_summary(total: Any) -> tuple[float, float]:
+    """``(loss, accuracy)`` of ``loss_fn``'s outputs summed over microbatches."""
+    (loss_sum, count), aux = total
+    return float(loss_sum / count), float(jnp.sum(aux["correct"]) / jnp.sum(aux["tokens"]))
 
 
 def make_optimizer(lr: float, steps: int, scan_layers: bool = False
@@ -385,17 +417,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
 
     if args.plain:
-        def pure_loss(p: Any, batch: dict) -> jax.Array:
-            return loss_fn(nnx.merge(graphdef, p, rest), batch)
+        def pure_loss(p: Any, batch: dict) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+            (loss_sum, count), aux = loss_fn(nnx.merge(graphdef, p, rest), batch)
+            return loss_sum / count, (count, aux)
 
         @jax.jit
-        def plain_step(p: Any, opt_state: Any, batch: dict) -> tuple[Any, Any, jax.Array]:
-            loss, grads = jax.value_and_grad(pure_loss)(p, batch)
+        def plain_step(p: Any, opt_state: Any, batch: dict) -> tuple[Any, Any, jax.Array,
+                                                                       dict]:
+            (loss, (_, aux)), grads = jax.value_and_grad(pure_loss, has_aux=True)(p, batch)
             updates, opt_state = optimizer.update(grads, opt_state, p)
-            return optax.apply_updates(p, updates), opt_state, loss
+            return optax.apply_updates(p, updates), opt_state, loss, aux
 
+        plain_eval = jax.jit(pure_loss)
         state = (params0, optimizer.init(params0))
-        step_fn = lambda s, b: (lambda p, o, loss: ((p, o), loss))(*plain_step(*s, b))
+
+        def step_fn(s: Any, b: dict) -> tuple[Any, jax.Array, dict]:
+            p, o, loss, aux = plain_step(*s, b)
+            return (p, o), loss, aux
+
+        def evaluate(s: Any, b: dict) -> tuple[float, float]:
+            loss, (count, aux) = plain_eval(s[0], b)
+            return batch_summary(((loss * count, count), aux))
+
         final_params = lambda s: s[0]
         print("training without a pipeline (--plain): one device, jax.value_and_grad")
     else:
@@ -405,7 +448,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         specs = (tensor_parallel_specs(nnx.to_pure_dict(params0), stacked=args.scan_layers)
                  if "model" in mesh.axis_names else None)
         pipe = jp.flax.pipeline(model, loss_fn, example, mesh=mesh, schedule=schedule,
-                                cut=args.cut, param_specs=specs)
+                                cut=args.cut, param_specs=specs, has_aux=True,
+                                reduction="weighted")
         if specs is not None:
             print(f"mesh {dict(mesh.shape)}: batch split over {pipe.batch_axes}, blocks "
                   "tensor-parallel over 'model'")
@@ -413,7 +457,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"schedule {type(schedule).__name__} (p={args.stages}, m={args.microbatches}):")
         print(schedule.simulate().to_ascii())
         state = pipe.init(model, optimizer)
-        step_fn = lambda s, b: (lambda s2, metrics: (s2, metrics["loss"]))(*pipe.train_step(s, b))
+
+        def step_fn(s: Any, b: dict) -> tuple[Any, jax.Array, dict]:
+            s, metrics = pipe.train_step(s, b)
+            return s, metrics["loss"], metrics["aux"]
+
+        def evaluate(s: Any, b: dict) -> tuple[float, float]:
+            # forward only, through the pipeline, on the state's stage layout (no gather)
+            loss, aux = pipe.loss(s, b)
+            return float(loss), float(jnp.sum(aux["correct"]) / jnp.sum(aux["tokens"]))
 
         def final_params(s: Any) -> Any:
             pipe.update_model(model, pipe.params(s))
@@ -421,6 +473,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     tokens_per_step = args.batch * args.seq
     losses: list[float] = []
+    accuracies: list[float] = []
     steady_time, steady_steps = 0.0, 0
     bar = None
     if not args.no_progress:
@@ -430,8 +483,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for step in range(args.steps):
         batch = sample_batch(train_ids, rng, args.batch, args.seq)
         t0 = time.perf_counter()
-        state, loss = step_fn(state, batch)
+        state, loss, aux = step_fn(state, batch)
         loss = float(loss)  # blocks until the step is done
+        accuracies.append(float(jnp.sum(aux["correct"]) / jnp.sum(aux["tokens"])))
         dt = time.perf_counter() - t0
         if step > 0:  # step 0 includes compilation
             steady_time += dt
@@ -444,12 +498,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if bar is not None:
         bar.close()
 
-    # Held-out evaluation: a plain jitted forward on the (unsharded) trained parameters.
-    trained = final_params(state)
-    eval_loss = jax.jit(lambda p, b: loss_fn(nnx.merge(graphdef, p, rest), b))
-    held = heldout_batches(held_ids, args.batch, args.seq, args.eval_batches)
-    held_loss = float(np.mean([float(eval_loss(trained, b)) for b in held]))
-    tail = losses[-max(1, min(20, len(losses) // 10)):]
+    # Held-out evaluation, forward only (through the pipeline unless --plain).
+    held = [evaluate(state, b)
+            for b in heldout_batches(held_ids, args.batch, args.seq, args.eval_batches)]
+    held_loss = float(np.mean([x[0] for x in held]))
+    held_acc = float(np.mean([x[1] for x in held]))
+    final_params(state)  # the pipelined run writes the trained weights back into model
+    tail = slice(-max(1, min(20, len(losses) // 10)), None)
+    every = max(1, len(losses) // 10)
     result = {
         "mode": "plain" if args.plain else "pipeline",
         "schedule": None if args.plain else args.schedule,
@@ -459,15 +515,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                              "scan_layers": args.scan_layers},
         "params": int(n_params),
         "uniform_loss": math.log(VOCAB),
-        "losses": losses,
-        "train_loss": float(np.mean(tail)),
+        "first_losses": losses[:3],
+        "loss_curve": losses[::every] + ([losses[-1]] if (len(losses) - 1) % every else []),
+        "train_loss": float(np.mean(losses[tail])),
+        "train_accuracy": float(np.mean(accuracies[tail])),
         "heldout_loss": held_loss,
+        "heldout_accuracy": held_acc,
+        "evaluated_by": "jax.jit forward" if args.plain else "pipe.loss",
+        "loss_fn_calls": LOSS_FN_CALLS[0],
         "tokens_per_s": tokens_per_step * steady_steps / steady_time if steady_steps else None,
         "wall_s": time.perf_counter() - t_start,
     }
     tps = result["tokens_per_s"]
-    print(f"final: train loss {result['train_loss']:.3f}  held-out loss {held_loss:.3f}  "
-          f"(uniform ln({VOCAB}) = {math.log(VOCAB):.3f})  "
+    print(f"final: train loss {result['train_loss']:.3f} (accuracy "
+          f"{result['train_accuracy']:.3f})  held-out loss {held_loss:.3f} (accuracy "
+          f"{held_acc:.3f})  uniform ln({VOCAB}) = {math.log(VOCAB):.3f}  "
           f"{tps if tps is None else f'{tps:,.0f}'} tokens/s  wall {result['wall_s']:.1f} s")
     print("RESULT " + json.dumps(result))
     return result

@@ -118,6 +118,16 @@ class _Delegating:
         ``key`` with ``rng=True``."""
         return self.pipe.value_and_grad(self._as_params(params), batch, key)
 
+    def loss(self, params: Any, batch: Any, key: Any = None) -> Any:
+        """The pipelined loss, forward only (``Pipeline.loss``): parameters as for
+        :meth:`value_and_grad`, or a :meth:`init` / :meth:`train_step` state (evaluated in
+        the stage layout). ``(loss, aux)`` with ``has_aux=True``."""
+        from jaxpipe.train import TrainState
+
+        if isinstance(params, TrainState):
+            return self.pipe.loss(params, batch, key)
+        return self.pipe.loss(self._as_params(params), batch, key)
+
     def init(self, params: Any, optimizer: Any, *, skip_nonfinite: bool = False,
              clip_global_norm: float | None = None) -> Any:
         """Training state for :meth:`train_step` (parameters + optax state, staged);
@@ -168,7 +178,8 @@ class NnxPipeline(_Delegating):
       rest: the model's non-parameter state, held constant inside the pipeline.
     """
 
-    def __init__(self, pipe: Any, graphdef: Any, template: Any, rest: Any, wrt: Any):
+    def __init__(self, pipe: Any, graphdef: Any, template: Any, rest: Any, wrt: Any,
+                 rebuild: Callable[..., NnxPipeline] | None = None):
         self.pipe = pipe
         self.graphdef = graphdef
         self.template = template
@@ -176,6 +187,29 @@ class NnxPipeline(_Delegating):
         # The values traced into the pipeline (the model's Variables may change later).
         self._rest_values = {path: value(v) for path, v in variables_of(rest)}
         self.wrt = wrt
+        # ``rebuild(model, rng)``: this pipeline's arguments over another model (the same
+        # model in another mode, for evaluation); one pipeline per mode, built once
+        self._rebuild = rebuild
+        self._modes: dict[Any, NnxPipeline] = {}
+
+    def loss(self, params: Any, batch: Any, key: Any = None) -> Any:
+        """The pipelined loss, forward only (``Pipeline.loss``).
+
+        ``params``: the model, its parameters (``nnx.State`` or pure dict), or a training
+        state. A model switched to another mode since the pipeline was built
+        (``model.eval()``: dropout off) is evaluated in that mode: its pipeline is traced
+        once, on first use, and kept (without a ``key`` it is built with ``rng=False``,
+        for a model that draws nothing in that mode)."""
+        from flax import nnx
+
+        if isinstance(params, nnx.Module) and self._rebuild is not None:
+            graphdef = nnx.split(params, self.wrt, ...)[0]
+            if graphdef != self.graphdef:
+                rng = self.pipe.rng and key is not None
+                if (graphdef, rng) not in self._modes:
+                    self._modes[(graphdef, rng)] = self._rebuild(params, rng)
+                return self._modes[(graphdef, rng)].loss(params, batch, key)
+        return super().loss(params, batch, key)
 
     def _as_params(self, params: Any) -> Any:
         from flax import nnx
@@ -261,7 +295,8 @@ def pipeline(
       mesh, schedule, cut, axis: as for :func:`jaxpipe.pipeline`.
       wrt: nnx filter selecting the trained parameters (default ``nnx.Param``).
       rng: the model draws random numbers (dropout): every call then takes a PRNG key.
-      **kwargs: passed on to :func:`jaxpipe.pipeline` (e.g. ``runtime="reference"``).
+      **kwargs: passed on to :func:`jaxpipe.pipeline` (e.g. ``runtime="reference"``,
+        ``has_aux=True``, ``reduction="weighted"``).
         ``param_specs="flax"`` takes the parameters' shardings from their nnx
         partitioning metadata (``nnx.with_partitioning``; ``nnx.get_partition_spec``).
 
@@ -315,7 +350,12 @@ def pipeline(
         kwargs["param_specs"] = nnx.to_pure_dict(nnx.get_partition_spec(template))
     pipe = _pipeline_fn()(pure_loss, params, batch, mesh=mesh, schedule=schedule, cut=cut,
                           axis=axis, rng=rng, **kwargs)
-    return NnxPipeline(pipe, graphdef, template, rest, wrt)
+
+    def rebuild(other: Any, other_rng: bool) -> NnxPipeline:
+        return pipeline(other, loss_fn, batch, mesh=mesh, schedule=schedule, cut=cut,
+                        axis=axis, wrt=wrt, rng=other_rng, **kwargs)
+
+    return NnxPipeline(pipe, graphdef, template, rest, wrt, rebuild)
 
 
 # --------------------------------------------------------------------------- linen

@@ -32,14 +32,20 @@ def _result(stdout: str) -> dict:
 
 
 def test_gpt_tiny_pipelined_loss_finite_and_decreasing():
+    """The main job: a per-token loss over padded documents (reduction="weighted"), token
+    accuracy as an aux output, held-out loss and accuracy through pipe.loss; loss_fn runs
+    once in the whole process, inside jaxpipe's trace: no unpipelined forward anywhere."""
     out = _run("gpt.py", "--tiny", "--steps", "3", "--seed", "0", "--no-progress")
     res = _result(out)
-    losses = res["losses"]
+    losses = res["first_losses"]
     assert res["mode"] == "pipeline" and len(losses) == 3
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[0] > losses[1] > losses[2], losses
     assert losses[0] < res["uniform_loss"] + 0.5  # starts near the uniform guess ln(V)
-    assert math.isfinite(res["heldout_loss"])
+    assert math.isfinite(res["heldout_loss"]) and 0 <= res["heldout_accuracy"] <= 1
+    assert 0 <= res["train_accuracy"] <= 1
+    assert res["evaluated_by"] == "pipe.loss" and res["loss_fn_calls"] == 1
+    assert "losses" not in res and len(res["loss_curve"]) <= 11  # a summary, not a dump
     # The plan table and the schedule timeline are printed before training.
     assert "OneFOneB" in out
 
@@ -49,7 +55,7 @@ def test_gpt_tiny_scan_layers_trains():
     out = _run("gpt.py", "--tiny", "--scan-layers", "--stages", "2", "--layers", "3",
                "--steps", "3", "--seed", "0", "--no-progress")
     res = _result(out)
-    losses = res["losses"]
+    losses = res["first_losses"]
     assert res["mode"] == "pipeline" and res["config"]["scan_layers"]
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[0] > losses[1] > losses[2], losses

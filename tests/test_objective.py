@@ -246,3 +246,43 @@ def test_zero_total_weight_is_nan_and_skipped_when_asked():
     assert int(metrics["skipped"]) == 1
     for a, b in zip(jax.tree.leaves(pipe.params(state)), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_flax_models_evaluate_through_the_pipeline():
+    """An nnx model trained with dropout (rng=True) evaluates in eval mode through the
+    pipeline: pipe.loss(model.eval(), batch) traces the eval-mode pipeline once and
+    equals the unpipelined eval loss; has_aux passes through jp.flax.pipeline, and a
+    linen pipeline evaluates its params."""
+    from flax import nnx
+    from test_stateful import DropNet, LinenDrop, _batch, _mbs, _mesh, nnx_loss
+
+    model, batch = DropNet(nnx.Rngs(0, dropout=1)), _batch()
+
+    def loss_fn(m, mb):
+        out = m(mb["x"])
+        return nnx_loss(m, mb), {"mean_out": jnp.mean(out)}
+
+    pipe = jp.flax.pipeline(model, loss_fn, batch, mesh=_mesh(), schedule=jp.OneFOneB(2, 4),
+                            rng=True, has_aux=True)
+    (loss, aux), _ = pipe.value_and_grad(model, batch, jax.random.key(1))
+    assert aux["mean_out"].shape == (4,)
+    model.eval()
+    eval_loss, eval_aux = pipe.loss(model, batch)
+    ref = [loss_fn(model, mb) for mb in _mbs(batch)]
+    np.testing.assert_allclose(eval_loss, np.mean([r[0] for r in ref]), rtol=1e-5)
+    np.testing.assert_allclose(eval_aux["mean_out"], [r[1]["mean_out"] for r in ref],
+                               rtol=1e-5)
+    assert len(pipe._modes) == 1
+    pipe.loss(model, batch)
+    assert len(pipe._modes) == 1  # traced once
+    assert float(eval_loss) != float(loss)  # dropout was on in training
+
+    module = LinenDrop()
+    variables = module.init(jax.random.key(0), batch["x"], train=False)
+    lpipe = jp.flax.pipeline_linen(
+        module, variables, lambda mod, v, mb: jnp.mean((mod.apply(v, mb["x"], train=False)
+                                                        - mb["y"]) ** 2),
+        batch, mesh=_mesh(), schedule=jp.GPipe(2, 4))
+    ref = np.mean([jnp.mean((module.apply(variables, mb["x"], train=False) - mb["y"]) ** 2)
+                   for mb in _mbs(batch)])
+    np.testing.assert_allclose(lpipe.loss(variables["params"], batch), ref, rtol=1e-5)
