@@ -79,8 +79,8 @@ def _check(result, expected):
 
 RUNTIMES = {"reference": "reference", "cpu": SpmdRuntime(backend="cpu"),
             "gpu": SpmdRuntime(backend="gpu")}
-CASES = [("reference", "1f1b"), ("cpu", "gpipe"), ("cpu", "1f1b"), ("cpu", "interleaved"),
-         ("cpu", "split_iw"), ("gpu", "1f1b"), ("gpu", "interleaved")]
+CASES = [(r, s) for r in ("reference", "cpu", "gpu") for s in ("gpipe", "1f1b", "interleaved")]
+CASES.append(("cpu", "split_iw"))
 SCHEDULES = {"gpipe": lambda: jp.GPipe(4, M), "1f1b": lambda: jp.OneFOneB(4, M),
              "interleaved": lambda: jp.Interleaved1F1B(2, M, stages_per_device=2),
              "split_iw": lambda: DeferredW1F1B(4, M)}

@@ -93,7 +93,7 @@ def test_every_policy_gives_exact_gradients_on_the_reference_runtime(lm6, polici
     stages = split(t, CUTS, policies)
     assert [_stored(s) for s in stages] < [_stored(s) for s in split(t, CUTS)]
     mbs = [x.reshape(M, -1, *x.shape[1:]) for x in jax.tree.leaves(batch)]
-    loss, grads, _ = run_reference(stages, schedule, jax.tree.leaves(params), mbs)
+    loss, _, grads, _ = run_reference(stages, schedule, jax.tree.leaves(params), mbs)
     assert_matches((loss, jax.tree.unflatten(t.params_treedef, grads)),
                    reference(loss_fn, params, batch, M))
 
@@ -148,7 +148,7 @@ def test_a_users_own_checkpoint_is_never_wrapped_again(user_policy):
         assert _stored(stages[1]) == _stored(plain[1])
         # ... and no checkpoint ends up inside another one
         assert _count(stages[1].fwd.jaxpr, "checkpoint")[1] <= 1
-        loss, grads, _ = run_reference(stages, jp.GPipe(4, 2), list(params), mbs)
+        loss, _, grads, _ = run_reference(stages, jp.GPipe(4, 2), list(params), mbs)
         assert_matches((loss, grads), want)
     # Recomputed as a whole, a stage around the user's block stores the inputs of the
     # wrapped runs before and after it, plus what the user's block stores itself.
