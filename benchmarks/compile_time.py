@@ -123,8 +123,8 @@ def _jaxpipe(loss_fn: Any, params: Any, batch: Any, p: int, v: int, m: int, ev: 
     import jax
 
     import jaxpipe as jp
+    from jaxpipe.cut.resolve import even_cuts
     from jaxpipe.runtime.spmd import SpmdRuntime
-    from jaxpipe.staging import even_cuts
 
     mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
     sched = (jp.OneFOneB(p, m) if v == 1

@@ -31,8 +31,8 @@ def _point(cfg: Any, p: int, remat: str, fuse_fb: bool | str) -> dict[str, Any]:
 
     import jaxpipe as jp
     from benchmarks import common as C
+    from jaxpipe.cut.resolve import even_cuts
     from jaxpipe.runtime.spmd import SpmdRuntime
-    from jaxpipe.staging import even_cuts
 
     params = C.init_params(cfg, jax.random.key(0))
     m = 2 * p

@@ -3,17 +3,17 @@
 One ``jax.jit(jax.shard_map(...))`` program runs any validated schedule (GPipe,
 1F1B, interleaved 1F1B, zero-bubble, DualPipeV, or your own ``Schedule`` subclass)
 over a ``pipe`` mesh axis; loss and gradients equal ``jax.value_and_grad`` of the
-unpipelined model. See README.md and DESIGN.md.
+unpipelined model. See README.md and docs/architecture.md.
 
 Public names are imported lazily so that ``import jaxpipe`` stays cheap and each
-layer of the package can be used on its own.
+layer of the package can be used on its own. No public name is also a submodule's name
+(``jp.pipeline`` is a function, its module is :mod:`jaxpipe.frontend`), so importing a
+submodule never rebinds a public name.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -30,8 +30,8 @@ _EXPORTS = {
     "Interleaved1F1B": "jaxpipe.schedule",
     "Timeline": "jaxpipe.schedule",
     "load_schedule": "jaxpipe.schedule",
-    "pipeline": "jaxpipe.pipeline",
-    "Pipeline": "jaxpipe.pipeline",
+    "pipeline": "jaxpipe.frontend",
+    "Pipeline": "jaxpipe.frontend",
     "PipelineError": "jaxpipe.errors",
     "Cut": "jaxpipe.cut",
     "CutError": "jaxpipe.cut",
@@ -58,21 +58,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
-
-
-class _Package(types.ModuleType):
-    """The package module. Importing a submodule binds it as an attribute of its package,
-    so once anything imported ``jaxpipe.pipeline`` (the module), ``jaxpipe.pipeline``
-    would be that module instead of the function; a public name keeps its value.
-
-    ``from jaxpipe.pipeline import Pipeline`` works as usual; ``import jaxpipe.pipeline as
-    m`` binds the function (it did too whenever ``jp.pipeline`` had been used first), and
-    the module is ``sys.modules["jaxpipe.pipeline"]``."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

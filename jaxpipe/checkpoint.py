@@ -73,7 +73,7 @@ def _abspath(path: str | os.PathLike) -> Path:
 
 def _pipeline(pipe: Any, what: str, required: bool = True):
     """The :class:`jaxpipe.Pipeline` behind ``pipe`` (flax wrappers included), checked."""
-    from jaxpipe.pipeline import Pipeline
+    from jaxpipe.frontend import Pipeline
 
     if pipe is None and not required:
         return None
@@ -288,7 +288,8 @@ def _abstract_state(pipe, optimizer, skip_nonfinite: bool, clip_global_norm):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxpipe.train import Trainer, TrainOptions, TrainState
+    from jaxpipe.train import Trainer, TrainState
+    from jaxpipe.train_options import TrainOptions
 
     if optimizer is None:
         raise PipelineError(

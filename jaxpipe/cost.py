@@ -52,7 +52,9 @@ from jax.extend import core as jcore
 
 from jaxpipe.avals import aval_bytes, is_differentiable
 from jaxpipe.interpret import eval_eqns, read
-from jaxpipe.remat import Remat
+from jaxpipe.remat import Remat, has_user_remat
+from jaxpipe.stages import split
+from jaxpipe.trace import segments
 
 __all__ = [
     "RematCost",
@@ -266,9 +268,7 @@ def jaxpr_flops(jaxpr: Any) -> float:
 
 
 def _segment_ranges(traced: Any) -> list[tuple[int, int]]:
-    from jaxpipe import trace as _trace
-
-    return [tuple(r) for r in _trace.segments(traced)]  # type: ignore[misc]
+    return [tuple(r) for r in segments(traced)]  # type: ignore[misc]
 
 
 def segment_costs(traced: Any, *, profile: bool = False,
@@ -287,9 +287,6 @@ def segment_costs(traced: Any, *, profile: bool = False,
     Returns:
       One :class:`SegmentCost` per segment (``len(traced.markers) + 1``).
     """
-    from jaxpipe.remat import has_user_remat
-    from jaxpipe.stages import split
-
     closed = traced.closed_jaxpr
     jaxpr = closed.jaxpr
     ranges = _segment_ranges(traced)
@@ -346,8 +343,6 @@ def _remat_costs(traced: Any, cuts: list[int], plain: list[Any], policies: Seque
                  ) -> dict[Remat, list[RematCost]]:
     """Per policy, every segment's stored bytes and recompute FLOPs, measured on the split
     the runtime would run (one stage per segment, built under that policy)."""
-    from jaxpipe.stages import split
-
     base = [jaxpr_flops(s.bwd) for s in plain]
     out: dict[Remat, list[RematCost]] = {}
     for policy in policies:

@@ -80,9 +80,9 @@ __all__ = [
 
 
 def _pipeline_fn() -> Callable[..., Any]:
-    # Imported late: jaxpipe.pipeline pulls in the tracer/cutter/runtime, which the
+    # Imported late: jaxpipe.frontend pulls in the tracer/cutter/runtime, which the
     # markers (and models merely decorated with them) never need.
-    from jaxpipe.pipeline import pipeline as jp_pipeline
+    from jaxpipe.frontend import pipeline as jp_pipeline
 
     return jp_pipeline
 

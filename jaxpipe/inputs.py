@@ -1,43 +1,41 @@
-"""What the frontend does to a call's inputs before any compiled program sees them.
+"""The checks a pipeline call's inputs pass before any compiled program sees them.
 
-Four jobs, each a small class or function used by :class:`jaxpipe.Pipeline`:
+Each raises :class:`~jaxpipe.errors.PipelineError` / :class:`~jaxpipe.errors.PipelineTypeError`
+naming the argument and giving the fix:
 
 - :func:`check_params` / :func:`check_batch` / :func:`check_key`: the type, structure,
   shapes and dtypes of what a call passes, checked against what the pipeline was built
-  for, with the argument named and the fix given (a train state where parameters are
-  expected, the stage layout passed as a pytree, a batch of another size, ...).
+  for (a train state where parameters are expected, the stage layout passed as a pytree,
+  a batch of another size, ...);
 - :func:`check_alive`: arrays whose buffers were donated to an earlier ``train_step``
-  (or deleted) are refused with a clear error before XLA reads freed memory.
-- :class:`Placement`: every input goes onto the pipeline's mesh first, in one canonical
-  sharding per kind of input, so a batch built with numpy, committed to one device,
-  placed on another mesh or restored from a checkpoint runs, and runs the *same*
-  compiled program as a batch that was placed globally.
-- :class:`CompileWatch`: a jitted entry point that says, once, when it compiles again
-  for inputs of the same shapes, and why.
+  (or deleted) are refused before XLA reads freed memory;
+- :func:`check_pipeline_args`, :func:`check_objective`, :func:`check_mesh`,
+  :func:`check_microbatch_rows`, :func:`check_no_keys`: what ``jp.pipeline`` is built
+  from.
+
+Placing the checked inputs on the mesh is :mod:`jaxpipe.input_placement`'s job.
 """
 
 from __future__ import annotations
 
 import sys
-import warnings
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
+from jaxpipe.avals import is_key
 from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.objective import REDUCTIONS, Objective
-from jaxpipe.sharding import Dims, MeshAxes, to_spec
+from jaxpipe.schedule import Schedule
+from jaxpipe.trace import microbatch_like
+from jaxpipe.train import TrainState
 
-if TYPE_CHECKING:
-    from jaxpipe.schedule import Schedule
-
-__all__ = ["CompileWatch", "Placement", "RecompileWarning", "check_alive", "check_batch",
-           "check_key", "check_mesh", "check_no_keys", "check_params", "leaf_paths",
-           "live_state"]
+__all__ = ["check_alive", "check_batch", "check_key", "check_mesh", "check_microbatch_rows",
+           "check_no_keys", "check_objective", "check_params", "check_pipeline_args",
+           "leaf_paths"]
 
 
 def leaf_paths(treedef: Any) -> list[str]:
@@ -47,8 +45,6 @@ def leaf_paths(treedef: Any) -> list[str]:
 
 
 def _kind(x: Any) -> str:
-    from jaxpipe.train import TrainState
-
     if isinstance(x, TrainState):
         return "state"
     # An nnx object exists only once its module is imported; importing flax.nnx here
@@ -113,8 +109,6 @@ def check_params(params: Any, treedef: Any, avals: tuple, staged_shapes: list, w
 def check_batch(batch: Any, treedef: Any, mb_shapes: list, dtypes: list,
                 num_microbatches: int, multiprocess: bool = False) -> list:
     """The leaves of ``batch``, checked against the batch the pipeline was built for."""
-    from jaxpipe.trace import microbatch_like
-
     if _kind(batch) == "state":
         raise PipelineTypeError("the batch is a TrainState; pass (state, batch) in that order.")
     mb = microbatch_like(batch, num_microbatches)
@@ -176,10 +170,6 @@ def check_key(key: Any, rng: bool, key_dtype: Any, what: str) -> jax.Array | Non
         f"{type(key).__name__}{' ' + str(np.shape(key)) if dtype is not None else ''}.")
 
 
-class RecompileWarning(UserWarning):
-    """A pipeline entry point compiled again for inputs of the same shapes."""
-
-
 def check_alive(tree: Any, what: str, fix: str) -> None:
     """Raise :class:`PipelineError` if an array of ``tree`` was donated or deleted."""
     for path, x in jax.tree.flatten_with_path(tree)[0]:
@@ -191,155 +181,8 @@ def check_alive(tree: Any, what: str, fix: str) -> None:
             )
 
 
-def _devices(x: Any) -> str:
-    sharding = getattr(x, "sharding", None)
-    ids = sorted(d.id for d in sharding.device_set) if sharding is not None else []
-    return f"devices {ids}" if ids else "the host"
-
-
-class Placement:
-    """Canonical shardings of a pipeline's inputs on its mesh.
-
-    - parameters (the user's pytree): sharded as the pipeline's ``param_specs`` say;
-      without specs, replicated, unless already on this mesh with a sharding of the
-      user's own (kept);
-    - batch leaves: split along axis 0 over the batch axes, replicated over the pipe
-      axis (what :func:`jaxpipe.distributed.global_batch` builds);
-    - anything in a runtime's layout (staged parameters, optimizer state): the sharding
-      the runtime gives it.
-
-    A host (numpy) array is the whole global value, as with ``jax.device_put``; in a
-    multi-process run every process passes the same values (build per-process rows
-    into a global batch with :func:`jaxpipe.distributed.global_batch`).
-    """
-
-    def __init__(self, mesh: Mesh, axes: MeshAxes, param_dims: tuple[Dims, ...] = ()
-                 ) -> None:
-        self.mesh = mesh
-        self.replicated = NamedSharding(mesh, P())
-        self.batch = NamedSharding(mesh, axes.batch_spec())
-        #: per user parameter leaf, its sharding (None: as before, see the class doc)
-        self.param_shardings = [NamedSharding(mesh, to_spec(d)) if any(d) else None
-                                for d in param_dims]
-
-    def on_mesh(self, x: Any) -> bool:
-        sharding = getattr(x, "sharding", None)
-        return isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh
-
-    def put(self, x: Any, sharding: jax.sharding.Sharding, what: str) -> jax.Array:
-        """``x`` on ``sharding``; a clear error if it cannot get there."""
-        if isinstance(x, jax.core.Tracer):  # inside the caller's jit: a sharding constraint
-            return jax.device_put(x, sharding)
-        if isinstance(x, jax.Array) and x.sharding == sharding:
-            return x
-        if jax.dtypes.issubdtype(getattr(x, "dtype", None) or np.float32, jax.dtypes.prng_key):
-            # PRNG keys move as their key data (numpy cannot hold them)
-            data = self.put(jax.random.key_data(x), sharding, what)
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        try:
-            if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                return jax.device_put(x, sharding)  # a global array: reshard
-            if jax.process_count() > 1:
-                # The whole value on every process: each takes the shards it holds.
-                host = np.asarray(x)
-                return jax.make_array_from_callback(host.shape, sharding,
-                                                    lambda index: host[index])
-            if isinstance(x, jax.Array) and x.sharding.device_set != sharding.device_set:
-                x = np.asarray(x)  # other devices (another mesh): through the host
-            return jax.device_put(x, sharding)
-        except (ValueError, RuntimeError, TypeError) as err:
-            raise PipelineError(
-                f"{what} lives on {_devices(x)} and cannot be moved onto the pipeline's "
-                f"mesh (devices {sorted(d.id for d in self.mesh.devices.flat)}): "
-                f"{' '.join(str(err).split())[:300]}. Build it on this mesh, e.g. with "
-                "jaxpipe.distributed.replicate / global_batch, or jax.device_get it first."
-            ) from err
-
-    def params(self, leaves: list, paths: list[str]) -> list:
-        if any(self.param_shardings):
-            return [self.put(x, s or self.replicated, f"params{p}")
-                    for x, s, p in zip(leaves, self.param_shardings, paths, strict=True)]
-        return [x if self.on_mesh(x) else self.put(x, self.replicated, f"params{p}")
-                for x, p in zip(leaves, paths, strict=True)]
-
-    def batch_leaves(self, leaves: list, paths: list[str]) -> list:
-        return [self.put(x, self.batch, f"batch{p}") for x, p in zip(leaves, paths,
-                                                                      strict=True)]
-
-    def like(self, tree: Any, abstract: Any, what: str) -> Any:
-        """``tree`` placed like ``abstract`` (``ShapeDtypeStruct`` s with shardings)."""
-        def one(path, x, a):
-            sharding = getattr(a, "sharding", None)
-            if sharding is None:
-                return x
-            return self.put(x, sharding, f"{what}{jax.tree_util.keystr(path)}")
-
-        return jax.tree.map_with_path(one, tree, abstract)
-
-
-def _signature(args: Any) -> list[tuple[str, str]]:
-    """(path, 'shape dtype weak sharding') of every array leaf of ``args``."""
-    out = []
-    for path, x in jax.tree.flatten_with_path(args)[0]:
-        weak = " weak_type" if getattr(getattr(x, "aval", None), "weak_type", False) else ""
-        out.append((jax.tree_util.keystr(path),
-                    f"{getattr(x, 'shape', ())} {getattr(x, 'dtype', type(x).__name__)}"
-                    f"{weak} {getattr(x, 'sharding', 'host')}"))
-    return out
-
-
-class CompileWatch:
-    """A jitted function that warns once when it compiles a second time.
-
-    Inputs are placed canonically before the call, so a second compilation for the same
-    shapes means something else changed (a parameter sharding of the user's own, a
-    weak type, a jax config flag). The warning names the entry point and the first input
-    whose signature differs from the first call's.
-    """
-
-    def __init__(self, fn: Any, name: str,
-                 check: Callable[[Any, str], None] | None = None) -> None:
-        self.fn = fn
-        self.name = name
-        #: ``check(compiled, name)`` runs once, on the program compiled for the first call
-        #: (a runtime's refusal of a program it cannot run, before it runs)
-        self.check = check
-        self._first: list | None = None
-        self._warned = False
-
-    def __call__(self, *args: Any) -> Any:
-        if self._first is None and self.check is not None:
-            # jit reuses this compilation for the call below
-            self.check(self.fn.lower(*args).compile(), self.name)
-        before = self._cache_size()
-        out = self.fn(*args)
-        if self._first is None:
-            self._first = _signature(args)
-        elif not self._warned and self._cache_size() > max(before, 1):
-            self._warned = True
-            now = _signature(args)
-            diff = next((f"{p}: {b} (first call: {a})" for (p, a), (_, b) in zip(
-                self._first, now, strict=False) if a != b), "no input signature changed")
-            warnings.warn(
-                f"{self.name} compiled again for inputs of the same shapes ({diff}); every "
-                "new input signature costs a full compilation. Pass inputs with the same "
-                "dtypes and shardings at every call (jaxpipe places batches and "
-                "parameters on the pipeline's mesh itself). This warning is shown once.",
-                RecompileWarning, stacklevel=3)
-        return out
-
-    def _cache_size(self) -> int:
-        size: Callable[[], int] | None = getattr(self.fn, "_cache_size", None)
-        return size() if size is not None else 0
-
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn.lower(*args, **kwargs)
-
-
 def check_pipeline_args(loss_fn: Any, schedule: Any, axis: Any, rng: Any) -> None:
     """The types of ``jp.pipeline``'s plain arguments, each with the fix in its error."""
-    from jaxpipe.schedule import Schedule
-
     if not isinstance(schedule, Schedule):
         raise PipelineTypeError(
             f"schedule must be a jaxpipe.Schedule instance, got {type(schedule).__name__};"
@@ -404,8 +247,6 @@ def check_mesh(mesh: Mesh, axis: str, schedule: Schedule) -> tuple[str, ...]:
 
 def check_no_keys(params: Any) -> None:
     """Refuse PRNG keys among the parameter leaves (they are not parameters)."""
-    from jaxpipe.avals import is_key
-
     for path, x in jax.tree.flatten_with_path(params)[0]:
         if is_key(x):
             raise PipelineTypeError(
@@ -414,35 +255,3 @@ def check_no_keys(params: Any) -> None:
                 "(loss_fn(params, microbatch, key)), or close over a fixed key in loss_fn.")
 
 
-def live_state(state: Any, executor: Any, placement: Placement, what: str) -> Any:
-    """A :class:`~jaxpipe.train.TrainState` checked for ``executor`` and placed on its mesh.
-
-    Refused: not a TrainState, a state of another pipeline, a state not in the stage
-    layout, a state whose buffers were donated.
-    """
-    from jaxpipe.train import TrainState
-
-    if not isinstance(state, TrainState):
-        hint = ("call pipe.init(params, optimizer) before pipe.train_step(state, batch)"
-                if state is None or what == "train_step" else
-                "pass the TrainState from pipe.init / train_step (for staged parameters "
-                "use pipe.unshard)")
-        raise PipelineTypeError(
-            f"{what} needs the TrainState returned by pipe.init, got "
-            f"{type(state).__name__}; {hint}."
-        )
-    if state.trainer.executor is not executor:
-        raise PipelineError(
-            "this TrainState was made by another pipeline: its state layout belongs to "
-            "that pipeline's stages and optimizer, not this pipeline's. Train it with "
-            "that pipeline, or start from its parameters here with "
-            "pipe.init(other.params(state), optimizer)."
-        )
-    executor.check_staged(state.params, f"{what} (state.params)")
-    check_alive(state, "state", "Use the state the last train_step returned: "
-                "state, metrics = pipe.train_step(state, batch).")
-    placed = placement.like(
-        (state.params, state.opt_state, state.step),
-        (executor.staged_abstract(), state.trainer.abstract_opt_state(),
-         jax.ShapeDtypeStruct((), np.int32, sharding=placement.replicated)), "state")
-    return TrainState(*placed, state.trainer)

@@ -32,8 +32,8 @@ from jax.extend import core as jcore
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import read
 from jaxpipe.markers import boundary_p
+from jaxpipe.param_views import ParamView, ParamViews
 from jaxpipe.trace import Traced
-from jaxpipe.views import ParamView, ParamViews
 
 __all__ = ["MarkerId", "ParamView", "Stack", "StackCut", "cut_stacks", "find_stacks",
            "per_layer", "for_stages"]

@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -155,12 +156,21 @@ def test_directory_as_schedule_file_and_bad_sizes(tmp_path, capsys):
     assert "must be a positive int" in capsys.readouterr().err
 
 
-def test_public_function_survives_importing_its_module_first():
-    """``from jaxpipe.pipeline import Pipeline`` (the module) before ``jp.pipeline`` (the
-    function) used to leave ``jp.pipeline`` bound to the module: not callable."""
-    code = ("import jaxpipe.pipeline\nfrom jaxpipe.pipeline import Pipeline\n"
-            "import jaxpipe as jp\nassert callable(jp.pipeline), jp.pipeline\n"
-            "assert jp.Pipeline is Pipeline\n"
-            "import jaxpipe.schedule\nassert jp.schedule is jaxpipe.schedule\n")
+def test_no_public_name_is_a_submodule_name():
+    """Importing a submodule binds it on its package, so a public name shared with a
+    submodule (``jp.pipeline`` once was both) would depend on import order. None is, and
+    every public name resolves to what its module defines, whatever was imported first."""
+    import jaxpipe
+
+    package = Path(jaxpipe.__file__).parent
+    submodules = {p.stem for p in package.glob("*.py")} | {
+        p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    public = set(jaxpipe.__all__) - jaxpipe._SUBMODULES
+    assert public and not public & submodules, public & submodules
+    code = ("import jaxpipe.frontend\nfrom jaxpipe.frontend import Pipeline\n"
+            "import jaxpipe.schedule, jaxpipe.markers\nimport jaxpipe as jp\n"
+            "assert callable(jp.pipeline), jp.pipeline\n"
+            "assert jp.Pipeline is Pipeline and jp.boundary is jaxpipe.markers.boundary\n"
+            "assert jp.schedule is jaxpipe.schedule\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

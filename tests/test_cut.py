@@ -307,7 +307,7 @@ def test_memory_breakdown_formula():
 @MODELS
 def test_local_search_fallback_matches_enumeration_on_uniform_layers(
         model, placement, monkeypatch):
-    import jaxpipe.cut.shared as cut_mod
+    import jaxpipe.cut.virtual_stages as cut_mod
 
     costs = _uniform(14)
     in_flight = [max(1, 12 - s) for s in range(6)]
@@ -330,7 +330,7 @@ def test_local_search_fallback_matches_enumeration_on_uniform_layers(
 @given(data=st.data(), slack=st.sampled_from([0.0, 0.2]))
 def test_local_search_fallback_respects_the_time_cap_and_beats_compute_balance(
         model, data, slack):
-    import jaxpipe.cut.shared as cut_mod
+    import jaxpipe.cut.virtual_stages as cut_mod
 
     costs, placement, in_flight = data.draw(problems(shared_devices=True))
     old = cut_mod._ENUM_LIMIT
@@ -576,7 +576,7 @@ def test_markers_cut_groups_evenly_with_the_larger_stages_outside(n, S):
     """cut="markers": sizes differ by at most one and the extra segments go to the outer
     stages, so with up to two extra (an embedding before the blocks, a head after them)
     every middle stage holds as many segments as the others and they share one body."""
-    from jaxpipe.staging import even_cuts
+    from jaxpipe.cut.resolve import even_cuts
 
     if S > n:
         return

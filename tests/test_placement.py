@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpipe as jp
 from jaxpipe import checkpoint as jpc
-from jaxpipe.inputs import RecompileWarning
+from jaxpipe.compile_watch import RecompileWarning
 
 P_, M, W, B = 2, 2, 8, 8
 

@@ -85,7 +85,7 @@ def test_identical_blocks_are_traced_once(monkeypatch):
     """Stages computing the same function (the blocks of a deep model) share one trace;
     the roles of their inputs (a batch leaf vs a carry), constants and custom rules keep
     otherwise equal fragments apart."""
-    import jaxpipe.stages as stages_mod
+    import jaxpipe.stages.stage_fn as stages_mod
 
     built = []
     real = stages_mod._build_stage
@@ -176,7 +176,7 @@ def test_fragments_differing_only_where_printing_is_blind_are_not_merged(case):
 def test_equation_context_enters_the_key():
     """The same random draw under another PRNG partitioning (an equation context, which
     the printed jaxpr does not show) computes other bits: other key."""
-    from jaxpipe.structure import fragment_key
+    from jaxpipe.jaxpr_identity import fragment_key
 
     def key_of(fn):
         cj = jax.make_jaxpr(fn)(jax.random.key_data(jax.random.key(0)))
@@ -198,7 +198,7 @@ def test_equation_context_enters_the_key():
 def test_scan_bodies_enter_the_key_printed_once():
     """A scan's body enters the key as its own printed text, printed once per body object
     (``texts``): bodies computing other things give other keys, also one level down."""
-    from jaxpipe.structure import fragment_key
+    from jaxpipe.jaxpr_identity import fragment_key
 
     def scanned(inner):
         def fn(x):

@@ -78,11 +78,11 @@ stages takes milliseconds). With one stage per device the searches are exact
 ties are broken by a second objective (memory for "time", time for "memory"), then
 by sums of squares so non-bottleneck stages are balanced too. Devices holding
 several stages are enumerated exactly when small, else searched heuristically
-(:mod:`jaxpipe.cut.shared`; ``CutResult.exact`` says which).
+(:mod:`jaxpipe.cut.virtual_stages`; ``CutResult.exact`` says which).
 
 The package: ``options.py`` (:class:`Cut`, :class:`CutError`), ``model.py``
 (:class:`MemoryModel`, parameter padding groups), ``problem.py`` (range matrices
-per policy, views and DPs), ``search.py`` and ``shared.py`` (the searches),
+per policy, views and DPs), ``search.py`` and ``virtual_stages.py`` (the searches),
 ``result.py`` (:class:`CutResult`, :class:`MemoryBreakdown`), ``budget.py`` (the
 device budget of ``cut="auto"``).
 """
@@ -97,13 +97,13 @@ from typing import Any
 from jaxpipe.avals import format_bytes
 from jaxpipe.cost import SegmentCost
 from jaxpipe.cut.budget import AUTO_RESERVE, auto_cut, device_memory_limit
-from jaxpipe.cut.model import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
 from jaxpipe.cut.options import Cut, CutError
 from jaxpipe.cut.problem import Problem
 from jaxpipe.cut.result import CutResult, MemoryBreakdown, describe
 from jaxpipe.cut.search import relax, search_single
-from jaxpipe.cut.shared import search_shared
+from jaxpipe.cut.virtual_stages import search_virtual
 from jaxpipe.remat import Remat
+from jaxpipe.runtime.memory import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
 
 __all__ = [
     "Remat",
@@ -248,7 +248,7 @@ def partition(
         bounds, policies, objective = search_single(pb, t_opt)
         exact = objective == "time" or not pb.padded or pb.params_exact
     else:
-        bounds, policies, objective, exact = search_shared(pb, t_opt)
+        bounds, policies, objective, exact = search_virtual(pb, t_opt)
     return describe(pb, costs, bounds, policies, objective, exact, t_opt)
 
 

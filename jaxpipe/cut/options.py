@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from jaxpipe.cut.model import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
 from jaxpipe.remat import Remat, parse_remat
+from jaxpipe.runtime.memory import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
 
 __all__ = ["Cut", "CutError", "Objective"]
 

@@ -24,9 +24,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxpipe.cost import SegmentCost
-from jaxpipe.cut.model import MemoryModel, param_groups
 from jaxpipe.cut.options import Cut
+from jaxpipe.cut.padding import param_groups
 from jaxpipe.remat import Remat
+from jaxpipe.runtime.memory import MemoryModel
 
 __all__ = ["Problem", "inf_unless"]
 

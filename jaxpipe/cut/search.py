@@ -9,7 +9,7 @@ Each objective is a min-max problem over ranges (:class:`~jaxpipe.cut.problem.Pr
   residual and parameter thresholds along the Pareto front (:func:`padded_front`);
   unpadded, one DP over every stage's own bytes;
 * memory budget: bisection over achievable stage times
-  (:func:`min_time_within_budget`, shared with :mod:`jaxpipe.cut.shared`).
+  (:func:`min_time_within_budget`, shared with :mod:`jaxpipe.cut.virtual_stages`).
 
 With a choice of recomputation policies, every min-memory search runs on the
 problem's view for its time cap (:meth:`~jaxpipe.cut.problem.Problem.view`: each range

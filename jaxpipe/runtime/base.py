@@ -28,14 +28,14 @@ from jax.sharding import Mesh
 
 from jaxpipe.avals import aval_bytes
 from jaxpipe.objective import MEAN, Objective
+from jaxpipe.param_views import ParamViews
 from jaxpipe.sharding import Dims, MeshAxes
-from jaxpipe.views import ParamViews
 
 if TYPE_CHECKING:
-    from jaxpipe.cut import MemoryModel
+    from jaxpipe.runtime.memory import MemoryModel
     from jaxpipe.schedule import Action, Schedule
-    from jaxpipe.stages import StageFn
-    from jaxpipe.train import TrainOptions
+    from jaxpipe.stages.stage_fn import StageFn
+    from jaxpipe.train_options import TrainOptions
 
 __all__ = ["Executor", "Runtime", "RuntimeSpec", "StepFn"]
 
@@ -56,7 +56,7 @@ class RuntimeSpec:
       param_avals: abstract value of every parameter input of the stages: the flat
         leaves of the user's pytree, except that a scanned stack's stacked weights split
         over several stages come as one input per stage (its rows; see
-        :mod:`jaxpipe.views`).
+        :mod:`jaxpipe.param_views`).
       params_treedef: the treedef of the user's parameter pytree (optimizers run on
         per-stage views of it).
       microbatch_avals: abstract value of every flat batch leaf of one microbatch on
@@ -116,7 +116,7 @@ class RuntimeSpec:
 
     @functools.cached_property
     def views(self) -> ParamViews:
-        """The parameter inputs over the user's leaves (see :mod:`jaxpipe.views`)."""
+        """The parameter inputs over the user's leaves (see :mod:`jaxpipe.param_views`)."""
         return self.param_views or ParamViews.whole(self.param_avals)
 
     def tree_leaf(self, pid: int) -> int:
@@ -271,7 +271,7 @@ class Runtime(abc.ABC):
 
     def shares_cores(self) -> bool:
         """Whether stages should come split into a prologue, a core other stages share
-        and an epilogue (:mod:`jaxpipe.stage_parts`), for this runtime to compile each
+        and an epilogue (:mod:`jaxpipe.stages.shared_cores`), for this runtime to compile each
         core once. Default: no, every stage runs whole."""
         return False
 

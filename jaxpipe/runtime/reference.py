@@ -18,11 +18,13 @@ from jax.extend.core import jaxpr_as_fun
 from jaxpipe.errors import PipelineError
 from jaxpipe.objective import MEAN, Objective
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
+from jaxpipe.runtime.memory import DEVICE_MEMORY, MemoryModel
 from jaxpipe.schedule import Schedule
 from jaxpipe.schedule.forward import ForwardOnly
 from jaxpipe.schedule.liveness import peak_overlap, unit_lifetimes
-from jaxpipe.stages import StageFn
-from jaxpipe.train import StageOptimizer, TrainOptions, global_norm_scale, sq_norm
+from jaxpipe.stages.stage_fn import StageFn
+from jaxpipe.train import StageOptimizer
+from jaxpipe.train_options import TrainOptions, global_norm_scale, sq_norm
 
 __all__ = ["ReferenceExecutor", "ReferenceRuntime", "run_reference"]
 
@@ -120,9 +122,7 @@ class ReferenceRuntime(Runtime):
     name: ClassVar[str] = "reference"
 
     @property
-    def memory_model(self) -> Any:
-        from jaxpipe.cut import DEVICE_MEMORY
-
+    def memory_model(self) -> MemoryModel:
         return DEVICE_MEMORY
 
     def build(self, spec: RuntimeSpec) -> ReferenceExecutor:

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from .action import Action, ScheduleError
 from .graph import ScheduleGraph, build_graph, paused_gc
-from .simulate import Costs, Timeline, simulate_schedule
+from .simulate import Costs, Timeline, simulate_graph
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -176,7 +176,7 @@ class Schedule(abc.ABC):
         take the defaults), or a callable ``action -> cost`` (e.g. per-stage costs).
         """
         with paused_gc():
-            return simulate_schedule(self, costs)
+            return simulate_graph(self.graph(), costs, repr(self))
 
     def __getattr__(self, name: str) -> object:
         # Only reached when normal lookup fails: a subclass __init__ that never called

@@ -29,7 +29,7 @@ from .action import ACTION_KINDS, Action, ScheduleError
 from .validate import Unit, check_placement, check_structure
 
 if TYPE_CHECKING:
-    from .base import Schedule
+    from .protocol import ScheduleLike
 
 __all__ = ["ScheduleGraph", "build_graph", "grouped_peaks", "paused_gc"]
 
@@ -201,7 +201,7 @@ class ScheduleGraph:
         return dict(self._peaks[1])
 
 
-def _compile_structure(schedule: Schedule) -> tuple[dict, np.ndarray, np.ndarray] | None:
+def _compile_structure(schedule: ScheduleLike) -> tuple[dict, np.ndarray, np.ndarray] | None:
     """Vectorised :func:`.validate.check_structure`: ``(lists, columns, split mask)`` or
     None if any rule is broken (then the slow check names it)."""
     p, m, n = schedule.num_devices, schedule.num_microbatches, schedule.num_stages
@@ -241,7 +241,7 @@ def _compile_structure(schedule: Schedule) -> tuple[dict, np.ndarray, np.ndarray
     return lists, np.stack([dev, pos, kind, stage, mb]), has_i
 
 
-def build_graph(schedule: Schedule) -> ScheduleGraph:
+def build_graph(schedule: ScheduleLike) -> ScheduleGraph:
     """Check ``schedule`` (structure, then deadlock) and compile it to a :class:`ScheduleGraph`.
 
     Raises :class:`ScheduleError` (rule: cross-device deadlock) when no device can make

@@ -29,7 +29,6 @@ from .action import ACTION_KINDS, KIND_NAMES, Action, ScheduleError
 from .liveness import peak_overlap, unit_lifetimes
 
 if TYPE_CHECKING:
-    from .base import Schedule
     from .graph import ScheduleGraph
 
 #: Default cost of each action kind (a full backward costs two forwards).
@@ -314,10 +313,9 @@ class Timeline:
         return path
 
 
-def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Timeline:
-    """Validate ``schedule`` and run it with ``costs`` (see :func:`resolve_costs`)."""
+def simulate_graph(graph: ScheduleGraph, costs: Costs, title: str) -> Timeline:
+    """Run a checked schedule's ``graph`` with ``costs`` (see :func:`resolve_costs`)."""
     cost = resolve_costs(costs)
-    graph = schedule.graph()
     starts, ends = graph.run_costs([cost(a) for a in graph.actions])
     events = list(map(TimelineEvent, graph.device, graph.actions, starts, ends))
-    return Timeline._simulated(events, graph, repr(schedule))
+    return Timeline._simulated(events, graph, title)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from .action import Action, ScheduleError
 
 if TYPE_CHECKING:
-    from .base import Schedule
+    from .protocol import ScheduleLike
 
 #: A (stage, microbatch) pair.
 Unit = tuple[int, int]
@@ -47,7 +47,7 @@ def _dependencies(action: Action, num_stages: int, split: Collection[Unit]) -> l
     return deps
 
 
-def dependencies(action: Action, schedule: Schedule) -> list[Action]:
+def dependencies(action: Action, schedule: ScheduleLike) -> list[Action]:
     """The actions that must *finish* before ``action`` can start.
 
     - ``F(s, mb)`` needs ``F(s-1, mb)`` (for ``s > 0``): the stage input.
@@ -73,7 +73,7 @@ def _fail(device: int, action: Action | str, rule: str, detail: str) -> Schedule
     return ScheduleError(f"device {device}: action {action}: {detail} (rule: {rule})")
 
 
-def check_placement(schedule: Schedule) -> list[int]:
+def check_placement(schedule: ScheduleLike) -> list[int]:
     """Return ``placement(stage)`` for every stage, checking each is a valid device."""
     placement = []
     for stage in range(schedule.num_stages):
@@ -94,7 +94,7 @@ def check_placement(schedule: Schedule) -> list[int]:
     return placement
 
 
-def check_structure(schedule: Schedule) -> tuple[dict[int, list[Action]], frozenset[Unit]]:
+def check_structure(schedule: ScheduleLike) -> tuple[dict[int, list[Action]], frozenset[Unit]]:
     """Check every rule that does not need execution.
 
     Returns ``(device -> action list, set of (stage, mb) that use the I/W split)``.
@@ -193,7 +193,3 @@ def check_structure(schedule: Schedule) -> tuple[dict[int, list[Action]], frozen
                 split.add((stage, mb))
     return lists, frozenset(split)
 
-
-def validate_schedule(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` if ``schedule`` breaks any rule (see module doc)."""
-    schedule.graph()

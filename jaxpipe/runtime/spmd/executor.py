@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
+from jaxpipe.runtime.memory import SPMD_MEMORY, MemoryModel
 from jaxpipe.runtime.spmd.lowering import Lowering, lower, lower_accelerator
 from jaxpipe.runtime.spmd.lowering.sync import sync_report
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
@@ -44,7 +45,8 @@ from jaxpipe.runtime.spmd.program.param_moves import (
 )
 from jaxpipe.schedule.forward import ForwardOnly
 from jaxpipe.sharding import manual_spec, to_spec
-from jaxpipe.train import StageOptimizer, TrainOptions
+from jaxpipe.train import StageOptimizer
+from jaxpipe.train_options import TrainOptions
 
 __all__ = ["SpmdExecutor", "SpmdRuntime"]
 
@@ -129,9 +131,7 @@ class SpmdRuntime(Runtime):
         self.iw_same_tick = iw_same_tick
 
     @property
-    def memory_model(self) -> Any:
-        from jaxpipe.cut import SPMD_MEMORY
-
+    def memory_model(self) -> MemoryModel:
         return SPMD_MEMORY
 
     def build(self, spec: RuntimeSpec) -> SpmdExecutor:

@@ -6,7 +6,7 @@ only *which* parameter slots they read differs. Such stages form one :class:`Bod
 program compiles one branch per action kind for it and picks the parameter slots of the
 running stage from a small table indexed by the stage at run time.
 
-A first or last stage split into parts (:mod:`jaxpipe.stage_parts`) joins the body of
+A first or last stage split into parts (:mod:`jaxpipe.stages.shared_cores`) joins the body of
 the stages its *core* matches: the body's branches run that member's prologue or
 epilogue around the core, gated by the running stage (:mod:`.stage_ends`). Compile time then
 grows with the number of distinct cores (typically one), not stages.
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxpipe.jaxpr_identity import same_function
 from jaxpipe.runtime.spmd.program.layout import SlotLayout, ValueClass
-from jaxpipe.stages import StageFn
-from jaxpipe.structure import same_function
+from jaxpipe.stages.stage_fn import StageFn
 
 __all__ = ["Body", "group_bodies"]
 
@@ -99,7 +99,7 @@ def _signature(core: StageFn, pos: tuple[int, ...], s: int, slots: SlotLayout) -
 def _same_jaxprs(a: StageFn, b: StageFn, text: dict[int, str]) -> bool:
     """The four jaxprs of ``a`` and ``b`` are equal. Stages that ``split`` traced once
     share the objects; others are compared by their printed form (printed once each) and
-    what printing does not show (:func:`jaxpipe.structure.unprinted`)."""
+    what printing does not show (:func:`jaxpipe.jaxpr_identity.unprinted`)."""
     return all(same_function(getattr(a, k), getattr(b, k), text) for k in _JAXPRS)
 
 

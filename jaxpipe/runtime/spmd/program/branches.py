@@ -278,7 +278,7 @@ class _DirectIO:
         self.pools = ((Pool.RESIDUAL_A, st.i_only_residual_ids),
                       (Pool.RESIDUAL_B, st.w_res_ids))
         # The packings of the body's function: a member split into parts keeps the core's
-        # values first, in these rows (jaxpipe.stage_parts.compose).
+        # values first, in these rows (jaxpipe.stages.shared_cores.compose).
         self.packing = {pool: Packing([st.residual_avals[i] for i in ids])
                         for pool, ids in self.pools}
         self.packing[Pool.HANDOFF] = Packing(st.w_residual_avals, buffer="handoff")

@@ -34,7 +34,7 @@ from jaxpipe.avals import aval_bytes
 from jaxpipe.runtime.spmd.lowering.types import Pool
 from jaxpipe.runtime.spmd.program.writes import get_rows, put_rows
 from jaxpipe.sharding import Dims, constrain, to_spec
-from jaxpipe.stages import StageFn
+from jaxpipe.stages.stage_fn import StageFn
 
 __all__ = ["Packing", "SlotLayout", "StageLayouts", "ValueClass", "param_slots", "value_class"]
 
@@ -257,7 +257,7 @@ def param_slots(stages: Sequence[StageFn], param_avals: Sequence[Any],
     """The parameter slots: each stage's parameter leaves (tied leaves on every owner),
     sharded over the non-pipe axes as ``param_dims`` says (empty: replicated).
 
-    A stage split into parts (:mod:`jaxpipe.stage_parts`) takes slots for its core's
+    A stage split into parts (:mod:`jaxpipe.stages.shared_cores`) takes slots for its core's
     parameters first: its prologue's or epilogue's (an embedding, a head) would otherwise
     shift the core's slots on its device, and a body shared by the cores would pick among
     more slots (``Body.candidates``) and move parameters in by switch, not slice."""

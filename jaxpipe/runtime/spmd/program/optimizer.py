@@ -23,12 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxpipe.jaxpr_identity import same_function
 from jaxpipe.runtime.base import RuntimeSpec
 from jaxpipe.runtime.spmd.program.gated import by_device
 from jaxpipe.runtime.spmd.program.layout import SlotLayout
 from jaxpipe.sharding import Dims, constrain
-from jaxpipe.structure import same_function
-from jaxpipe.train import StageOptimizer, TrainOptions, global_norm_scale, sq_norm
+from jaxpipe.train import StageOptimizer
+from jaxpipe.train_options import TrainOptions, global_norm_scale, sq_norm
 
 __all__ = ["make_epilogue", "opt_slots"]
 
@@ -157,7 +158,7 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
 
 def _distinct(fns: list[Callable], args: tuple) -> tuple[list[Callable], list[int]]:
     """The functions of ``fns`` that compute different things on ``args`` (traced and
-    compared, :func:`jaxpipe.structure.same_function`), and for each function the
+    compared, :func:`jaxpipe.jaxpr_identity.same_function`), and for each function the
     position of its representative."""
     traced = [jax.make_jaxpr(f)(*args) for f in fns]  # alive while ``text`` holds ids
     text: dict[int, str] = {}

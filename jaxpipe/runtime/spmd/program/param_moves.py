@@ -2,7 +2,7 @@
 
 Both directions run inside a ``shard_map`` manual over the pipe axis (the executor wraps
 them), and both work on the user's *whole* leaves, not on the stages' views of them
-(:mod:`jaxpipe.views`). A scanned stack cut over every device is one stacked leaf whose
+(:mod:`jaxpipe.param_views`). A scanned stack cut over every device is one stacked leaf whose
 rows ``[a, b)`` sit in the same slot on each device; taking the stages' views first
 would put one slice per view into the program and pass each view into the
 ``shard_map`` as an input of its own (160 at 64 layers, p=8, v=2), where one dynamic

@@ -1,4 +1,4 @@
-"""The prologue and epilogue around a shared core (stages split by :mod:`jaxpipe.stage_parts`).
+"""The prologue and epilogue around a shared core (:mod:`jaxpipe.stages.shared_cores`).
 
 The first stage of a transformer runs the embedding before its blocks and the last runs
 the head and loss after its blocks; when those blocks compute the middle stages'
@@ -6,7 +6,7 @@ function, all of them form one body and the program compiles the blocks once. A 
 such a body runs, gated by the running stage, the member's prologue before the core and
 its epilogue after it (in a backward: the epilogue's backward first, the prologue's
 last). The parts' parameters sit in fixed slots of their stage; their residuals and
-hand-off values are the stage's, after the core's (:func:`jaxpipe.stage_parts.compose`).
+hand-off values are the stage's, after the core's (:func:`jaxpipe.stages.shared_cores.compose`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jaxpipe.runtime.spmd.program.gated import gated
 from jaxpipe.runtime.spmd.program.layout import StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
-from jaxpipe.stages import StageFn
+from jaxpipe.stages.stage_fn import StageFn
 
 __all__ = ["Ends", "Fixed", "gated_stages"]
 

@@ -1,6 +1,7 @@
-"""Split a traced loss into stage functions with forward, backward and split (I/W) backward.
+"""A pipeline stage as closed jaxprs (:class:`StageFn`), built from a range of a loss's equations.
 
-Stage ``k`` runs the equations between cut ``k-1`` and cut ``k``. Its inputs are the
+Stage ``k`` runs the equations between cut ``k-1`` and cut ``k`` (:func:`jaxpipe.stages.split`
+chooses the ranges; :class:`Fragments` builds them). Its inputs are the
 parameter leaves and microbatch leaves it reads plus the *carry*: every value defined
 in an earlier stage and used by this or any later stage (so a skip connection that jumps
 over a stage is passed through it). Its outputs are the carry for the next stage; the
@@ -26,7 +27,7 @@ its own implementation inside the stage (:func:`jaxpipe.avals.boundary_aval`). R
 messages and residuals in numeric buffers, so they only ever see plain dtypes; the
 batch and parameter leaves a runtime feeds in follow the same rule.
 
-**Recomputation.** ``split(..., remat=...)`` gives every stage a
+**Recomputation.** ``jaxpipe.stages.split(..., remat=...)`` gives every stage a
 :class:`~jaxpipe.remat.Remat` policy. The forward is then traced with the stage's
 segments (or, for ``Remat.FULL``, runs of segments) wrapped in ``jax.checkpoint`` with
 that policy, so the stored residuals are what the policy keeps and the backward
@@ -39,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 from jax.extend import core as jcore
@@ -48,12 +48,12 @@ from jax.extend.core import jaxpr_as_fun
 from jaxpipe.avals import boundary_aval, from_boundary, is_differentiable, is_key, to_boundary
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import read
+from jaxpipe.jaxpr_identity import fragment_key
 from jaxpipe.markers import boundary_p
-from jaxpipe.remat import Remat, group_io, parse_remat, remat_groups, run_groups
-from jaxpipe.structure import fragment_key
+from jaxpipe.remat import Remat, group_io, remat_groups, run_groups
 from jaxpipe.trace import Traced, segments
 
-__all__ = ["Fragments", "StageFn", "param_owners", "split"]
+__all__ = ["Fragments", "StageFn", "StageParts", "param_owners"]
 
 
 @dataclass
@@ -79,8 +79,8 @@ class StageFn:
     is_last: bool = False
     w_res_ids: tuple[int, ...] = ()  # stored residuals the W half reads (others die at I)
     remat: Remat = Remat.NONE  # the recomputation policy the forward/backward apply
-    # how the stage splits into prologue / shared core / epilogue (a StageParts), if it does
-    parts: Any = None
+    # how the stage splits into prologue / shared core / epilogue, if it does
+    parts: StageParts | None = None
     # carry inputs / outputs (positions) that are also stored residuals
     stored_in: tuple[int, ...] = ()
     stored_out: tuple[int, ...] = ()
@@ -100,42 +100,45 @@ class StageFn:
         return [a for a, d in zip(self.out_avals, self.diff_out_mask, strict=True) if d]
 
 
+@dataclass(frozen=True)
+class StageParts:
+    """How a stage splits into parts (see the module docstring).
+
+    Attributes:
+      parts: the parts in execution order (each a :class:`StageFn` of its equations).
+      core: which of them is the core.
+      param_pos: per part, the position of each of its parameters in the stage's
+        ``param_ids``.
+      batch_pos: per part, the position of each of its microbatch leaves in the stage's
+        ``batch_ids``.
+      res_ids: per part, the ids of its stored residuals among the stage's.
+      w_ids: per part, the ids of its I -> W hand-off values among the stage's.
+    """
+
+    parts: tuple[StageFn, ...]
+    core: int
+    param_pos: tuple[tuple[int, ...], ...]
+    batch_pos: tuple[tuple[int, ...], ...]
+    res_ids: tuple[tuple[int, ...], ...]
+    w_ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def core_fn(self) -> StageFn:
+        return self.parts[self.core]
+
+    @property
+    def prologue(self) -> int | None:
+        """The part before the core, if any."""
+        return 0 if self.core > 0 else None
+
+    @property
+    def epilogue(self) -> int | None:
+        """The part after the core, if any."""
+        return self.core + 1 if self.core + 1 < len(self.parts) else None
+
+
 def _sds(aval):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-
-
-def split(traced: Traced, cuts: Sequence[int],
-          remat: Sequence[Remat | str] | None = None, *,
-          share_cores: bool = False, split_backward: bool = False) -> list[StageFn]:
-    """Cut ``traced`` after the markers at positions ``cuts`` (indices into ``traced.markers``).
-
-    ``remat`` is one :class:`~jaxpipe.remat.Remat` policy per stage (``None``: no
-    recomputation anywhere; ``CutResult.remat`` is what the cutter chose).
-    ``share_cores``: split the first and last stages into parts where their core is
-    another stage's function (:mod:`jaxpipe.stage_parts`), so a runtime can compile it once,
-    unless the parts store more per microbatch than the whole stage (residuals, and with
-    ``split_backward`` the I -> W hand-off too).
-
-    Returns ``len(cuts) + 1`` stages. Raises :class:`PipelineError` for cut positions that are
-    out of range, unsorted or repeated, or a ``remat`` of the wrong length.
-    """
-    cuts = list(cuts)
-    n_markers = len(traced.markers)
-    if sorted(set(cuts)) != cuts or any(c < 0 or c >= n_markers for c in cuts):
-        raise PipelineError(
-            f"cut positions {cuts} must be strictly increasing indices into the {n_markers} "
-            f"markers (0..{n_markers - 1}); each cut ends a stage right after that marker."
-        )
-    frags = Fragments(traced)
-    bounds = [0, *(frags.segs[c][1] for c in cuts), len(frags.eqns)]
-    ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
-    policies = _stage_policies(remat, len(ranges))
-    if share_cores:
-        from jaxpipe.stage_parts import share_cores as share  # it builds on this module
-
-        return share(frags, ranges, policies, split_backward)
-    return [frags.build(s, a, b, policies[s], is_last=s == len(ranges) - 1)
-            for s, (a, b) in enumerate(ranges)]
 
 
 class Fragments:
@@ -277,19 +280,6 @@ class Fragments:
             s, (a, b), self.eqns[a:b], self.jaxpr, self.n_p, p_ids, b_ids, carry_in,
             carry_out, self.const_vals, is_last, names, groups, policy))
         return st
-
-
-def _stage_policies(remat: Sequence[Remat | str] | None, n_stages: int) -> list[Remat]:
-    if remat is None:
-        return [Remat.NONE] * n_stages
-    if isinstance(remat, (str, Remat)) or len(remat) != n_stages:
-        raise PipelineError(
-            f"remat must give one recomputation policy per stage ({n_stages}), got "
-            f"{remat!r}; e.g. remat=[Remat.NONE] * {n_stages}.")
-    try:
-        return [parse_remat(r, f"remat[{i}]") for i, r in enumerate(remat)]
-    except ValueError as e:
-        raise PipelineError(str(e)) from None
 
 
 def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, const_vals,

@@ -9,9 +9,9 @@ a *prologue* (the embedding), a *core* built once with the middle stages' jaxprs
 *epilogue* (the head and loss). With no middle stage (two stages), the first stage's
 trailing equations and the last stage's leading ones are matched with each other.
 
-The stage stays one :class:`~jaxpipe.stages.StageFn` (:func:`compose`): its jaxprs run the
-parts one after the other and its residuals are the parts' residuals, the core's first, so
-every runtime can run it whole. :attr:`StageFn.parts` tells a runtime where each part's
+The stage stays one :class:`~jaxpipe.stages.StageFn` (:func:`compose`): its jaxprs run
+the parts one after the other and its residuals are the parts' residuals, the core's
+first, so every runtime can run it whole. :attr:`StageFn.parts` tells a runtime where each part's
 parameters, residuals and hand-off values sit in the stage's, so it can run the core of
 every stage with one compiled body and the prologue or epilogue around it.
 """
@@ -19,7 +19,6 @@ every stage with one compiled body and the prologue or epilogue around it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -28,49 +27,12 @@ from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.avals import aval_bytes
 from jaxpipe.remat import Remat
-from jaxpipe.stages import Fragments, StageFn
+from jaxpipe.stages.stage_fn import Fragments, StageFn, StageParts
 
-__all__ = ["StageParts", "compose", "share_cores"]
+__all__ = ["compose", "share_cores"]
 
 #: Candidate core lengths tried when two stages are matched with each other.
 _MAX_TRIES = 8
-
-
-@dataclass(frozen=True)
-class StageParts:
-    """How a stage splits into parts (see the module docstring).
-
-    Attributes:
-      parts: the parts in execution order (each a :class:`StageFn` of its equations).
-      core: which of them is the core.
-      param_pos: per part, the position of each of its parameters in the stage's
-        ``param_ids``.
-      batch_pos: per part, the position of each of its microbatch leaves in the stage's
-        ``batch_ids``.
-      res_ids: per part, the ids of its stored residuals among the stage's.
-      w_ids: per part, the ids of its I -> W hand-off values among the stage's.
-    """
-
-    parts: tuple[StageFn, ...]
-    core: int
-    param_pos: tuple[tuple[int, ...], ...]
-    batch_pos: tuple[tuple[int, ...], ...]
-    res_ids: tuple[tuple[int, ...], ...]
-    w_ids: tuple[tuple[int, ...], ...]
-
-    @property
-    def core_fn(self) -> StageFn:
-        return self.parts[self.core]
-
-    @property
-    def prologue(self) -> int | None:
-        """The part before the core, if any."""
-        return 0 if self.core > 0 else None
-
-    @property
-    def epilogue(self) -> int | None:
-        """The part after the core, if any."""
-        return self.core + 1 if self.core + 1 < len(self.parts) else None
 
 
 def compose(parts: Sequence[StageFn], core: int, index: int, eqn_range: tuple[int, int],

@@ -1,9 +1,9 @@
-"""Searches when devices hold several stages (interleaved and V placements).
+"""Cut searches when each device holds several (virtual) stages: interleaved and V placements.
 
 A device's activation memory is then a sum over non-adjacent stages, which the
 stage-by-stage DP cannot express. Small problems are enumerated exactly
 (:func:`enumerate_cuts`, up to ``_ENUM_LIMIT`` candidate cuts); large ones use a
-weighted DP (:func:`min_memory_shared`) followed by a local search over cut
+weighted DP (:func:`min_memory_virtual`) followed by a local search over cut
 positions (:func:`local_search`). Stage time is still per stage, so the "time"
 objective stays exact. With a choice of recomputation policies, every search runs on
 the problem's view for its time cap (the least-storing policy of each range), which
@@ -22,14 +22,14 @@ from jaxpipe.cut.problem import Problem, inf_unless
 from jaxpipe.cut.search import infeasible, min_time_within_budget, relax
 from jaxpipe.remat import Remat
 
-__all__ = ["search_shared", "min_memory_shared", "local_search", "enumerate_cuts"]
+__all__ = ["search_virtual", "min_memory_virtual", "local_search", "enumerate_cuts"]
 
 # Enumerate all cuts exactly when a device holds several stages and there are at most
 # this many candidate cuts (vectorised; tens of ms at the limit).
 _ENUM_LIMIT = 60_000
 
 
-def search_shared(pb: Problem, t_opt: float
+def search_virtual(pb: Problem, t_opt: float
                   ) -> tuple[list[int], tuple[Remat, ...], str, bool]:
     """Devices hold several stages: enumerate small problems, else DP + local search.
 
@@ -41,19 +41,19 @@ def search_shared(pb: Problem, t_opt: float
         view, bounds = enumerate_cuts(pb, t_opt)
         exact = True
     elif objective == "budget":
-        t_b = min_time_within_budget(pb, t_opt, float(cut.memory_budget), min_memory_shared,
+        t_b = min_time_within_budget(pb, t_opt, float(cut.memory_budget), min_memory_virtual,
                                      exact=False)
         view = pb.view(t_b)
-        bounds, exact = min_memory_shared(view, t_b), False
+        bounds, exact = min_memory_virtual(view, t_b), False
     else:
         # Time is per stage, so the "time" objective stays exact; memory is heuristic.
         view = pb
-        bounds = min_memory_shared(pb, t_opt)
+        bounds = min_memory_virtual(pb, t_opt)
         if objective == "memory":
             # A looser cap must never come out worse: also polish the time-optimal answer.
             cap = (1.0 + cut.time_slack) * t_opt
             view = pb.view(cap)
-            cands = [min_memory_shared(view, cap), local_search(view, bounds, cap)]
+            cands = [min_memory_virtual(view, cap), local_search(view, bounds, cap)]
             bounds = min(cands, key=view.rank)
         exact = objective == "time"
     limit = float(cut.memory_budget) if objective == "budget" else view.memory(bounds)
@@ -61,7 +61,7 @@ def search_shared(pb: Problem, t_opt: float
     return bounds, policies, objective, exact
 
 
-def min_memory_shared(pb: Problem, cap: float, good_enough: float | None = None) -> list[int]:
+def min_memory_virtual(pb: Problem, cap: float, good_enough: float | None = None) -> list[int]:
     """Heuristic min peak memory with stage times <= cap, devices holding several stages.
 
     Give stage ``s`` a share ``w_s`` of its device (shares on a device sum to 1)

@@ -3,16 +3,16 @@
 :class:`Pipeline` is the frontend. It does the layers above the runtime seam, in order:
 
 1. trace ``loss_fn`` to a flat jaxpr with its candidate cuts (:mod:`jaxpipe.trace`);
-2. choose the cut and split the jaxpr into stage functions (:mod:`jaxpipe.staging`:
+2. choose the cut and split the jaxpr into stage functions (:mod:`jaxpipe.cut_and_split`:
    the cutter of :mod:`jaxpipe.cut` with the runtime's memory model, then
-   :mod:`jaxpipe.stages`; a scanned layer stack is cut between its iterations and run as
+   :mod:`jaxpipe.stages.stage_fn`; a scanned layer stack is cut between its iterations and run as
    one scan per stage, :mod:`jaxpipe.stacks`);
 3. build the runtime's executor from one :class:`~jaxpipe.runtime.RuntimeSpec`.
 
 Everything about where values live on devices and how the schedule runs is the
 executor's (``pipe.executor``); the frontend checks inputs, reshapes batches into
 microbatches and maps between the user's pytrees and flat leaves, and between the
-user's leaves and the stages' parameter views (:mod:`jaxpipe.views`: a stacked weight
+user's leaves and the stages' parameter views (:mod:`jaxpipe.param_views`: a stacked weight
 split over stages is passed as each stage's rows, its gradient gathered back).
 """
 
@@ -28,10 +28,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpipe.avals import to_boundary
+from jaxpipe.compile_watch import CompileWatch
+from jaxpipe.cut_and_split import cut_and_split
 from jaxpipe.errors import PipelineTypeError
+from jaxpipe.input_placement import Placement, live_state
 from jaxpipe.inputs import (
-    CompileWatch,
-    Placement,
     check_alive,
     check_batch,
     check_key,
@@ -42,17 +43,15 @@ from jaxpipe.inputs import (
     check_params,
     check_pipeline_args,
     leaf_paths,
-    live_state,
 )
 from jaxpipe.objective import Objective
+from jaxpipe.param_views import ParamViews
 from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
 from jaxpipe.sharding import resolve_mesh_axes, to_spec
 from jaxpipe.stacks import Stack
-from jaxpipe.stages import StageFn
-from jaxpipe.staging import stage
+from jaxpipe.stages.stage_fn import StageFn
 from jaxpipe.trace import Traced, microbatch_like, trace_shard
-from jaxpipe.views import ParamViews
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -79,10 +78,10 @@ class Pipeline:
         iteration of every stack (``traced`` itself when there are none).
       cuts: marker indices (into ``cut_traced.markers``) after which a new stage begins.
       views: the stages' parameter inputs over the user's leaves
-        (:class:`jaxpipe.views.ParamViews`; each stage gets its own rows of a stacked
+        (:class:`jaxpipe.param_views.ParamViews`; each stage gets its own rows of a stacked
         weight).
       cut_report: the cutter's :class:`jaxpipe.cut.CutResult` (predicted costs, memory).
-      stages: the stage functions (:class:`jaxpipe.stages.StageFn`).
+      stages: the stage functions (:class:`jaxpipe.stages.stage_fn.StageFn`).
       runtime: the :class:`jaxpipe.runtime.Runtime` that runs them.
       executor: the runtime bound to this pipeline (``pipe.executor.lowering`` holds the
         SPMD runtime's tick tables).
@@ -125,9 +124,9 @@ class Pipeline:
         self.objective: Objective = self.traced.objective
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
-        st = stage(self.traced, schedule, cut, self.runtime.memory_model, mesh,
-                   self.param_dims, share_cores=self.runtime.shares_cores(),
-                   split_backward=self.runtime.splits_backward(mesh))
+        st = cut_and_split(self.traced, schedule, cut, self.runtime.memory_model, mesh,
+                           self.param_dims, share_cores=self.runtime.shares_cores(),
+                           split_backward=self.runtime.splits_backward(mesh))
         self.stacks: tuple[Stack, ...] = st.stacks
         self.cut_traced: Traced = st.cut_traced
         self.cuts, self.cut_report = st.cuts, st.cut_report
@@ -421,7 +420,8 @@ class Pipeline:
           clip_global_norm: clip gradients by their true global norm (over all stages)
             before the optimizer.
         """
-        from jaxpipe.train import Trainer, TrainOptions, TrainState
+        from jaxpipe.train import Trainer, TrainState
+        from jaxpipe.train_options import TrainOptions
 
         options = TrainOptions(skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
         trainer = Trainer(self.executor, optimizer, options, self.microbatches)

@@ -1,0 +1,83 @@
+"""A jitted entry point that says, once, when it compiles again for inputs of the same shapes.
+
+Every entry point of a :class:`jaxpipe.Pipeline` (``value_and_grad``, ``loss``,
+``train_step``, ...) places its inputs canonically before the call
+(:mod:`jaxpipe.input_placement`), so a second compilation for the same shapes means
+something else changed; :class:`CompileWatch` names the entry point and the first input
+whose signature differs in a :class:`RecompileWarning`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+__all__ = ["CompileWatch", "RecompileWarning"]
+
+
+class RecompileWarning(UserWarning):
+    """A pipeline entry point compiled again for inputs of the same shapes."""
+
+
+def _signature(args: Any) -> list[tuple[str, str]]:
+    """(path, 'shape dtype weak sharding') of every array leaf of ``args``."""
+    out = []
+    for path, x in jax.tree.flatten_with_path(args)[0]:
+        weak = " weak_type" if getattr(getattr(x, "aval", None), "weak_type", False) else ""
+        out.append((jax.tree_util.keystr(path),
+                    f"{getattr(x, 'shape', ())} {getattr(x, 'dtype', type(x).__name__)}"
+                    f"{weak} {getattr(x, 'sharding', 'host')}"))
+    return out
+
+
+class CompileWatch:
+    """A jitted function that warns once when it compiles a second time.
+
+    Inputs are placed canonically before the call, so a second compilation for the same
+    shapes means something else changed (a parameter sharding of the user's own, a
+    weak type, a jax config flag). The warning names the entry point and the first input
+    whose signature differs from the first call's.
+    """
+
+    def __init__(self, fn: Any, name: str,
+                 check: Callable[[Any, str], None] | None = None) -> None:
+        self.fn = fn
+        self.name = name
+        #: ``check(compiled, name)`` runs once, on the program compiled for the first call
+        #: (a runtime's refusal of a program it cannot run, before it runs)
+        self.check = check
+        self._first: list | None = None
+        self._warned = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self._first is None and self.check is not None:
+            # jit reuses this compilation for the call below
+            self.check(self.fn.lower(*args).compile(), self.name)
+        before = self._cache_size()
+        out = self.fn(*args)
+        if self._first is None:
+            self._first = _signature(args)
+        elif not self._warned and self._cache_size() > max(before, 1):
+            self._warned = True
+            now = _signature(args)
+            diff = next((f"{p}: {b} (first call: {a})" for (p, a), (_, b) in zip(
+                self._first, now, strict=False) if a != b), "no input signature changed")
+            warnings.warn(
+                f"{self.name} compiled again for inputs of the same shapes ({diff}); every "
+                "new input signature costs a full compilation. Pass inputs with the same "
+                "dtypes and shardings at every call (jaxpipe places batches and "
+                "parameters on the pipeline's mesh itself). This warning is shown once.",
+                RecompileWarning, stacklevel=3)
+        return out
+
+    def _cache_size(self) -> int:
+        size: Callable[[], int] | None = getattr(self.fn, "_cache_size", None)
+        return size() if size is not None else 0
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn.lower(*args, **kwargs)
+
+

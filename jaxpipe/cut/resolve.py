@@ -1,0 +1,95 @@
+"""The user's ``cut=`` as marker indices: ``"markers"``, ``"auto"`` or a :class:`~jaxpipe.cut.Cut`.
+
+:func:`resolve_cuts` runs every kind through the cutter (:func:`jaxpipe.cut.choose_cuts`),
+which also reports the predicted per-stage costs and memory; ``"markers"`` groups the
+segments evenly (:func:`even_cuts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from jaxpipe import cut as cutmod
+from jaxpipe.avals import aval_bytes
+from jaxpipe.cost import segment_costs
+from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.runtime.memory import MemoryModel
+from jaxpipe.schedule import Schedule
+from jaxpipe.trace import Traced
+
+__all__ = ["even_cuts", "resolve_cuts"]
+
+
+def even_cuts(n_seg: int, num_stages: int) -> list[int]:
+    """Marker indices grouping ``n_seg`` segments into ``num_stages`` of sizes differing by
+    at most one (``cut="markers"``).
+
+    The larger stages are the outer ones (last, first, second to last, ...): the middle
+    stages of a model with an embedding before its blocks and a head after them then
+    hold equally many blocks, compute the same function and compile as one body.
+    """
+    size = [n_seg // num_stages] * num_stages
+    ends = [s for k in range((num_stages + 1) // 2)
+            for s in dict.fromkeys((num_stages - 1 - k, k))]
+    for s in ends[: n_seg % num_stages]:
+        size[s] += 1
+    return [int(x) - 1 for x in np.cumsum(size)[:-1]]
+
+
+def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
+                 devices: tuple = ()) -> tuple[list[int], Any]:
+    """Marker positions after which a new stage starts, plus the cutter's report.
+
+    ``cut="auto"`` budgets the memory ``devices`` report (``jaxpipe.cut.auto_cut``).
+    """
+    S = schedule.num_stages
+    n_seg = len(traced.markers) + 1
+    if S > n_seg:
+        raise PipelineError(
+            f"the schedule needs {S} stages but the loss has only {n_seg} cuttable segments "
+            f"({len(traced.markers)} markers); add jaxpipe.boundary / @jaxpipe.layer markers "
+            "or use fewer stages."
+        )
+    if isinstance(cut, str) and cut == "markers":
+        cut = cutmod.Cut(indices=even_cuts(n_seg, S))
+    if isinstance(cut, str) and cut == "auto":
+        # every pipeline device also holds the whole batch (its data shard)
+        batch = sum(aval_bytes(v.aval) for v in traced.jaxpr.invars[traced.num_params:])
+        cut = cutmod.auto_cut(devices, held_bytes=batch * schedule.num_microbatches)
+    if isinstance(cut, cutmod.Cut):
+        if cut.indices is not None and len(cut.indices) != S - 1:
+            raise PipelineError(
+                f"Cut(indices={list(cut.indices)}) gives {len(cut.indices) + 1} stages but "
+                f"the schedule has {S}; pass {S - 1} marker indices."
+            )
+        # Explicit cuts go through the cutter too: it reports their predicted costs.
+        policies = cut.costed_policies()
+        # Per-stage peak in-flight microbatches follow from each device's action order
+        # alone: read them off the schedule's cached graph instead of having the cutter
+        # simulate for them (it simulates once, with the chosen stage costs).
+        peaks = schedule.graph().stage_peak_in_flight
+        in_flight = [peaks[s] for s in range(S)]
+        costs = segment_costs(traced, profile=cut.profile, remat=policies[:1])
+        if len(policies) > 1 and cut.remat == "auto" and cut.memory_budget is not None:
+            # Recomputation only adds time: when placement alone reaches the fastest
+            # cut within the budget, measuring the other policies buys nothing.
+            try:
+                plain = cutmod.choose_cuts(costs, schedule, replace(cut, remat="none"),
+                                           memory_model=memory_model, in_flight=in_flight)
+                if plain.max_stage_time <= plain.time_optimum:
+                    return list(plain.cuts), plain
+            except cutmod.CutError:
+                pass
+        if len(policies) > 1:
+            costs = segment_costs(traced, profile=cut.profile, remat=policies)
+        result = cutmod.choose_cuts(costs, schedule, cut, memory_model=memory_model,
+                                    in_flight=in_flight)
+        return list(result.cuts), result
+    hint = (f" (for explicit cuts: jp.Cut(indices={list(cut)!r}))"
+            if isinstance(cut, list | tuple) else "")
+    raise PipelineTypeError(
+        f"cut must be 'auto', 'markers' or a jaxpipe.Cut, got {cut!r}{hint}."
+    )

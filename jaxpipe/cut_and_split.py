@@ -1,0 +1,115 @@
+"""From a traced loss to the stage functions a runtime runs: cut it for a schedule and split it.
+
+Steps 2 and 3 of :func:`jaxpipe.pipeline` (see :mod:`jaxpipe.frontend`):
+:func:`cut_and_split` resolves the user's ``cut=`` (:func:`jaxpipe.cut.resolve.resolve_cuts`)
+on the loss the cutter sees (a scanned layer stack rewritten with a cut after every
+iteration, :mod:`jaxpipe.stacks`) and splits the loss into
+:class:`~jaxpipe.stages.stage_fn.StageFn` s (:func:`jaxpipe.stages.split`; a stack becomes one
+scan per stage over that stage's layers, each stage reading its own rows of the stacked
+weights). :meth:`StagedLoss.runtime_spec` is what a runtime is built from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jax.sharding import Mesh
+
+from jaxpipe.avals import boundary_aval
+from jaxpipe.cut.resolve import resolve_cuts
+from jaxpipe.inputs import leaf_paths
+from jaxpipe.param_views import ParamViews
+from jaxpipe.runtime import RuntimeSpec
+from jaxpipe.runtime.memory import MemoryModel
+from jaxpipe.schedule import Schedule
+from jaxpipe.sharding import Dims, MeshAxes, check_divisible
+from jaxpipe.stacks import Stack, find_stacks, for_stages, per_layer
+from jaxpipe.stages import split
+from jaxpipe.stages.stage_fn import StageFn, param_owners
+from jaxpipe.trace import Traced
+
+__all__ = ["StagedLoss", "cut_and_split"]
+
+
+@dataclass(frozen=True)
+class StagedLoss:
+    """What :func:`cut_and_split` chose and built.
+
+    Attributes:
+      stacks: the scanned layer stacks found in the loss (each cut between iterations).
+      cut_traced: the loss the cutter saw (``traced`` with a marker after every
+        iteration of every stack; ``traced`` itself when there are none).
+      cuts: indices into ``cut_traced.markers`` after which a new stage begins.
+      cut_report: the cutter's :class:`jaxpipe.cut.CutResult`.
+      views: the stages' parameter inputs over the user's leaves.
+      stage_traced: the loss the stages were split from (its parameters: ``views``).
+      stages: the stage functions.
+    """
+
+    stacks: tuple[Stack, ...]
+    cut_traced: Traced
+    cuts: list[int]
+    cut_report: Any
+    views: ParamViews
+    stage_traced: Traced
+    stages: list[StageFn]
+
+    def runtime_spec(self, traced: Traced, schedule: Schedule, mesh: Mesh, axis: str,
+                     mesh_axes: MeshAxes, param_dims: Sequence[Dims]) -> RuntimeSpec:
+        """What a runtime needs to run these stages (``traced``: the user's loss as
+        traced, whose parameters are the user's leaves)."""
+        inner = self.stage_traced
+        return RuntimeSpec(
+            stages=tuple(self.stages),
+            schedule=schedule,
+            mesh=mesh,
+            axis=axis,
+            batch_axes=mesh_axes.batch_axes,
+            param_avals=tuple(v.aval for v in inner.jaxpr.invars[: inner.num_params]),
+            params_treedef=traced.params_treedef,
+            # key-typed batch leaves reach a runtime as key data (see jaxpipe.stages.stage_fn)
+            microbatch_avals=tuple(boundary_aval(v.aval)
+                                   for v in traced.jaxpr.invars[traced.num_params:]),
+            param_owners=param_owners(self.stages),
+            param_views=self.views,
+            param_dims=(tuple(param_dims[v.leaf] for v in self.views.views)
+                        if any(any(d) for d in param_dims) else ()),
+            param_axes=mesh_axes.param_axes,
+            action_cost=self.cut_report.action_cost,
+            objective=traced.objective,
+        )
+
+
+def cut_and_split(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
+                  mesh: Mesh, param_dims: Sequence[Dims], *, share_cores: bool = False,
+                  split_backward: bool = False) -> StagedLoss:
+    """Cut ``traced`` for ``schedule`` (:func:`~jaxpipe.cut.resolve.resolve_cuts`), then split it.
+
+    ``param_dims``: per parameter leaf, its sharding over the non-pipe axes; a stage's
+    rows of a stacked leaf must split over them too. ``share_cores`` /
+    ``split_backward``: as the runtime's :meth:`~jaxpipe.runtime.Runtime.shares_cores` and
+    :meth:`~jaxpipe.runtime.Runtime.splits_backward` say (see :func:`jaxpipe.stages.split`).
+    """
+    param_avals = [v.aval for v in traced.jaxpr.invars[: traced.num_params]]
+    stacks = tuple(find_stacks(traced.jaxpr))
+    layers = per_layer(traced, stacks) if stacks else None
+    cut_traced = layers.traced if layers else traced
+    cuts, report = resolve_cuts(cut_traced, schedule, cut, memory_model,
+                                tuple(mesh.devices.flat))
+    if layers is not None:
+        staged, stage_cuts = for_stages(traced, stacks, layers, cuts)
+        stage_traced, views = staged.traced, staged.views
+    else:
+        stage_traced, stage_cuts = traced, cuts
+        views = ParamViews.whole(tuple(param_avals))
+    paths = leaf_paths(traced.params_treedef)
+    for v in views.views:  # a stage's rows of a stacked leaf must split too
+        if v.start is not None:
+            check_divisible(v.aval(param_avals[v.leaf]).shape, param_dims[v.leaf], mesh,
+                            f"param_specs{paths[v.leaf]}",
+                            f" rows {v.start}:{v.stop} (one stage's layers)")
+    stages = split(stage_traced, stage_cuts, remat=report.remat,
+                   share_cores=share_cores, split_backward=split_backward)
+    return StagedLoss(stacks, cut_traced, cuts, report, views, stage_traced, stages)

@@ -1,0 +1,141 @@
+"""Every input of a pipeline call goes onto the pipeline's mesh, in one sharding per kind.
+
+A batch built with numpy, committed to one device, placed on another mesh or restored
+from a checkpoint runs, and runs the *same* compiled program as a batch that was placed
+globally (:class:`Placement`). :func:`live_state` does the same for a
+:class:`~jaxpipe.train.TrainState` after checking it belongs to the pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.inputs import check_alive
+from jaxpipe.sharding import Dims, MeshAxes, to_spec
+from jaxpipe.train import TrainState
+
+__all__ = ["Placement", "live_state"]
+
+
+def _devices(x: Any) -> str:
+    sharding = getattr(x, "sharding", None)
+    ids = sorted(d.id for d in sharding.device_set) if sharding is not None else []
+    return f"devices {ids}" if ids else "the host"
+
+
+class Placement:
+    """Canonical shardings of a pipeline's inputs on its mesh.
+
+    - parameters (the user's pytree): sharded as the pipeline's ``param_specs`` say;
+      without specs, replicated, unless already on this mesh with a sharding of the
+      user's own (kept);
+    - batch leaves: split along axis 0 over the batch axes, replicated over the pipe
+      axis (what :func:`jaxpipe.distributed.global_batch` builds);
+    - anything in a runtime's layout (staged parameters, optimizer state): the sharding
+      the runtime gives it.
+
+    A host (numpy) array is the whole global value, as with ``jax.device_put``; in a
+    multi-process run every process passes the same values (build per-process rows
+    into a global batch with :func:`jaxpipe.distributed.global_batch`).
+    """
+
+    def __init__(self, mesh: Mesh, axes: MeshAxes, param_dims: tuple[Dims, ...] = ()
+                 ) -> None:
+        self.mesh = mesh
+        self.replicated = NamedSharding(mesh, P())
+        self.batch = NamedSharding(mesh, axes.batch_spec())
+        #: per user parameter leaf, its sharding (None: as before, see the class doc)
+        self.param_shardings = [NamedSharding(mesh, to_spec(d)) if any(d) else None
+                                for d in param_dims]
+
+    def on_mesh(self, x: Any) -> bool:
+        sharding = getattr(x, "sharding", None)
+        return isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh
+
+    def put(self, x: Any, sharding: jax.sharding.Sharding, what: str) -> jax.Array:
+        """``x`` on ``sharding``; a clear error if it cannot get there."""
+        if isinstance(x, jax.core.Tracer):  # inside the caller's jit: a sharding constraint
+            return jax.device_put(x, sharding)
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None) or np.float32, jax.dtypes.prng_key):
+            # PRNG keys move as their key data (numpy cannot hold them)
+            data = self.put(jax.random.key_data(x), sharding, what)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        try:
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return jax.device_put(x, sharding)  # a global array: reshard
+            if jax.process_count() > 1:
+                # The whole value on every process: each takes the shards it holds.
+                host = np.asarray(x)
+                return jax.make_array_from_callback(host.shape, sharding,
+                                                    lambda index: host[index])
+            if isinstance(x, jax.Array) and x.sharding.device_set != sharding.device_set:
+                x = np.asarray(x)  # other devices (another mesh): through the host
+            return jax.device_put(x, sharding)
+        except (ValueError, RuntimeError, TypeError) as err:
+            raise PipelineError(
+                f"{what} lives on {_devices(x)} and cannot be moved onto the pipeline's "
+                f"mesh (devices {sorted(d.id for d in self.mesh.devices.flat)}): "
+                f"{' '.join(str(err).split())[:300]}. Build it on this mesh, e.g. with "
+                "jaxpipe.distributed.replicate / global_batch, or jax.device_get it first."
+            ) from err
+
+    def params(self, leaves: list, paths: list[str]) -> list:
+        if any(self.param_shardings):
+            return [self.put(x, s or self.replicated, f"params{p}")
+                    for x, s, p in zip(leaves, self.param_shardings, paths, strict=True)]
+        return [x if self.on_mesh(x) else self.put(x, self.replicated, f"params{p}")
+                for x, p in zip(leaves, paths, strict=True)]
+
+    def batch_leaves(self, leaves: list, paths: list[str]) -> list:
+        return [self.put(x, self.batch, f"batch{p}") for x, p in zip(leaves, paths,
+                                                                      strict=True)]
+
+    def like(self, tree: Any, abstract: Any, what: str) -> Any:
+        """``tree`` placed like ``abstract`` (``ShapeDtypeStruct`` s with shardings)."""
+        def one(path, x, a):
+            sharding = getattr(a, "sharding", None)
+            if sharding is None:
+                return x
+            return self.put(x, sharding, f"{what}{jax.tree_util.keystr(path)}")
+
+        return jax.tree.map_with_path(one, tree, abstract)
+
+
+def live_state(state: Any, executor: Any, placement: Placement, what: str) -> Any:
+    """A :class:`~jaxpipe.train.TrainState` checked for ``executor`` and placed on its mesh.
+
+    Refused: not a TrainState, a state of another pipeline, a state not in the stage
+    layout, a state whose buffers were donated.
+    """
+    if not isinstance(state, TrainState):
+        hint = ("call pipe.init(params, optimizer) before pipe.train_step(state, batch)"
+                if state is None or what == "train_step" else
+                "pass the TrainState from pipe.init / train_step (for staged parameters "
+                "use pipe.unshard)")
+        raise PipelineTypeError(
+            f"{what} needs the TrainState returned by pipe.init, got "
+            f"{type(state).__name__}; {hint}."
+        )
+    if state.trainer.executor is not executor:
+        raise PipelineError(
+            "this TrainState was made by another pipeline: its state layout belongs to "
+            "that pipeline's stages and optimizer, not this pipeline's. Train it with "
+            "that pipeline, or start from its parameters here with "
+            "pipe.init(other.params(state), optimizer)."
+        )
+    executor.check_staged(state.params, f"{what} (state.params)")
+    check_alive(state, "state", "Use the state the last train_step returned: "
+                "state, metrics = pipe.train_step(state, batch).")
+    placed = placement.like(
+        (state.params, state.opt_state, state.step),
+        (executor.staged_abstract(), state.trainer.abstract_opt_state(),
+         jax.ShapeDtypeStruct((), np.int32, sharding=placement.replicated)), "state")
+    return TrainState(*placed, state.trainer)

@@ -1,0 +1,16 @@
+"""The stages layer: a traced loss cut into stage functions a runtime can run.
+
+- :mod:`~jaxpipe.stages.stage_fn` — :class:`StageFn` (one stage as closed jaxprs:
+  forward with residuals, backward, split I/W backward, and their bookkeeping),
+  :class:`StageParts`, and :class:`Fragments`, which builds the stage of any range of
+  equations;
+- :mod:`~jaxpipe.stages.splitter` — :func:`split`: a traced loss cut after the given
+  markers into ``StageFn`` s, each under its recomputation policy;
+- :mod:`~jaxpipe.stages.shared_cores` — a first or last stage as a prologue, a core a
+  middle stage shares and an epilogue, so a runtime compiles the blocks once.
+"""
+
+from jaxpipe.stages.splitter import split
+from jaxpipe.stages.stage_fn import Fragments, StageFn, StageParts, param_owners
+
+__all__ = ["Fragments", "StageFn", "StageParts", "param_owners", "split"]
