@@ -28,7 +28,7 @@ import pytest
 from jaxpipe import distributed as jpd
 from jaxpipe import launch as jpl
 
-WORKER = Path(__file__).with_name("mp_worker.py")
+WORKER = Path(__file__).parent / "support" / "mp_worker.py"
 LAUNCH_TIMEOUT = 100  # the launcher kills everything after this (exit 124)
 RUN_TIMEOUT = LAUNCH_TIMEOUT + 30  # and this kills the launcher itself
 

@@ -324,7 +324,7 @@ def test_split_middle_members_of_a_shared_core(same_tick):
     ``same_tick``), stages 0 and 3 never do; all four share one core, 0 and 3 around a
     prologue (embedding) and an epilogue (head). The I / W / IW branches run only the
     split members' parts: the head's hand-off has no storage at all (found by
-    tests/fuzz_runtime.py, seed 31, case 91)."""
+    tests/support/fuzz_runtime.py, seed 31, case 91)."""
     from random_schedules import random_schedule
 
     sched = random_schedule(4, 1, 2, True, 0.5, 1167)

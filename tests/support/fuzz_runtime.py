@@ -1,7 +1,7 @@
 """Exactness fuzz of the SPMD runtime: random valid schedules x runtime options x models.
 
-    python tests/fuzz_runtime.py 250 --seed 11              # p in {2, 3, 4}, m <= 6
-    python tests/fuzz_runtime.py 80 --seed 21 --ps 5,6,8 --max-m 10
+    python tests/support/fuzz_runtime.py 250 --seed 11              # p in {2, 3, 4}, m <= 6
+    python tests/support/fuzz_runtime.py 80 --seed 21 --ps 5,6,8 --max-m 10
 
 Both programs: ``--backends cpu,gpu`` (default) draws the CPU program or the accelerator
 program (built and run on CPU), the latter with the overlap on, off or automatic.
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     ps = [int(x) for x in args.ps.split(",")]
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(ps)}")
-    sys.path[:0] = [str(HERE), str(HERE.parent)]
+    sys.path[:0] = [str(HERE), str(HERE.parents[1])]
     import jax
     import models
     from random_schedules import random_schedule
