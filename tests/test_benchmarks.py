@@ -94,28 +94,32 @@ def test_run_quick_completes_with_every_field(tmp_path: Path) -> None:
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from benchmarks import run as R
+    from benchmarks.harness import RUN_FIELDS
+    from benchmarks.sections import baseline, discover, remat, sweep
 
     res = json.loads((out / "benchmarks.json").read_text())
-    for section, fields in R.REQUIRED_FIELDS.items():
-        assert section in res, section
-        missing = [f for f in fields if f not in res[section]]
-        assert not missing, (section, missing)
-    for section in R.SECTIONS:
-        assert (out / f"{section}.json").exists()
+    sections = discover()
+    assert {"overhead", "baseline", "sweep", "scaling", "concurrency", "remat", "lowering",
+            "step", "compile", "sharded", "eval"} <= set(sections)
+    for name, sec in sections.items():
+        assert name in res, name
+        missing = [f for f in sec.fields if f not in res[name]]
+        assert not missing, (name, missing)
+        assert (out / f"{name}.json").exists()
+    assert {"backend", "num_devices", "quick", "config", "duration_s"} <= set(res["meta"])
     ov = res["overhead"]
     assert ov["ratios"]["p1"]["wall"] > 0
     for run in [ov["plain"], *ov["jaxpipe"].values()]:
         assert {"median_s", "cpu_median_s", "compile_s", "memory"} <= set(run)
     for row in res["baseline"]["rows"]:
-        assert set(R.BASELINE_ROW_FIELDS) <= set(row)
+        assert set(baseline.ROW_FIELDS) <= set(row)
         for run in [row["spmd_gpipe"], *row["jaxpipe"].values()]:
-            assert set(R.RUN_FIELDS) <= set(run), set(R.RUN_FIELDS) - set(run)
+            assert set(RUN_FIELDS) <= set(run), set(RUN_FIELDS) - set(run)
             assert run["memory"]["total_bytes"] > 0
     names = {row["schedule"] for row in res["sweep"]["rows"]}
     assert {"GPipe", "1F1B", "Interleaved1F1B"} <= names
     for row in res["sweep"]["rows"]:
-        assert set(R.SWEEP_ROW_FIELDS) <= set(row)
+        assert set(sweep.ROW_FIELDS) <= set(row)
     assert len(res["scaling"]["rows"]) >= 2
     cc = res["concurrency"]
     assert cc["error"] is None, cc.get("log_tail")
@@ -127,18 +131,90 @@ def test_run_quick_completes_with_every_field(tmp_path: Path) -> None:
     assert rm["error"] is None
     assert {row["name"] for row in rm["rows"]} >= {"auto", "full", "uniform", "none"}
     for row in rm["rows"]:
-        assert set(R.R.ROW_FIELDS) <= set(row), set(R.R.ROW_FIELDS) - set(row)
+        assert set(remat.ROW_FIELDS) <= set(row), set(remat.ROW_FIELDS) - set(row)
         assert row["compiled_bytes"] > 0 and row["flops_per_step"] > 0
     auto = next(row for row in rm["rows"] if row["name"] == "auto")
     assert auto["predicted_fits"] and auto["step_vs_auto_cpu"] == 1.0
     assert res["headline"]["memory_1f1b_vs_baseline_m4p"] is not None
     assert set(res["meta"]["plots"]) >= {"overhead.png", "baseline.png", "scaling.png"}
+    summary = (out / "summary.md").read_text()  # every section that summarizes does
+    for title in ("Executor overhead", "SPMD GPipe", "Schedule sweep", "Evaluation",
+                  "Lowered efficiency", "Compile time"):
+        assert title in summary, title
+
+
+TOY_SECTION = """
+import jax
+import jax.numpy as jnp
+
+import jaxpipe as jp
+from benchmarks.harness import compile_program, mesh
+
+ORDER = 5
+FIELDS = ("p", "loss", "temp_bytes")
+
+
+def run(r):
+    p = r.s.p
+    params = {"w": jnp.ones((4 * p, 8, 8))}
+    batch = jnp.ones((2 * p, 8))
+
+    def loss_fn(params, x):
+        for w in params["w"]:
+            x = jp.boundary(jnp.tanh(x @ w))
+        return jnp.mean(x ** 2)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh(p),
+                       schedule=jp.OneFOneB(p, 2 * p))
+    compiled, info = compile_program(pipe.value_and_grad_fn, (params, batch))
+    loss, _ = compiled(params, batch)
+    return {"p": p, "loss": float(loss), "temp_bytes": info["memory"]["temp_bytes"]}
+
+
+def summary(res):
+    return f"**Toy**: p={res['p']}, loss {res['loss']:.4f}"
+
+
+def plot(res, save):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.bar(["temp"], [res["temp_bytes"]])
+    save(fig, "toy.png")
+"""
+
+
+def test_a_section_is_one_file(tmp_path: Path) -> None:
+    """A new section is one module (here in a folder given with --more-sections): the
+    runner finds it, runs it in its ORDER, checks its FIELDS, and writes its JSON, its
+    summary and its plot."""
+    from benchmarks import run as R
+
+    folder = tmp_path / "more"
+    folder.mkdir()
+    (folder / "toy.py").write_text(TOY_SECTION)
+    out = tmp_path / "results"
+    res = R.main(["--quick", "--sections", "toy", "--more-sections", str(folder),
+                  "--out", str(out)])
+    assert res["toy"]["p"] == 2 and res["toy"]["temp_bytes"] > 0
+    assert json.loads((out / "toy.json").read_text())["loss"] == res["toy"]["loss"]
+    assert "**Toy**: p=2" in (out / "summary.md").read_text()
+    assert res["meta"]["plots"] == ["toy.png"] and (out / "toy.png").exists()
+
+    (folder / "broken.py").write_text("ORDER = 1\nFIELDS = ('x',)\n"
+                                     "def run(r):\n    return {}\n")
+    with pytest.raises(KeyError, match="'broken' returned no \\['x'\\]"):
+        R.main(["--quick", "--sections", "broken", "--more-sections", str(folder),
+                "--out", str(out)])
+    (folder / "broken.py").write_text("FIELDS = ()\n")
+    with pytest.raises(TypeError, match="does not define ORDER, run"):
+        R.main(["--list", "--more-sections", str(folder)])
 
 
 def test_remat_tradeoff_measures_every_policy() -> None:
-    """benchmarks/remat_tradeoff.py: one row per (p, policy), ratios to the first policy;
+    """benchmarks/probes/remat_tradeoff.py: one row per (p, policy), ratios to the first policy;
     saving only matmul outputs stores fewer residual leaves than saving all."""
-    from benchmarks import remat_tradeoff as RT
+    from benchmarks.probes import remat_tradeoff as RT
 
     res = RT.measure([2], ["none", "dots"], layers=2, d_model=32)
     none, dots = res["rows"]
@@ -152,12 +228,12 @@ def test_remat_tradeoff_measures_every_policy() -> None:
 
 
 def test_late_delivery_prices_the_lowering_as_the_sync_model_does() -> None:
-    """benchmarks/late_delivery.py's what-if starts from the library's sync model: with
+    """benchmarks/probes/late_delivery.py's what-if starts from the library's sync model: with
     every message exchanged at the end of its tick it gives the lowered makespan
     (transfers included), a tick-late exchange where the reader has slack is never slower,
     and its "late" ticks put every reader two ticks after another device's writer."""
     import jaxpipe as jp
-    from benchmarks import late_delivery as LD
+    from benchmarks.probes import late_delivery as LD
     from jaxpipe.runtime.spmd.lowering import expand, lower
     from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan, split_cost
     from jaxpipe.schedule.simulate import resolve_costs
@@ -181,7 +257,7 @@ def test_late_delivery_prices_the_lowering_as_the_sync_model_does() -> None:
 
 
 def test_step_overhead_takes_medians_across_processes() -> None:
-    from benchmarks.step_overhead import RATIOS, across_processes
+    from benchmarks.sections.step import RATIOS, across_processes
 
     def run(x: float) -> dict:
         row = {"B_cpu_s": x, **{k: 2 * x for k in RATIOS["split_backward"]}}

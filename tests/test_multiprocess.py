@@ -216,9 +216,9 @@ def test_single_process_helpers():
 
 
 def test_overlap_probe_runs(tmp_path):
-    """benchmarks/overlap_probe.py (ppermute beside compute, 2 processes) runs and
+    """benchmarks/probes/overlap_probe.py (ppermute beside compute, 2 processes) runs and
     writes its medians; a smoke run, its ratios are for benchmarks/README.md."""
-    rc, out, _ = _launch("benchmarks/overlap_probe.py", "--ticks", "2", "--heavy", "2",
+    rc, out, _ = _launch("benchmarks/probes/overlap_probe.py", "--ticks", "2", "--heavy", "2",
                          "--light", "1", "--message", "64", "--repeats", "1",
                          "--out", str(tmp_path), devices=1)
     assert rc == 0, out[-2000:]

@@ -7,7 +7,7 @@ Two processes, one CPU device each (``jax.distributed``, gloo over loopback), ru
 matmuls and then, or not, permutes a ``--kib`` KiB message both ways (what the CPU
 program does at a tick that carries messages at p=2). The cost of a permute is the time
 per iteration with it minus without it. Three placements: every thread of a process
-pinned to its own core (what ``benchmarks/concurrency.py`` does), nothing pinned, and
+pinned to its own core (what ``benchmarks/sections/concurrency.py`` does), nothing pinned, and
 only the compute thread pinned (gloo's event-loop thread, started by
 ``jax.distributed.initialize``, free to run on any core). Prints milliseconds per
 iteration, the median of ``--runs`` fresh process pairs.

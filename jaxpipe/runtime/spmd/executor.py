@@ -87,7 +87,7 @@ class SpmdRuntime(Runtime):
         concurrently (virtual CPU devices in one process), where the later cotangent
         costs nothing and the joined step removes the split's cost (1F1B p=4, I + W
         against B: 1.05 -> 0.995 on an MLP, 1.06 -> 1.01 on GPT blocks;
-        benchmarks/step_overhead.py). Where devices run concurrently the later cotangent
+        benchmarks/sections/step.py). Where devices run concurrently the later cotangent
         delays the stage before; the accelerator program runs one step per tick.
       fuse_fb: run a B that directly follows its own F (the last stage's, whose cotangent
         is its loss, in 1F1B and at p=1) in the F's step as one forward and backward, as

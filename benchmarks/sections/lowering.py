@@ -1,8 +1,8 @@
 """Lowered efficiency of every built-in and gallery schedule, and schedule work at scale.
 
-    python benchmarks/lowering.py                 # table + benchmarks/results/lowering.json
-    python benchmarks/lowering.py --scale         # also validate/simulate/lower at p=64
-    python benchmarks/lowering.py --scale-only    # only that
+    python benchmarks/sections/lowering.py               # table + results/lowering.json
+    python benchmarks/sections/lowering.py --scale       # also validate/simulate/lower at p=64
+    python benchmarks/sections/lowering.py --scale-only  # only that
 
 *Lowered efficiency* = the schedule's asynchronous makespan (``Schedule.simulate``: each
 device waits only for its data) / the makespan of jaxpipe's lowered SPMD program under
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def schedules() -> list[tuple[str, Callable[[int, int], Any]]]:
@@ -188,6 +188,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = "lowering_scale.json" if args.scale_only else "lowering.json"
     C.write_json(args.out, name, res, indent=1, default=str)
     return res
+
+
+# ------------------------------------------------------------ the section in benchmarks/run.py
+ORDER = 70
+FIELDS = ("ps", "rows", "min_efficiency", "scale")
+
+
+def run(r: Any) -> dict[str, Any]:
+    """Lowered efficiency (p in {2, 4, 8}; 2 with ``--quick``) and schedule work at scale."""
+    from benchmarks.harness import log
+
+    res = section_lowering(ps=(2,) if r.s.quick else (2, 4, 8), gpt=not r.s.quick)
+    log(f"lowering: minimum efficiency {res['min_efficiency']}")
+    res["scale"] = section_scale(*((8, 32) if r.s.quick else (64, 512)))
+    for row in res["scale"]["rows"]:
+        log(f"lowering at scale {row['schedule']}: {row.get('total_s', row.get('skipped'))}")
+    return res
+
+
+def summary(lw: dict[str, Any]) -> str:
+    return ("**Lowered efficiency** (asynchronous makespan / lowered SPMD makespan, "
+            f"sync model; minimum {lw['min_efficiency']})\n\n" + markdown(lw))
 
 
 if __name__ == "__main__":

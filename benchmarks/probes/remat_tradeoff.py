@@ -1,6 +1,6 @@
 """What the recomputation policy does to compile time, memory and step time.
 
-    python benchmarks/remat_tradeoff.py   # prints ratios, writes results/remat_tradeoff.json
+    python benchmarks/probes/remat_tradeoff.py   # prints ratios, writes results/remat_tradeoff.json
 
 Every residual a stage stores between its forward and backward is written into a slot
 buffer and read back, one kernel each way; plain JAX keeps cheap elementwise values
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _point(cfg: Any, p: int, remat: str, fuse_fb: bool | str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import optax
 import jaxpipe as jp
 from benchmarks import common as C
 
-__all__ = ["FIELDS", "ROW_FIELDS", "run_remat"]
+__all__ = ["FIELDS", "ORDER", "ROW_FIELDS", "run", "run_remat", "summary"]
 
 #: Fields of the section (the test suite checks them).
 FIELDS = ("p", "microbatches", "mb_size", "model", "budget_fraction", "budget_bytes",
@@ -144,3 +144,44 @@ def run_remat(cfg: C.GPTConfig, p: int, m: int, mb: int, budget_fraction: float,
         "rows": list(rows.values()),
         "targets": targets,
     }
+
+
+# ------------------------------------------------------------ the section in benchmarks/run.py
+ORDER = 60
+
+
+def run(r: Any) -> dict[str, Any]:
+    """GPT, 1F1B at p=P, m=2P, budget = a fraction of the no-recompute peak."""
+    from benchmarks.harness import compile_program, log
+
+    s = r.s
+
+    def time_fn(runs: dict[str, tuple[Any, tuple]]) -> dict[str, dict[str, Any]]:
+        return C.time_interleaved(runs, warmup=s.warmup, repeats=s.repeats)
+
+    return run_remat(s.remat_model, s.p, s.remat_m_factor * s.p, s.remat_mb, s.remat_budget,
+                     compile_program, time_fn, log)
+
+
+def summary(rm: dict[str, Any]) -> str:
+    from benchmarks.harness import fmt
+
+    if rm.get("error"):
+        return f"**Recomputation under a budget**: {rm['error']}"
+    lines = [f"**Recomputation under a budget** (GPT, 1F1B, p={rm['p']}, "
+             f"m={rm['microbatches']}, {rm['mb_size']} seq/microbatch; budget "
+             f"{rm['budget_fraction']:.0%} of the no-recompute peak = "
+             f"{rm['budget_bytes'] / 2**20:.1f} MiB; ratios to auto)", "",
+             "| config | remat per stage | blocks | predicted MiB | compiled MiB | fits | "
+             "step ms (CPU) | step (CPU) | step (wall) | fastest run | FLOPs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rm["rows"]:
+        lines.append(
+            f"| {row['name']} | {','.join(row['remat'])} | {row['blocks_per_stage']} | "
+            f"{row['predicted_bytes'] / 2**20:.1f} | {row['compiled_bytes'] / 2**20:.1f} | "
+            f"{'yes' if row['fits'] else 'no'} | {row['cpu_median_s'] * 1e3:.1f} | "
+            f"{fmt(row['step_vs_auto_cpu'], '{:.3f}')} | "
+            f"{fmt(row['step_vs_auto_wall'], '{:.3f}')} | "
+            f"{fmt(row.get('step_vs_auto_min'), '{:.3f}')} | "
+            f"{fmt(row['flops_vs_auto'], '{:.3f}')} |")
+    return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Compiled per-device temp memory of GPipe vs 1F1B as m grows (1F1B must stay flat).
 
-    python benchmarks/schedule_memory.py [--out results/schedule_memory.json]
+    python benchmarks/probes/schedule_memory.py [--out results/schedule_memory.json]
 
 Prints, for m in {8, 32}, the compiled program's ``memory_analysis().temp_size_in_bytes``
 and the lowered residual pool per device, and the ratio 1F1B / GPipe.

@@ -1,6 +1,7 @@
 """Does XLA:CPU overlap a ``ppermute`` with independent compute? (2 processes, gloo)
 
-    python -m jaxpipe.launch --nproc 2 benchmarks/overlap_probe.py  # results/overlap_probe.json
+    python -m jaxpipe.launch --nproc 2 benchmarks/probes/overlap_probe.py
+    # -> results/overlap_probe.json
 
 Taking transfers off the pipeline's critical path means issuing a tick's
 ``ppermute`` beside the next tick's compute and reading its result a tick later. That
@@ -25,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,6 +1,6 @@
 """Per-step costs of the SPMD program on CPU: executor overhead and the I/W split.
 
-    python benchmarks/step_overhead.py            # prints ratios, writes results/step_overhead.json
+    python benchmarks/sections/step.py            # prints ratios, writes results/step_overhead.json
 
 Two measurements, CPU time of the compiled programs (one core, single-threaded XLA, so
 virtual devices run one after another and time measures total work):
@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _mlp(width: int = 512, layers: int = 8, rows: int = 64, m: int = 8) -> tuple:
@@ -209,6 +209,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{_runs(r, 'ratio_cpu')} (wall {r['ratio_wall']:.3f}); W in its I's step: "
               f"{r['same_tick_ratio_cpu']:.3f}{_runs(r, 'same_tick_ratio_cpu')}")
     return res
+
+
+# ------------------------------------------------------------ the section in benchmarks/run.py
+ORDER = 80
+FIELDS = ("p1_overhead", "split_backward")
+
+
+def run(r: Any) -> dict[str, Any]:
+    """Medians over three fresh processes (one with ``--quick``)."""
+    return measure_processes(1 if r.s.quick else 3, r.s.quick)
+
+
+def summary(st: dict[str, Any]) -> str:
+    o = st["p1_overhead"]
+    return (f"**Step overhead**: p=1 {o['model']}: {o['ratio_cpu']:.3f} of plain JAX "
+            "(CPU time); I+W / B (1F1B), W in its I's step (the CPU default) / in a "
+            "tick of its own: " + ", ".join(
+                f"{k} {v['same_tick_ratio_cpu']:.3f} / {v['ratio_cpu']:.3f}"
+                for k, v in st["split_backward"]["rows"].items()))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ core, each device keeps its working set and only the overlap counts.
 ``run_concurrency(...)`` (used by ``benchmarks/run.py``) spawns the processes with a
 timeout. Each role can also be run by hand::
 
-    python benchmarks/concurrency.py --role single --out /tmp/single.json
-    python benchmarks/concurrency.py --role worker --process-id 0 --port 12355 --out /tmp/w0.json &
-    python benchmarks/concurrency.py --role worker --process-id 1 --port 12355 --out /tmp/w1.json
+    python benchmarks/sections/concurrency.py --role single --out /tmp/single.json
+    python benchmarks/sections/concurrency.py --role worker --process-id 0 \
+        --port 12355 --out /tmp/w0.json &
+    python benchmarks/sections/concurrency.py --role worker --process-id 1 \
+        --port 12355 --out /tmp/w1.json
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SINGLE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
@@ -446,6 +448,74 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(text)
     return 0 if res.get("error") is None else 1
+
+
+# ------------------------------------------------------------ the section in benchmarks/run.py
+ORDER = 50
+CPU_ONLY = True  # gloo processes on CPU; elsewhere the runner records why it did not run
+FIELDS = ("microbatches", "ideal", "speedup", "fraction_of_ideal", "two_process", "single",
+          "per_schedule", "error")
+
+
+def run(r: Any) -> dict[str, Any]:
+    """2 processes x 1 device (gloo) against one process; logs under ``<out>/concurrency_logs``."""
+    from benchmarks.harness import log
+
+    s = r.s
+    res = run_concurrency(s.model.asdict(), s.conc_m, s.conc_mb, schedules=s.conc_schedules,
+                          warmup=s.warmup, repeats=s.repeats, timeout=s.conc_timeout,
+                          workdir=r.out / "concurrency_logs", runs=s.conc_runs)
+    if res.get("error"):
+        log(f"concurrency: {res['error']}")
+        return res
+    for spec, v in res["per_schedule"].items():
+        log(f"concurrency {spec}: speedup {v['median_speedup_vs_one_core']:.2f} over the "
+            f"same program on one core, {v['median_speedup']:.2f} over p=1, vs ideal "
+            f"{res['ideal']:.2f} ({v['median_fraction_of_ideal_vs_one_core']:.2f} / "
+            f"{v['median_fraction_of_ideal']:.2f} of ideal, medians of "
+            f"{len(res['runs'])} runs; lock-step bound {v['lockstep_ideal']:.2f})")
+    return res
+
+
+def summary(cc: dict[str, Any]) -> str:
+    from benchmarks.harness import fmt
+
+    if not cc.get("per_schedule"):
+        return f"**Real concurrency**: {cc.get('error')}"
+    single = cc["single"]
+    lines = [f"**Real concurrency** (2 processes x 1 device, gloo, p=2, "
+             f"m={cc['microbatches']}, {cc['mb_size']} seq/microbatch, resident step; "
+             f"1 process: jaxpipe p=1 {single['jaxpipe_p1']['median_s'] * 1e3:.0f} ms, "
+             f"plain JAX {single['plain']['median_s'] * 1e3:.0f} ms; gloo ppermute "
+             f"{cc['two_process']['ppermute_latency_s'] * 1e3:.2f} ms)", "",
+             "| schedule | 2-proc ms | speed-up over the p=2 program on one core | "
+             "over p=1 | ideal 2m/(m+1) | fraction of ideal (one core / p=1) | "
+             "lock-step bound | speed-up, public value_and_grad |",
+             "|---|---|---|---|---|---|---|---|"]
+    for spec, v in cc["per_schedule"].items():
+        lines.append(f"| {spec.split(':')[-1]} | {v['median_s'] * 1e3:.0f} | "
+                     f"{v['median_speedup_vs_one_core']:.2f} | "
+                     f"{v['median_speedup']:.2f} | {cc['ideal']:.2f} | "
+                     f"{v['median_fraction_of_ideal_vs_one_core']:.2f} / "
+                     f"{v['median_fraction_of_ideal']:.2f} | {v['lockstep_ideal']:.2f} | "
+                     f"{fmt(v.get('speedup_value_and_grad'))} |")
+    return "\n".join(lines)
+
+
+def plot(cc: dict[str, Any], save: Any) -> None:
+    import matplotlib.pyplot as plt
+
+    if not cc.get("speedup"):
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    single = cc["single"]["jaxpipe_p1"]["median_s"]
+    vals = [1.0, cc["speedup"], cc["ideal"], cc["speedup_vs_plain"]]
+    ax.bar(["1 process\n(jaxpipe p=1)", "2 processes\n(gloo, p=2)", "ideal\n2m/(m+1)",
+            "2 proc vs\nplain JAX"], vals)
+    ax.set_ylabel("speed-up")
+    ax.set_title(f"Real concurrency, m={cc['microbatches']} "
+                 f"(1-proc step {1e3 * single:.0f} ms)")
+    save(fig, "concurrency.png")
 
 
 if __name__ == "__main__":

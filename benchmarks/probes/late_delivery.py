@@ -1,7 +1,7 @@
 """What-if: messages delivered a tick late, so their transfer overlaps the next tick.
 
-    python benchmarks/late_delivery.py             # table + results/late_delivery.json
-    python benchmarks/late_delivery.py --transfer 0,0.1,0.3 --ps 4,8
+    python benchmarks/probes/late_delivery.py             # table + results/late_delivery.json
+    python benchmarks/probes/late_delivery.py --transfer 0,0.1,0.3 --ps 4,8
 
 The program exchanges a tick's messages at its end: every pair that exchanges a message
 then meets and pays the transfer before the next tick starts (the sync model,
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def reader_ticks(graph: Any, remote_latency: int) -> np.ndarray:
@@ -88,7 +88,7 @@ def _met(clock: np.ndarray, pairs: set[tuple[int, int]], transfer: float) -> np.
 
 def measure(ps: tuple[int, ...], transfers: tuple[float, ...], layers: int = 16
             ) -> list[dict[str, Any]]:
-    from benchmarks.lowering import gpt_costs, schedules
+    from benchmarks.sections.lowering import gpt_costs, schedules
     from jaxpipe import Action
     from jaxpipe.runtime.spmd.lowering import expand
     from jaxpipe.runtime.spmd.lowering.sync import split_cost

@@ -1,7 +1,7 @@
 """Which devices meet at a tick, and when ticks start: what the V schedules would gain.
 
-    python benchmarks/meetings.py                  # V schedules and 1F1B, p in {4, 8}
-    python benchmarks/meetings.py --ps 8 --schedules DualPipeV
+    python benchmarks/probes/meetings.py                  # V schedules and 1F1B, p in {4, 8}
+    python benchmarks/probes/meetings.py --ps 8 --schedules DualPipeV
 
 Until the program's permutations listed only the pairs that exchange at a tick (what the
 sync model, :mod:`jaxpipe.runtime.spmd.lowering.sync`, now describes: rule ``tick`` below), it ran
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def unit_ticks(run: Any) -> np.ndarray:
@@ -87,7 +87,7 @@ def makespan(run: Any, costs: np.ndarray, tick: np.ndarray, meet: str) -> float:
 
 
 def measure(names: list[str], ps: list[int]) -> list[dict[str, Any]]:
-    from benchmarks.lowering import gpt_costs, schedules
+    from benchmarks.sections.lowering import gpt_costs, schedules
     from jaxpipe.runtime.spmd.lowering import expand
     from jaxpipe.runtime.spmd.lowering.sync import split_cost
 

@@ -1,9 +1,9 @@
 """Compile time as a user feels it, against plain JAX, unrolled and scanned layer stacks.
 
-    python benchmarks/compile_time.py                    # full grid (long: tens of minutes)
-    python benchmarks/compile_time.py --layers 8,32 --ps 2,4 --vs 1
-    python benchmarks/compile_time.py --quick            # one tiny point
-    python benchmarks/compile_time.py --layers 64 --ps 8 --vs 1 --variants scanned --repeats 3
+    python benchmarks/sections/compile.py                    # full grid (long: tens of minutes)
+    python benchmarks/sections/compile.py --layers 8,32 --ps 2,4 --vs 1
+    python benchmarks/sections/compile.py --quick            # one tiny point
+    python benchmarks/sections/compile.py --layers 64 --ps 8 --vs 1 --variants scanned --repeats 3
 
 *Compile time* = (pipeline construction + first call) - a steady call, for
 ``Pipeline.value_and_grad`` (1F1B or Interleaved1F1B, m = 2p, ``cut="markers"``, one
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 _EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace_s",
@@ -285,6 +285,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     C.write_json(args.out, "compile_time.json", res)
     print(markdown(res))
     return res
+
+
+# ------------------------------------------------------------ the section in benchmarks/run.py
+ORDER = 90
+FIELDS = ("rows", "targets")
+
+
+def run(r: Any) -> dict[str, Any]:
+    """A lean grid (this module's own CLI runs the full one)."""
+    if r.s.quick:
+        return measure([2], [2], [1], ["scanned"])
+    return measure([8, 32], [2, 4], [1, 2], ["unrolled", "scanned"])
+
+
+def summary(ct: dict[str, Any]) -> str:
+    return "**Compile time** (construction + first call - steady call)\n\n" + markdown(ct)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Pipelines inside a bigger mesh: per-device memory and the composed program's overhead.
 
-    python benchmarks/sharded.py            # prints ratios, writes results/sharded.json
-    python benchmarks/sharded.py --quick    # a small model (the test suite's smoke run)
+    python benchmarks/sections/sharded.py            # prints ratios, writes results/sharded.json
+    python benchmarks/sections/sharded.py --quick    # a small model (the test suite's smoke run)
 
 The model is the benchmark GPT (``benchmarks.common``) with Megatron-style tensor-parallel
 specs over a ``model`` axis (:func:`tensor_parallel_specs`: QKV and the MLP's first
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # block leaf -> its spec over the tensor-parallel axis (None: replicated)
 _TP = {"wqkv": (None, "model"), "wo": ("model", None), "w1": (None, "model"),
@@ -161,6 +161,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     C.write_json(args.out, "sharded.json", res, indent=1)
     return res
+
+
+# ------------------------------------------------------------ the section in benchmarks/run.py
+ORDER = 100
+FIELDS = ("model", "memory", "p1_overhead")
+
+
+def run(r: Any) -> dict[str, Any]:
+    return measure(r.s.quick)
+
+
+def summary(sh: dict[str, Any]) -> str:
+    mem, o = sh["memory"], sh["p1_overhead"]
+    return (f"**Inside a bigger mesh**: per-device memory pipe=2 x model=2 / pipe=2 "
+            f"alone: arguments {mem['argument_ratio']:.3f} (analytic "
+            f"{mem['analytic_state_ratio']:.3f}), total {mem['total_ratio']:.3f}; p=1 "
+            f"overhead on {o['mesh']}: {o['ratio_cpu']:.3f} of plain JAX (CPU time)")
 
 
 if __name__ == "__main__":

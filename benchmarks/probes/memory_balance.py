@@ -1,7 +1,7 @@
 """Memory balance by placement: uniform vs compute-balanced vs memory-balanced cuts.
 
-    python benchmarks/memory_balance.py                 # p=4, 1F1B, m=16 (~80 s on CPU)
-    python benchmarks/memory_balance.py --layers 24 --slack 0.25 --out /tmp/mb
+    python benchmarks/probes/memory_balance.py                 # p=4, 1F1B, m=16 (~80 s on CPU)
+    python benchmarks/probes/memory_balance.py --layers 24 --slack 0.25 --out /tmp/mb
 
 Under 1F1B, stage ``i`` of ``p`` keeps up to ``min(m, p - i)`` microbatches of
 residuals alive, so the first device holds ``p`` times the activations of the last.
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     os.makedirs(args.out, exist_ok=True)
     report = {"config": vars(args), "devices": p, "microbatches": m, "results": results,
-              "summary": summary, "command": "python benchmarks/memory_balance.py "
+              "summary": summary, "command": "python benchmarks/probes/memory_balance.py "
               + " ".join(argv if argv is not None else sys.argv[1:])}
     json_path = os.path.join(args.out, "memory_balance.json")
     with open(json_path, "w") as f:

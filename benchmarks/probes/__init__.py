@@ -1,0 +1,1 @@
+"""Standalone probes: one question each, run as scripts (see benchmarks/README.md)."""
