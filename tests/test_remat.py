@@ -407,16 +407,16 @@ def test_pipeline_fits_a_budget_by_recomputing_and_the_plan_says_so(monkeypatch)
 
 
 def test_a_budget_that_fits_without_recomputation_changes_nothing(lm, monkeypatch):
-    import jaxpipe.cost as cost
     import jaxpipe.cut.budget as budget
+    import jaxpipe.cut.resolve as resolve
 
     loss_fn, params, batch, _ = lm
     mesh = jax.make_mesh((4,), ("pipe",))
     plain = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, M))
     monkeypatch.setattr(budget, "device_memory_limit", lambda devices: (1 << 40, "FakeGPU"))
     costed = []
-    real = cost.segment_costs
-    monkeypatch.setattr(cost, "segment_costs",
+    real = resolve.segment_costs
+    monkeypatch.setattr(resolve, "segment_costs",
                         lambda *a, **k: costed.append(k.get("remat")) or real(*a, **k))
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, M))
     res = pipe.cut_report
