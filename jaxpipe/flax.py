@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.flax_state import (
@@ -251,6 +252,14 @@ def _state_from_pure(template: Any, pure: Any) -> Any:
     return state
 
 
+
+def _placed_on(params: Any, mesh: Any) -> bool:
+    """Some leaf of ``params`` carries a ``NamedSharding`` over ``mesh``'s axes."""
+    return any(isinstance(getattr(x, "sharding", None), NamedSharding)
+               and tuple(x.sharding.mesh.axis_names) == tuple(mesh.axis_names)
+               for x in jax.tree.leaves(params))
+
+
 def pipeline(
     model: Any,
     loss_fn: Callable[[Any, Any], jax.Array],
@@ -297,8 +306,11 @@ def pipeline(
       rng: the model draws random numbers (dropout): every call then takes a PRNG key.
       **kwargs: passed on to :func:`jaxpipe.pipeline` (e.g. ``runtime="reference"``,
         ``has_aux=True``, ``reduction="weighted"``).
-        ``param_specs="flax"`` takes the parameters' shardings from their nnx
-        partitioning metadata (``nnx.with_partitioning``; ``nnx.get_partition_spec``).
+        By default the parameters keep the shardings flax placed them with (a model
+        built under ``jax.set_mesh(mesh)`` with ``nnx.with_partitioning`` /
+        ``kernel_metadata``); a model whose variables are on no mesh is sharded as
+        their partitioning metadata declares (``nnx.get_partition_spec``), which
+        ``param_specs="flax"`` asks for always.
 
     Returns:
       an :class:`NnxPipeline` (the ``jp.Pipeline`` API plus :meth:`NnxPipeline.update_model`).
@@ -348,6 +360,12 @@ def pipeline(
             "random layers rngs=... or build without rng=True.")
     if isinstance(kwargs.get("param_specs"), str) and kwargs["param_specs"] == "flax":
         kwargs["param_specs"] = nnx.to_pure_dict(nnx.get_partition_spec(template))
+    elif kwargs.get("param_specs") is None and not _placed_on(params, mesh):
+        # Variables made outside a mesh keep their sharding only as metadata: follow it.
+        declared = nnx.to_pure_dict(nnx.get_partition_spec(template))
+        if any(isinstance(s, PartitionSpec) and any(s) for s in jax.tree.leaves(
+                declared, is_leaf=lambda x: isinstance(x, PartitionSpec))):
+            kwargs["param_specs"] = declared
     pipe = _pipeline_fn()(pure_loss, params, batch, mesh=mesh, schedule=schedule, cut=cut,
                           axis=axis, rng=rng, **kwargs)
 
@@ -441,6 +459,10 @@ def pipeline_linen(
         (``jax.random.fold_in(key, i)`` of the key passed to each call), e.g. for
         ``module.apply(variables, x, rngs={"dropout": key})``.
       **kwargs: passed on to :func:`jaxpipe.pipeline` (e.g. ``runtime="reference"``).
+        By default the parameters keep the shardings they are placed with; parameters
+        on no mesh are sharded as their partitioning boxes declare
+        (``nn.with_partitioning``, or ``nn.with_logical_partitioning`` mapped by the
+        ``nn.logical_axis_rules`` active when the pipeline is built).
 
     Returns:
       a :class:`LinenPipeline` (the ``jp.Pipeline`` API plus
@@ -467,6 +489,34 @@ def pipeline_linen(
         def params_loss(params: Any, microbatch: Any) -> jax.Array:
             return loss_fn(module, {**others, "params": params}, microbatch)
 
+    if kwargs.get("param_specs") is None and not _placed_on(variables["params"], mesh):
+        declared = _linen_specs(variables["params"])
+        if declared is not None:
+            kwargs["param_specs"] = declared
     pipe = _pipeline_fn()(params_loss, variables["params"], batch, mesh=mesh,
                           schedule=schedule, cut=cut, axis=axis, rng=rng, **kwargs)
     return LinenPipeline(pipe, module, variables)
+
+
+def _linen_specs(params: Any) -> Any:
+    """The specs linen's partitioning boxes declare (``nn.with_partitioning``: mesh axes;
+    ``nn.with_logical_partitioning``: logical names through the active
+    ``nn.logical_axis_rules``, as ``nn.logical_to_mesh`` maps them), or ``None`` when no
+    parameter is boxed."""
+    from flax import linen as nn
+    from flax.core import meta
+
+    def is_box(x: Any) -> bool:
+        return isinstance(x, meta.AxisMetadata)
+
+    if not any(map(is_box, jax.tree.leaves(params, is_leaf=is_box))):
+        return None
+
+    def spec(x: Any) -> Any:  # in the box, so the specs have the structure of params
+        if isinstance(x, nn.LogicallyPartitioned):
+            return x.replace_boxed(nn.logical_to_mesh_axes(x.names, x.rules))
+        if isinstance(x, meta.Partitioned):
+            return x.replace_boxed(PartitionSpec(*x.names))
+        return None
+
+    return jax.tree.map(spec, params, is_leaf=is_box)

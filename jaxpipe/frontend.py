@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from jaxpipe.avals import to_boundary
 from jaxpipe.compile_watch import CompileWatch
+from jaxpipe.constraints import without_constrained_batch_axes
 from jaxpipe.cut_and_split import cut_and_split
 from jaxpipe.errors import PipelineTypeError
 from jaxpipe.input_placement import Placement, live_state
@@ -48,7 +49,7 @@ from jaxpipe.objective import Objective
 from jaxpipe.param_views import ParamViews
 from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
-from jaxpipe.sharding import resolve_mesh_axes, to_spec
+from jaxpipe.sharding import MeshAxes, resolve_mesh_axes, to_spec
 from jaxpipe.stacks import Stack
 from jaxpipe.stages.stage_fn import StageFn
 from jaxpipe.trace import Traced, microbatch_like, trace_shard
@@ -104,23 +105,20 @@ class Pipeline:
         check_mesh(mesh, axis, schedule)
         check_no_keys(params)
         param_leaves, param_tree = jax.tree.flatten(params)
-        self.mesh_axes, self.param_dims = resolve_mesh_axes(
+        mesh_axes, self.param_dims = resolve_mesh_axes(
             mesh, axis, batch_axes, param_specs, params, param_tree,
             [tuple(np.shape(x)) for x in param_leaves])
-        self.batch_axes = self.mesh_axes.batch_axes
         self.num_microbatches = schedule.num_microbatches
-        self.placement = Placement(mesh, self.mesh_axes, self.param_dims)
         mb = microbatch_like(batch, self.num_microbatches)
         self._mb_shapes = [a.shape for a in jax.tree.leaves(mb)]
         self._batch_treedef = jax.tree.structure(batch)
         self._batch_dtypes = [a.dtype for a in jax.tree.leaves(mb)]
-        check_microbatch_rows(self._mb_shapes, self.num_microbatches, self.batch_shards,
-                              self.batch_axes)
         self.key_dtype = jax.random.key(0).dtype if rng else None
-        self.traced = trace_shard(
-            loss_fn, params, mb, self._shards(self.mesh_axes.manual_batch_axes),
-            self._shards(self.mesh_axes.auto_batch_axes) if rng else 0, self.key_dtype,
-            objective)
+        self.traced = self._trace(mesh_axes, loss_fn, params, mb, objective)
+        # Batch axes the model's own sharding constraints name stay under JAX's sharding.
+        kept = without_constrained_batch_axes(mesh_axes, self.traced.jaxpr, batch_axes is None)
+        if kept is not None:
+            self.traced = self._trace(kept, loss_fn, params, mb, objective)
         self.objective: Objective = self.traced.objective
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
@@ -171,6 +169,17 @@ class Pipeline:
         (those the program is manual over first), replicated over the pipe axis. Build
         multi-process batches with it to skip a reshard at every call."""
         return self.placement.batch
+
+    def _trace(self, mesh_axes: MeshAxes, loss_fn: Callable, params: Any, mb: Any,
+               objective: Objective) -> Traced:
+        """Take ``mesh_axes`` as the mesh's roles and trace one microbatch's data shard."""
+        self.mesh_axes, self.batch_axes = mesh_axes, mesh_axes.batch_axes
+        self.placement = Placement(self.mesh, mesh_axes, self.param_dims)
+        check_microbatch_rows(self._mb_shapes, self.num_microbatches, self.batch_shards,
+                              self.batch_axes)
+        return trace_shard(loss_fn, params, mb, self._shards(mesh_axes.manual_batch_axes),
+                           self._shards(mesh_axes.auto_batch_axes) if self.rng else 0,
+                           self.key_dtype, objective)
 
     def _shards(self, axes: tuple[str, ...]) -> int:
         return int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
@@ -537,15 +546,19 @@ def pipeline(
         stage runs on their whole piece and draws with its first key).
       batch_axes: the mesh axes that split the batch (data parallelism; gradients are
         averaged over them). Default: every axis but ``axis`` that no parameter is
-        sharded over. An axis may also shard parameters (FSDP: ``batch_axes=('fsdp',)``
-        with ``P('fsdp', None)`` weights).
-      param_specs: how parameters are sharded over the non-pipe axes: a pytree with the
-        structure of ``params`` of ``PartitionSpec`` (``None`` / ``P()``: replicated),
-        e.g. ``{'w1': P(None, 'model'), 'w2': P('model', None)}`` for tensor parallelism;
-        or ``"params"`` to take them from the parameters' own ``NamedSharding`` on
-        ``mesh``. Default: every parameter replicated. Staged parameters, gradients and
-        optimizer state keep these shardings (a slot array is ``P(axis, *spec)``); the
-        stages run under JAX's sharding over these axes (see docs/multihost.md).
+        sharded over and no activation constraint of the model names. An axis may also
+        shard parameters (FSDP: ``batch_axes=('fsdp',)`` with ``P('fsdp', None)``
+        weights).
+      param_specs: how parameters are sharded over the non-pipe axes. Default: as they
+        are placed, like ``jax.jit`` keeps an input's sharding (a ``NamedSharding`` on
+        ``mesh`` keeps its spec; host or single-device arrays are replicated; a
+        parameter on another mesh is an error). Or a pytree with the structure of
+        ``params`` of ``PartitionSpec`` (``None`` / ``P()``: replicated), e.g.
+        ``{'w1': P(None, 'model'), 'w2': P('model', None)}`` for tensor parallelism.
+        Staged parameters, gradients and optimizer state keep these shardings (a slot
+        array is ``P(axis, *spec)``); the stages run under JAX's sharding over these
+        axes, the model's own ``with_sharding_constraint`` s included (see
+        docs/multihost.md).
 
       has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` any pytree of arrays computed
         on whichever stage computes it (logged values, predictions): ``value_and_grad``

@@ -15,8 +15,9 @@ stay under JAX's sharding inside every stage: stages are traced on the global vi
 those axes, and XLA partitions them as the parameters' (and batch's) shardings say.
 
 :class:`MeshAxes` is that split, computed once from the user's ``batch_axes=`` and
-``param_specs=`` (:func:`resolve_mesh_axes`, which also checks them); the runtime reads it
-from :class:`~jaxpipe.runtime.RuntimeSpec`.
+``param_specs=`` (:func:`resolve_mesh_axes`, which also checks them; without
+``param_specs`` each parameter keeps the sharding it is placed with, :func:`placed_spec`);
+the runtime reads it from :class:`~jaxpipe.runtime.RuntimeSpec`.
 
 Specs are kept as *dims*: one tuple of mesh axis names per array dimension
 (``P(None, ('data', 'model'))`` -> ``((), ('data', 'model'))``), which compare and
@@ -36,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
 
-__all__ = ["Dims", "MeshAxes", "constrain", "manual_spec", "resolve_mesh_axes", "spec_dims",
-           "to_spec"]
+__all__ = ["Dims", "MeshAxes", "constrain", "manual_spec", "placed_spec", "resolve_mesh_axes",
+           "spec_dims", "to_spec"]
 
 #: One tuple of mesh axis names per array dimension (``()``: not sharded).
 Dims = tuple[tuple[str, ...], ...]
@@ -164,8 +165,18 @@ def _check_batch_axes(batch_axes: Any, mesh: Mesh, axis: str) -> tuple[str, ...]
     return tuple(a for a in mesh.axis_names if a in batch_axes)
 
 
-def _leaf_dims(spec: Any, shape: tuple[int, ...], path: str, mesh: Mesh, axis: str) -> Dims:
-    """One leaf's spec checked against the mesh and the leaf's shape."""
+def _leaf_dims(spec: Any, shape: tuple[int, ...], path: str, mesh: Mesh, axis: str,
+               placed: bool = False) -> Dims:
+    """One leaf's spec checked against the mesh and the leaf's shape (``placed``: the spec
+    is the parameter's own sharding, not a ``param_specs`` entry)."""
+    if placed:
+        for a in spec_dims(spec, len(shape)):
+            if axis in a:
+                raise PipelineError(
+                    f"params{path} is placed sharded over the pipe axis '{axis}' "
+                    f"({spec}); the pipeline places each stage's parameters on its pipe "
+                    "device itself. Place it without the pipe axis (e.g. "
+                    f"NamedSharding(mesh, P(None, 'model'))) or pass param_specs=.")
     if spec is not None and not isinstance(spec, P):
         raise PipelineTypeError(
             f"param_specs{path} is a {type(spec).__name__}; every leaf of param_specs is a "
@@ -208,6 +219,43 @@ def check_divisible(shape: Sequence[int], dims: Dims, mesh: Mesh, what: str,
                 f"size divisible by {n} or shard another dimension.")
 
 
+def _same_devices(a: Any, b: Mesh) -> bool:
+    """``a`` (a mesh or abstract mesh) names the axes of ``b`` with the same sizes, and
+    (if concrete) holds its devices in the same order; axis types may differ."""
+    if tuple(a.axis_names) != tuple(b.axis_names) or tuple(a.axis_sizes) != tuple(b.axis_sizes):
+        return False
+    devices = getattr(a, "devices", None)
+    return devices is None or (devices.shape == b.devices.shape
+                               and all(x == y for x, y in zip(devices.flat, b.devices.flat,
+                                                              strict=True)))
+
+
+def placed_spec(x: Any, mesh: Mesh, path: str) -> P | None:
+    """The ``PartitionSpec`` a parameter is placed with, as the default ``param_specs``.
+
+    A ``NamedSharding`` (of an array or a ``ShapeDtypeStruct``) on ``mesh`` gives its spec;
+    no sharding, one device or a fully replicated sharding gives replicated (``None``); a
+    sharding on another mesh, or one that shards without naming mesh axes, is an error.
+    """
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        return None
+    if isinstance(sharding, NamedSharding):
+        if not _same_devices(sharding.mesh, mesh):
+            raise PipelineError(
+                f"params{path} is placed on a mesh with axes "
+                f"{dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))}"
+                f", not on the pipeline's mesh {dict(mesh.shape)} (same axis names, sizes "
+                "and devices). Place it on the pipeline's mesh (jax.device_put(x, "
+                "NamedSharding(mesh, spec))), or pass param_specs= to say how to shard it.")
+        return sharding.spec
+    if len(sharding.device_set) == 1 or sharding.is_fully_replicated:
+        return None
+    raise PipelineError(
+        f"params{path} is sharded by a {type(sharding).__name__}, which names no mesh axes; "
+        "place it with a NamedSharding on the pipeline's mesh, or pass param_specs=.")
+
+
 def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
                       params: Any, treedef: Any, shapes: Sequence[tuple[int, ...]]
                       ) -> tuple[MeshAxes, tuple[Dims, ...]]:
@@ -216,20 +264,16 @@ def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
     Args:
       batch_axes: ``None`` (default: every non-pipe axis no parameter is sharded over) or
         the axis names.
-      param_specs: ``None`` (every parameter replicated over the non-pipe axes), a pytree
-        of ``PartitionSpec`` / ``None`` with the structure of ``params``, or ``"params"``:
-        the specs of the parameters' own ``NamedSharding`` on ``mesh``.
+      param_specs: ``None`` (default; ``"params"`` says the same): each parameter's own
+        sharding, as ``jax.jit`` keeps an input's (:func:`placed_spec`); or a pytree of
+        ``PartitionSpec`` / ``None`` with the structure of ``params``.
     """
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(
         jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))[0]]
-    if param_specs is None:
-        specs: list = [None] * len(shapes)
-    elif isinstance(param_specs, str) and param_specs == "params":
-        specs = []
-        for x in jax.tree.leaves(params):
-            sharding = getattr(x, "sharding", None)
-            on_mesh = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
-            specs.append(sharding.spec if on_mesh else None)
+    placed = param_specs is None or (isinstance(param_specs, str) and param_specs == "params")
+    if placed:
+        specs: list = [placed_spec(x, mesh, path)
+                       for x, path in zip(jax.tree.leaves(params), paths, strict=True)]
     else:
         try:
             specs = treedef.flatten_up_to(param_specs)
@@ -237,7 +281,7 @@ def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
             raise PipelineError(
                 "param_specs must have the structure of params (one PartitionSpec or None "
                 f"per parameter leaf): {' '.join(str(err).split())[:300]}") from err
-    dims = tuple(_leaf_dims(s, shape, p, mesh, axis)
+    dims = tuple(_leaf_dims(s, shape, p, mesh, axis, placed)
                  for s, shape, p in zip(specs, shapes, paths, strict=True))
     used = {a for d in dims for a in dims_axes(d)}
     param_axes = tuple(a for a in mesh.axis_names if a in used)
@@ -245,9 +289,12 @@ def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
                 if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit]
     if explicit:
         raise PipelineError(
-            f"parameters are sharded over mesh axes {tuple(explicit)} of type Explicit; "
-            "the stages run under JAX's automatic sharding over parameter axes. Build the "
-            "mesh with axis_types=AxisType.Auto for them (jax.make_mesh(..., axis_types=...)).")
+            f"parameters are sharded over mesh axes {tuple(explicit)} of type Explicit "
+            f"({'as placed' if placed else 'as param_specs says'}); the stages run under "
+            "JAX's automatic sharding over parameter axes, and Explicit ones are not "
+            "supported yet. Build the mesh with axis_types=AxisType.Auto for them "
+            "(jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))) and "
+            "place the parameters on it.")
     if batch_axes is None:
         batch = tuple(a for a in mesh.axis_names if a != axis and a not in used)
     else:

@@ -63,13 +63,25 @@ FSDP = dict(mesh=((2, 4), ("pipe", "fsdp")), wspec=(P("fsdp", None), P("fsdp", N
 CASES = {"tp": TP, "fsdp": FSDP}
 
 
+def _place(params, specs, mesh):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s or P())),
+                        params, specs, is_leaf=lambda v: v is None)
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request):
+    """tp: parameters placed with their shardings and no param_specs (the default keeps
+    what the user placed, as jax.jit does); fsdp: host parameters and param_specs."""
     c = CASES[request.param]
     loss_fn, params, specs, batch = _model(c["wspec"], c["bspec"], c["batch"])
     mesh = _mesh(*c["mesh"])
+    kwargs = dict(c["kwargs"])
+    if request.param == "tp":
+        params = _place(params, specs, mesh)
+    else:
+        kwargs["param_specs"] = specs
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
-                       cut="markers", param_specs=specs, **c["kwargs"])
+                       cut="markers", **kwargs)
     return request.param, loss_fn, params, specs, batch, pipe
 
 
@@ -126,8 +138,12 @@ def test_staged_layout_keeps_shardings_and_round_trips(case):
     staged = pipe.shard(params)
     sharded = [v for v in staged if _axes(v.sharding.spec[1:]) & set(pipe.mesh_axes.param_axes)]
     assert sharded and all(v.sharding.spec[0] == "pipe" for v in staged)
-    for v in sharded:  # each device holds its share only
-        assert v.addressable_shards[0].data.size < v.size // 2
+    for v in staged:  # each device holds its share only: 1 / (pipe x the spec's axes)
+        shards = np.prod([pipe.mesh.shape[a] for a in _axes(v.sharding.spec)])
+        assert v.addressable_shards[0].data.size * shards == v.size
+    held = sum(v.addressable_shards[0].data.nbytes for v in staged)
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert held < 0.3 * total  # pipe 2 x model 2 (tp) / pipe 2 x fsdp 4, not pipe 2 alone
     back = pipe.unshard(staged)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -201,16 +217,53 @@ def test_checkpoint_round_trip(case, trained, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_param_specs_from_placed_params():
+def test_placed_shardings_are_the_default_specs():
+    """param_specs=None follows each parameter's own sharding ("params" says the same);
+    host arrays are replicated; an explicit param_specs wins."""
     loss_fn, params, specs, batch = _model(TP["wspec"], TP["bspec"], 16)
     mesh = _mesh(*TP["mesh"])
-    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s or P())),
-                          params, specs, is_leaf=lambda v: v is None)
+    placed = _place(params, specs, mesh)
+    placed["proj"] = params["proj"]  # a host array: replicated
+    want = dict(specs, proj=None)
+    for kwargs in ({}, {"param_specs": "params"}):
+        pipe = jp.pipeline(loss_fn, placed, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                           cut="markers", **kwargs)
+        for got, w in zip(jax.tree.leaves(pipe.param_specs),
+                          jax.tree.leaves(want, is_leaf=lambda v: v is None), strict=True):
+            assert spec_dims(got, 2) == spec_dims(w, 2)
+        assert pipe.batch_axes == ("data",)
+    replicated = jax.tree.map(lambda _: P(), params)
     pipe = jp.pipeline(loss_fn, placed, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
-                       cut="markers", param_specs="params")
-    for got, want in zip(jax.tree.leaves(pipe.param_specs),
-                         jax.tree.leaves(specs, is_leaf=lambda v: v is None), strict=True):
-        assert spec_dims(got, 2) == spec_dims(want, 2)
+                       cut="markers", param_specs=replicated)
+    assert not any(spec_dims(s, 2) != ((), ()) for s in jax.tree.leaves(pipe.param_specs))
+    assert pipe.batch_axes == ("data", "model")
+
+
+def test_placed_shardings_the_pipeline_cannot_keep_are_refused():
+    loss_fn, params, specs, batch = _model(TP["wspec"], TP["bspec"], 16)
+    mesh = _mesh(*TP["mesh"])
+
+    def build(p, m=mesh):
+        return jp.pipeline(loss_fn, p, batch, mesh=m, schedule=jp.OneFOneB(2, M),
+                           cut="markers")
+
+    other = _mesh((2, 4), ("pipe", "model"))
+    elsewhere = dict(params, proj=jax.device_put(params["proj"], NamedSharding(other, P())))
+    with pytest.raises(jp.PipelineError, match=r"params\['proj'\] is placed on a mesh with "
+                       r"axes \{'pipe': 2, 'model': 4\}, not on the pipeline's mesh"):
+        build(elsewhere)
+    on_pipe = dict(params, proj=jax.device_put(params["proj"], NamedSharding(mesh, P("pipe"))))
+    with pytest.raises(jp.PipelineError, match=r"params\['proj'\] is placed sharded over the "
+                       "pipe axis 'pipe'"):
+        build(on_pipe)
+    explicit = jax.make_mesh(*TP["mesh"], axis_types=(AxisType.Explicit,) * 3)
+    with pytest.raises(jp.PipelineError, match=r"mesh axes \('model',\) of type Explicit "
+                       r"\(as placed\).*AxisType.Auto"):
+        build(_place(params, specs, explicit), explicit)
+    # replicated on an Explicit mesh is fine: no parameter axis
+    assert build(_place(params, jax.tree.map(lambda _: None, specs,
+                                             is_leaf=lambda v: v is None), explicit),
+                 explicit).mesh_axes.param_axes == ()
 
 
 @pytest.mark.parametrize("bad,kwargs,match", [
@@ -318,13 +371,20 @@ def test_nnx_partitioning_metadata_gives_the_specs():
     with jax.set_mesh(mesh):
         model = Model(nnx.Rngs(0))
     batch = {"x": jnp.ones((16, D)), "y": jnp.zeros((16, D))}
-    pipe = jp.flax.pipeline(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), batch,
-                            mesh=mesh, schedule=jp.GPipe(2, 2), cut="markers",
-                            param_specs="flax")
-    specs = pipe.param_specs["blocks"][0]
-    assert spec_dims(specs["up"]["kernel"], 2) == ((), ("model",))
-    assert spec_dims(specs["down"]["kernel"], 2) == ((), ())
-    assert pipe.batch_axes == ("data",)
+    for kwargs in ({}, {"param_specs": "flax"}):  # by default: as flax placed them
+        pipe = jp.flax.pipeline(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+                                batch, mesh=mesh, schedule=jp.GPipe(2, 2), cut="markers",
+                                **kwargs)
+        specs = pipe.param_specs["blocks"][0]
+        assert spec_dims(specs["up"]["kernel"], 2) == ((), ("model",))
+        assert spec_dims(specs["down"]["kernel"], 2) == ((), ())
+        assert pipe.batch_axes == ("data",)
+    with nnx.use_eager_sharding(False):  # variables on no mesh: their metadata decides
+        model = Model(nnx.Rngs(0))
+    assert jax.tree.leaves(nnx.state(model))[0].sharding.num_devices == 1
+    pipe = jp.flax.pipeline(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+                            batch, mesh=mesh, schedule=jp.GPipe(2, 2), cut="markers")
+    assert spec_dims(pipe.param_specs["blocks"][1]["up"]["kernel"], 2) == ((), ("model",))
 
 
 @pytest.mark.parametrize("layer_axis", [False, True], ids=["tensor", "layer_axis"])
@@ -355,3 +415,82 @@ def test_scanned_stack_keeps_its_sharding_per_stage(layer_axis):
     staged = pipe.shard(params)
     assert {v.shape[1] for v in staged} == {2}  # each stage: its 2 of the 4 layers
     assert all(_axes(v.sharding.spec) == {"pipe", "model"} for v in staged)
+
+
+def test_linen_logical_partitioning_gives_the_specs():
+    """nn.with_logical_partitioning boxes, mapped by the nn.logical_axis_rules active when
+    the pipeline is built, shard the parameters with no param_specs."""
+    import flax.linen as nn
+
+    def kernel(*names):
+        return nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = jnp.tanh(nn.Dense(H, kernel_init=kernel("embed", "mlp"))(x))
+            return x + nn.Dense(D, kernel_init=kernel("mlp", "embed"))(h)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(2):
+                x = jp.boundary(Block()(x))
+            return x
+
+    mesh = _mesh(*TP["mesh"])
+    batch = {"x": jax.random.normal(jax.random.key(1), (16, D))}
+    variables = Model().init(jax.random.key(0), batch["x"])
+
+    def loss_fn(module, v, b):
+        return jnp.mean(module.apply(v, b["x"]) ** 2)
+
+    with nn.logical_axis_rules((("embed", None), ("mlp", "model"))):
+        pipe = jp.flax.pipeline_linen(Model(), variables, loss_fn, batch, mesh=mesh,
+                                      schedule=jp.GPipe(2, 2), cut="markers")
+    specs = nn.unbox(pipe.param_specs)["Block_1"]
+    assert spec_dims(specs["Dense_0"]["kernel"], 2) == ((), ("model",))
+    assert spec_dims(specs["Dense_1"]["kernel"], 2) == (("model",), ())
+    assert spec_dims(specs["Dense_1"]["bias"], 1) == ((),)
+    assert pipe.batch_axes == ("data",)
+    loss, grads = pipe.value_and_grad(variables["params"], batch)
+    ref_loss, ref_grads = jax.value_and_grad(
+        lambda p: loss_fn(Model(), {"params": p}, batch))(variables["params"])
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+    kernel_grad = nn.unbox(grads)["Block_0"]["Dense_0"]["kernel"]
+    assert "model" in _axes(kernel_grad.sharding.spec)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_activation_constraints_inside_stages(backend):
+    """A model that constrains its activations (with_sharding_constraint on the user's
+    mesh) runs inside the stages, in either tick program; an axis its constraints name is
+    not split by hand, so it is no default batch axis, and naming it in batch_axes= is
+    refused."""
+    from jaxpipe.runtime.spmd import SpmdRuntime
+
+    loss0, params, specs, batch = _model(TP["wspec"], TP["bspec"], 16)
+    mesh = _mesh(*TP["mesh"])
+    # one constraint on a NamedSharding, one a bare spec under jax.set_mesh (below)
+    rows, hidden = NamedSharding(mesh, P("data", None)), P(None, "model")
+
+    def loss_fn(p, b):
+        h = jp.boundary(jax.lax.with_sharding_constraint(b["x"] @ p["proj"], rows))
+        for blk in p["blocks"]:
+            u = jax.lax.with_sharding_constraint(jnp.tanh(h @ blk["w1"] + blk["b1"]), hidden)
+            h = jp.boundary(h + u @ blk["w2"] + blk["b2"])
+        return jnp.mean((h @ p["proj"].T - b["y"]) ** 2)
+
+    placed = _place(params, specs, mesh)
+    with jax.set_mesh(mesh):  # traced under the user's mesh: its equations record it
+        pipe = jp.pipeline(loss_fn, placed, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                           cut="markers", runtime=SpmdRuntime(backend=backend))
+        assert pipe.batch_axes == ()  # 'data' is the model's (its constraints name it)
+        assert_matches(pipe.value_and_grad(placed, batch),
+                       reference(loss_fn, placed, batch, M))
+    clash = r"constrains activations over mesh axes \('data',\).*batch_axes="
+    with jax.set_mesh(mesh), pytest.raises(jp.PipelineError, match=clash):
+        jp.pipeline(loss_fn, placed, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                    cut="markers", batch_axes=("data",))

@@ -23,9 +23,9 @@ from typing import Any
 
 import jax
 from jax.extend import core as jcore
-from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.avals import aval_bytes
+from jaxpipe.constraints import jaxpr_as_fun
 from jaxpipe.remat import Remat
 from jaxpipe.stages.stage_fn import Fragments, StageFn, StageParts
 

@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 
 import jax
 from jax.extend import core as jcore
-from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.avals import boundary_aval, from_boundary, is_differentiable, is_key, to_boundary
+from jaxpipe.constraints import jaxpr_as_fun
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import read
 from jaxpipe.jaxpr_identity import fragment_key

@@ -19,8 +19,8 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax.extend.core import jaxpr_as_fun
 
+from jaxpipe.constraints import jaxpr_as_fun
 from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
 from jaxpipe.runtime.spmd.program import scan_buffers as scanio
 from jaxpipe.runtime.spmd.program.bodies import Body

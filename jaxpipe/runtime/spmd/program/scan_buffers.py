@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
-from jax.extend.core import jaxpr_as_fun
 
+from jaxpipe.constraints import jaxpr_as_fun
 from jaxpipe.interpret import eval_eqns, read
 
 __all__ = ["Sink", "Source", "direct_inputs", "direct_outputs", "evaluate", "flatten",

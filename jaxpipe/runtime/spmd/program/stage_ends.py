@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jax.extend.core import jaxpr_as_fun
-
+from jaxpipe.constraints import jaxpr_as_fun
 from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.gated import gated

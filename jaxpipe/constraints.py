@@ -1,0 +1,159 @@
+"""The model's own sharding constraints, inside the pipeline's manual program.
+
+A model may constrain its activations: ``jax.lax.with_sharding_constraint(x,
+NamedSharding(mesh, P(None, 'model')))``, or a bare ``P`` under ``jax.set_mesh``. The
+traced jaxpr holds each constraint on the user's mesh, whose axes are all automatic;
+inside the SPMD program's ``shard_map`` the pipe axis and the batch axes it splits by hand
+are Manual, and JAX requires a constraint's mesh to be the context's.
+:func:`jaxpr_as_fun` evaluates a stage's jaxpr with every constraint re-made on the
+context's axis types (the same devices and names; jaxprs without constraints run as they
+are). :func:`constraint_axes` lists the mesh axes constraints name, so the frontend keeps
+them out of the batch axes the program splits by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax._src.pjit import sharding_constraint_p
+from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import jaxpr_as_fun as _jax_jaxpr_as_fun
+from jax.sharding import Mesh, NamedSharding
+
+from jaxpipe.errors import PipelineError
+from jaxpipe.sharding import MeshAxes
+
+__all__ = ["constraint_axes", "jaxpr_as_fun", "without_constrained_batch_axes"]
+
+
+def _sub_jaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
+    for v in params.values():
+        for x in v if isinstance(v, tuple | list) else (v,):
+            if isinstance(x, ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, Jaxpr):
+                yield x
+
+
+def _spec_axes(spec: Any) -> set[str]:
+    return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+
+
+def constraint_axes(jaxpr: Jaxpr) -> frozenset[str]:
+    """The mesh axes named by the sharding constraints of ``jaxpr`` (and its sub-jaxprs)."""
+    out: set[str] = set()
+    for eqn in jaxpr.eqns:
+        sharding = eqn.params.get("sharding") if eqn.primitive is sharding_constraint_p else None
+        if isinstance(sharding, NamedSharding):
+            out |= _spec_axes(sharding.spec)
+        for sub in _sub_jaxprs(eqn.params):
+            out |= constraint_axes(sub)
+    return frozenset(out)
+
+
+def _on_context(sharding: NamedSharding, names: tuple, types: tuple) -> NamedSharding:
+    """``sharding`` on its mesh with the context's axis types (as it is when its mesh is
+    not the context's, or already has them)."""
+    m = sharding.mesh
+    if tuple(m.axis_names) != names or tuple(m.axis_types) == types:
+        return sharding
+    if isinstance(m, Mesh):
+        mesh: Any = Mesh(m.devices, m.axis_names, axis_types=types)
+    else:
+        mesh = m.update_axis_types(dict(zip(names, types, strict=True)))
+    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def without_constrained_batch_axes(mesh_axes: MeshAxes, jaxpr: Jaxpr,
+                                   default: bool) -> MeshAxes | None:
+    """``None`` when the model's constraints name no axis the program is manual over;
+    else, when the batch axes were the default, ``mesh_axes`` without the batch axes they
+    name (the constraints then shard over them); an error otherwise."""
+    named = constraint_axes(jaxpr)
+    if mesh_axes.axis in named:
+        raise PipelineError(
+            f"the model constrains an activation's sharding over the pipe axis "
+            f"'{mesh_axes.axis}' (jax.lax.with_sharding_constraint); a stage runs on one "
+            "pipe position, so nothing inside it can be split over that axis. Leave the "
+            "pipe axis out of the model's constraints.")
+    clash = tuple(a for a in mesh_axes.manual_batch_axes if a in named)
+    if not clash:
+        return None
+    if not default:
+        raise PipelineError(
+            f"the model constrains activations over mesh axes {clash} "
+            "(jax.lax.with_sharding_constraint), which batch_axes= also names: the program "
+            "splits the batch over them by hand, so no stage can shard over them. Leave "
+            "them out of batch_axes= (the model's constraints then shard over them), or "
+            "drop them from the model's constraints.")
+    return MeshAxes(mesh_axes.axis, tuple(a for a in mesh_axes.batch_axes if a not in clash),
+                    mesh_axes.param_axes)
+
+
+def _retarget_value(v: Any, names: tuple, types: tuple) -> Any:
+    if isinstance(v, NamedSharding):
+        return _on_context(v, names, types)
+    if isinstance(v, ClosedJaxpr):
+        new = _retarget(v.jaxpr, names, types)
+        return v if new is v.jaxpr else ClosedJaxpr(new, v.consts)
+    if isinstance(v, Jaxpr):
+        return _retarget(v, names, types)
+    if isinstance(v, tuple | list) and any(
+            isinstance(x, ClosedJaxpr | Jaxpr | NamedSharding) for x in v):
+        return type(v)(_retarget_value(x, names, types) for x in v)
+    return v
+
+
+def _retarget(jaxpr: Jaxpr, names: tuple, types: tuple) -> Jaxpr:
+    """``jaxpr`` with every sharding its equations name (constraints, and the shardings
+    of the values JAX derived from them) on the context's axis types; ``jaxpr`` itself
+    when nothing changes."""
+    eqns, changed = [], False
+    for eqn in jaxpr.eqns:
+        params = {k: _retarget_value(v, names, types) for k, v in eqn.params.items()}
+        ctx = _ctx_on_context(eqn.ctx, names, types)
+        if ctx is not eqn.ctx or any(params[k] is not eqn.params[k] for k in params):
+            eqn, changed = eqn.replace(params=params, ctx=ctx), True
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+
+def _ctx_on_context(ctx: Any, names: tuple, types: tuple) -> Any:
+    """An equation's context (it records the mesh it was traced under, and binding the
+    equation enters it again) with the context mesh's axis types."""
+    m = ctx.cur_abstract_mesh
+    if m.empty or tuple(m.axis_names) != names or tuple(m.axis_types) == types:
+        return ctx
+    return type(ctx)._create(ctx.compute_type, ctx.threefry_partitionable,
+                             m.update_axis_types(dict(zip(names, types, strict=True))),
+                             ctx.remove_size_one_mesh_axis,
+                             None if ctx.xla_metadata is None
+                             else tuple(sorted(ctx.xla_metadata.items())))
+
+
+# (closed jaxpr, context axis names and types) -> the jaxpr to run there; the closed
+# jaxpr is kept in the value so that its id is not reused while the entry lives.
+_CACHE: dict[tuple[int, tuple], tuple[ClosedJaxpr, ClosedJaxpr]] = {}
+
+
+def _for_context(closed: ClosedJaxpr) -> ClosedJaxpr:
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty:
+        return closed
+    key = (id(closed), tuple(context.axis_names), tuple(context.axis_types))
+    hit = _CACHE.get(key)
+    if hit is None or hit[0] is not closed:
+        if len(_CACHE) > 4096:
+            _CACHE.clear()
+        jaxpr = _retarget(closed.jaxpr, tuple(context.axis_names), tuple(context.axis_types))
+        hit = (closed, closed if jaxpr is closed.jaxpr else ClosedJaxpr(jaxpr, closed.consts))
+        _CACHE[key] = hit
+    return hit[1]
+
+
+def jaxpr_as_fun(closed: ClosedJaxpr) -> Callable[..., list[Any]]:
+    """``jax.extend.core.jaxpr_as_fun`` for a stage's jaxpr inside the program: the
+    model's sharding constraints are re-made on the context mesh's axis types."""
+    return _jax_jaxpr_as_fun(_for_context(closed))
