@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -171,6 +171,15 @@ class SegmentCost:
     def param_ids(self) -> frozenset[int]:
         """Indices (into the flat parameter leaves) of the shareable leaves read here."""
         return frozenset(self.param_leaf_bytes)
+
+    def per_device(self, shards: Mapping[int, int]) -> SegmentCost:
+        """This segment with the bytes of parameter leaf ``i`` divided by ``shards[i]``,
+        the devices one pipe position splits it over (its sharding's mesh axes)."""
+        if not any(shards.get(i, 1) > 1 for i in self.param_leaf_bytes):
+            return self
+        leaf = {i: -(-b // shards.get(i, 1)) for i, b in self.param_leaf_bytes.items()}
+        return replace(self, param_leaf_bytes=leaf,
+                       param_bytes=self.private_param_bytes + sum(leaf.values()))
 
     @property
     def private_param_bytes(self) -> int:

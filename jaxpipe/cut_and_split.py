@@ -11,6 +11,7 @@ weights). :meth:`StagedLoss.runtime_spec` is what a runtime is built from.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,11 @@ def cut_and_split(traced: Traced, schedule: Schedule, cut: Any, memory_model: Me
     stacks = tuple(find_stacks(traced.jaxpr))
     layers = per_layer(traced, stacks) if stacks else None
     cut_traced = layers.traced if layers else traced
+    leaf_of = [v.leaf for v in layers.views.views] if layers else range(len(param_avals))
+    shards = [math.prod(mesh.shape[a] for d in param_dims[leaf] for a in d) if param_dims
+              else 1 for leaf in leaf_of]
     cuts, report = resolve_cuts(cut_traced, schedule, cut, memory_model,
-                                tuple(mesh.devices.flat))
+                                tuple(mesh.devices.flat), shards)
     if layers is not None:
         staged, stage_cuts = for_stages(traced, stacks, layers, cuts)
         stage_traced, views = staged.traced, staged.views

@@ -494,3 +494,37 @@ def test_activation_constraints_inside_stages(backend):
     with jax.set_mesh(mesh), pytest.raises(jp.PipelineError, match=clash):
         jp.pipeline(loss_fn, placed, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
                     cut="markers", batch_axes=("data",))
+
+
+@pytest.mark.parametrize("layer_axis", [False, True], ids=["whole_leaves", "stacked"])
+def test_cutter_counts_the_shards_of_parameters(layer_axis):
+    """The cutter's predicted parameter, gradient and optimizer bytes are what one device
+    holds: each leaf divided by the devices of one pipe position its sharding spans."""
+    mesh = _mesh(*TP["mesh"])
+    if layer_axis:  # a scanned stack: the cutter sees per-layer views of the stacked leaves
+        ks = jax.random.split(jax.random.key(3), 3)
+        params = {"w1": jax.random.normal(ks[0], (4, D, H)) / 5,
+                  "w2": jax.random.normal(ks[1], (4, H, D)) / 7}
+        specs = {"w1": P(None, None, "model"), "w2": P(None, "model", None)}
+        batch = {"x": jax.random.normal(ks[2], (16, D)), "y": jnp.zeros((16, D))}
+
+        def loss_fn(p, b):
+            def layer(h, w):
+                return jp.boundary(h + jnp.tanh(h @ w["w1"]) @ w["w2"]), None
+            return jnp.mean((jax.lax.scan(layer, b["x"], p)[0] - b["y"]) ** 2)
+    else:
+        loss_fn, params, specs, batch = _model(TP["wspec"], TP["bspec"], 16)
+
+    def predicted(p):
+        """The cutter's parameter bytes per stage, and the plan's (the stage's params as
+        the runtime stores them: its device's shards)."""
+        pipe = jp.pipeline(loss_fn, p, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                           cut="markers")
+        rows = pipe.plan.stage_rows
+        return [m.params for m in pipe.cut_report.stage_memory], [r["param_bytes"] for r in rows]
+
+    full, full_stored = predicted(params)
+    sharded, stored = predicted(_place(params, specs, mesh))
+    assert full == full_stored and sharded == stored
+    for f, s in zip(full, sharded, strict=True):
+        assert s < 0.7 * f  # most bytes are the weights tensor parallelism halves

@@ -23,6 +23,7 @@ from models import assert_matches, reference
 
 import jaxpipe as jp
 from jaxpipe.markers import boundary_p
+from jaxpipe.param_views import ParamView
 
 WIDTH, IN, BATCH, M = 8, 6, 16, 4
 
@@ -355,7 +356,7 @@ def test_stacked_weight_also_read_outside_the_scan_is_passed_whole():
     pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=jp.GPipe(2, M),
                        cut="markers")
     w_leaf = 2  # params["layers"]["w"] (leaves: embed, layers.b, layers.w)
-    assert [v for v in pipe.views.views if v.leaf == w_leaf] == [jp.views.ParamView(w_leaf)]
+    assert [v for v in pipe.views.views if v.leaf == w_leaf] == [ParamView(w_leaf)]
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
 
 

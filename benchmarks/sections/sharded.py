@@ -13,6 +13,12 @@ head by vocabulary). Two measurements:
   ``pipe=2 x model=2``. The parameter + optimizer bytes per device should halve (every
   large matrix is split over ``model``); the analytic share is printed beside the
   measured one.
+* **The cutter's prediction** of the busiest device's bytes (``cut_report.peak_memory``:
+  parameters, gradients and AdamW moments per device shard; residuals still at full size
+  over the automatic axes) against the compiled step, for each mesh above and for
+  ``pipe=2 x fsdp=2 x model=2`` (FSDP on each weight's free dimension plus the
+  tensor-parallel specs) where there are 8 devices. The parameters are placed with their
+  shardings and passed without ``param_specs`` (the default keeps them).
 * **Overhead at p=1**: the public ``Pipeline.value_and_grad`` over a ``pipe=1 x data=2 x
   model=2`` mesh against plain JAX (``jit(value_and_grad)`` scanned over the same
   microbatches) with the same parameter and batch shardings. Target <= 1.10. CPU time
@@ -48,6 +54,22 @@ def tensor_parallel_specs(params: dict, axis: str = "model") -> dict:
         if k != "blocks":
             out[k] = P(None, axis) if k == "head" else None
     return out
+
+
+def fsdp_specs(params: dict, tp: dict, axis: str = "fsdp") -> dict:
+    """``tp`` with every parameter also sharded over ``axis`` on its first dimension the
+    tensor-parallel spec leaves free (FSDP + TP)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    def add(x: Any, spec: Any) -> Any:
+        entries = list(spec or ()) + [None] * (x.ndim - len(spec or ()))
+        free = [i for i, e in enumerate(entries) if e is None]
+        if free:
+            entries[free[0]] = axis
+        return P(*entries)
+
+    return jax.tree.map(add, params, tp, is_leaf=lambda v: v is None)
 
 
 def _bytes(tree: Any) -> int:
@@ -95,19 +117,34 @@ def measure(quick: bool = False) -> dict[str, Any]:
         return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names),
                              devices=jax.devices()[:n])
 
-    # --- memory: pipe=2 vs pipe=2 x model=2, resident train_step with AdamW
+    # --- memory: pipe=2 vs pipe=2 x model=2 (and pipe=2 x fsdp=2 x model=2 where there
+    # are 8 devices), resident train_step with AdamW; parameters placed with their
+    # shardings and no param_specs (the default keeps them)
     batch = C.make_gpt_batch(cfg, m * rows)
     mem = {}
-    for name, (shape, names, kw) in {
-            "pipe": ((2,), ("pipe",), {}),
-            "pipe_x_model": ((2, 2), ("pipe", "model"), {"param_specs": specs})}.items():
+    configs = {"pipe": ((2,), ("pipe",), None, {}),
+               "pipe_x_model": ((2, 2), ("pipe", "model"), specs, {})}
+    if len(jax.devices()) >= 8:
+        configs["pipe_x_fsdp_x_model"] = ((2, 2, 2), ("pipe", "fsdp", "model"),
+                                          fsdp_specs(params, specs),
+                                          {})
+    for name, (shape, names, place, kw) in configs.items():
         mh = mesh(shape, names)
-        pipe = jp.pipeline(loss_fn, params, batch, mesh=mh, schedule=jp.OneFOneB(2, m),
+        placed = params if place is None else jax.tree.map(
+            lambda x, s, mh=mh: jax.device_put(x, NamedSharding(mh, s or P())), params, place,
+            is_leaf=lambda v: v is None)
+        pipe = jp.pipeline(loss_fn, placed, batch, mesh=mh, schedule=jp.OneFOneB(2, m),
                            cut="markers", **kw)
-        state = pipe.init(params, optax.adamw(1e-3))
+        state = pipe.init(placed, optax.adamw(1e-3))
         b = jax.device_put(batch, pipe.batch_sharding)
         compiled = state.trainer.step_fn.lower(state, b).compile()
-        mem[name] = {**C.memory_stats(compiled), "state_share_bytes": _state_share(state, mh)}
+        stats = C.memory_stats(compiled)
+        # the cutter's prediction of the busiest device (parameters, gradients, AdamW
+        # moments, residuals, buffers) against the compiled step's arguments + temps
+        predicted = float(pipe.cut_report.peak_memory)
+        mem[name] = {**stats, "state_share_bytes": _state_share(state, mh),
+                     "predicted_bytes": predicted,
+                     "predicted_over_compiled": predicted / stats["total_bytes"]}
     out["memory"] = {
         **mem,
         "state_bytes_unsharded": 3 * _bytes(params),  # params + two AdamW moments
@@ -115,7 +152,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
         "temp_ratio": mem["pipe_x_model"]["temp_bytes"] / mem["pipe"]["temp_bytes"],
         "total_ratio": mem["pipe_x_model"]["total_bytes"] / mem["pipe"]["total_bytes"],
         "analytic_state_ratio": mem["pipe_x_model"]["state_share_bytes"]
-        / mem["pipe"]["state_share_bytes"]}
+        / mem["pipe"]["state_share_bytes"],
+        "predicted_over_compiled": {k: v["predicted_over_compiled"] for k, v in mem.items()}}
 
     # --- overhead at p=1: pipe=1 x data=2 x model=2 against plain JAX, same shardings
     batch = C.make_gpt_batch(cfg, m * rows * 2)  # rows per microbatch on each data shard
@@ -146,11 +184,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     res = measure(args.quick)
     mem = res["memory"]
-    for name in ("pipe", "pipe_x_model"):
+    for name in ("pipe", "pipe_x_model", "pipe_x_fsdp_x_model"):
+        if name not in mem:
+            continue
         r = mem[name]
-        print(f"{name:>13}: argument {r['argument_bytes'] / 2**20:.2f} MiB (analytic state "
+        print(f"{name:>19}: argument {r['argument_bytes'] / 2**20:.2f} MiB (analytic state "
               f"{r['state_share_bytes'] / 2**20:.2f} MiB), temp {r['temp_bytes'] / 2**20:.2f} "
-              f"MiB, total {r['total_bytes'] / 2**20:.2f} MiB per device")
+              f"MiB, total {r['total_bytes'] / 2**20:.2f} MiB per device; the cutter "
+              f"predicts {r['predicted_bytes'] / 2**20:.2f} MiB "
+              f"(x{r['predicted_over_compiled']:.2f} of compiled)")
     print(f"pipe x model / pipe alone, per device: arguments {mem['argument_ratio']:.3f} "
           f"(analytic state {mem['analytic_state_ratio']:.3f}), temp {mem['temp_ratio']:.3f}, "
           f"total {mem['total_ratio']:.3f}")
@@ -177,13 +219,15 @@ def summary(sh: dict[str, Any]) -> str:
     return (f"**Inside a bigger mesh**: per-device memory pipe=2 x model=2 / pipe=2 "
             f"alone: arguments {mem['argument_ratio']:.3f} (analytic "
             f"{mem['analytic_state_ratio']:.3f}), total {mem['total_ratio']:.3f}; p=1 "
-            f"overhead on {o['mesh']}: {o['ratio_cpu']:.3f} of plain JAX (CPU time)")
+            f"overhead on {o['mesh']}: {o['ratio_cpu']:.3f} of plain JAX (CPU time); the "
+            "cutter's predicted bytes / compiled: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in mem.get("predicted_over_compiled", {}).items()))
 
 
 if __name__ == "__main__":
     flags = os.environ.get("XLA_FLAGS", "")
     if "device_count" not in flags:
-        flags += " --xla_force_host_platform_device_count=4"
+        flags += " --xla_force_host_platform_device_count=8"
     if "multi_thread_eigen" not in flags:
         flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     os.environ["XLA_FLAGS"] = flags.strip()

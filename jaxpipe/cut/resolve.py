@@ -7,6 +7,7 @@ segments evenly (:func:`even_cuts`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -40,11 +41,20 @@ def even_cuts(n_seg: int, num_stages: int) -> list[int]:
 
 
 def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
-                 devices: tuple = ()) -> tuple[list[int], Any]:
+                 devices: tuple = (), param_shards: Sequence[int] = ()
+                 ) -> tuple[list[int], Any]:
     """Marker positions after which a new stage starts, plus the cutter's report.
 
     ``cut="auto"`` budgets the memory ``devices`` report (``jaxpipe.cut.auto_cut``).
+    ``param_shards``: per parameter input of ``traced``, the devices of one pipe
+    position its sharding splits it over; the cutter counts the bytes one device holds.
     """
+    shards = dict(enumerate(param_shards))
+
+    def costed(policies: Sequence[Any]) -> list[Any]:
+        costs = segment_costs(traced, profile=cut.profile, remat=policies)
+        return [c.per_device(shards) for c in costs]
+
     S = schedule.num_stages
     n_seg = len(traced.markers) + 1
     if S > n_seg:
@@ -72,7 +82,7 @@ def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Mem
         # simulate for them (it simulates once, with the chosen stage costs).
         peaks = schedule.graph().stage_peak_in_flight
         in_flight = [peaks[s] for s in range(S)]
-        costs = segment_costs(traced, profile=cut.profile, remat=policies[:1])
+        costs = costed(policies[:1])
         if len(policies) > 1 and cut.remat == "auto" and cut.memory_budget is not None:
             # Recomputation only adds time: when placement alone reaches the fastest
             # cut within the budget, measuring the other policies buys nothing.
@@ -84,7 +94,7 @@ def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Mem
             except cutmod.CutError:
                 pass
         if len(policies) > 1:
-            costs = segment_costs(traced, profile=cut.profile, remat=policies)
+            costs = costed(policies)
         result = cutmod.choose_cuts(costs, schedule, cut, memory_model=memory_model,
                                     in_flight=in_flight)
         return list(result.cuts), result
