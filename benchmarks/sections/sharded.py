@@ -29,7 +29,6 @@ head by vocabulary). Two measurements:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -225,13 +224,8 @@ def summary(sh: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "device_count" not in flags:
-        flags += " --xla_force_host_platform_device_count=8"
-    if "multi_thread_eigen" not in flags:
-        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    os.environ["XLA_FLAGS"] = flags.strip()
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import single_core_cpu
+
+    single_core_cpu(devices=8)
     main()

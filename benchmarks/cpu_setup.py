@@ -1,0 +1,19 @@
+"""Before jax starts: the CPU setup of a standalone benchmark script (imports no jax)."""
+
+from __future__ import annotations
+
+import os
+
+
+def single_core_cpu(devices: int) -> None:
+    """``devices`` virtual CPU devices and single-threaded XLA, the process pinned to one
+    core: devices take turns, so time measures total work. Flags already in
+    ``XLA_FLAGS`` win."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "device_count" not in flags:
+        flags += f" --xla_force_host_platform_device_count={devices}"
+    if "multi_thread_eigen" not in flags:
+        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    os.environ["XLA_FLAGS"] = flags.strip()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
