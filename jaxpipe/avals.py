@@ -56,6 +56,17 @@ def is_key(aval: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def typed_sds(aval: Any, shape: Any = None) -> jax.ShapeDtypeStruct:
+    """``aval`` as a ``ShapeDtypeStruct`` to trace with (``shape``: another shape), keeping
+    a sharding over Explicit mesh axes (sharding in types); others carry none."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    keep = (mesh is not None and not mesh.empty and sharding.spec is not None
+            and any(e is not None for e in sharding.spec))
+    return jax.ShapeDtypeStruct(aval.shape if shape is None else shape, aval.dtype,
+                                sharding=sharding if keep else None)
+
+
 def boundary_aval(aval: Any) -> Any:
     """How a value of abstract type ``aval`` crosses a stage boundary.
 

@@ -49,7 +49,13 @@ from jaxpipe.objective import Objective
 from jaxpipe.param_views import ParamViews
 from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
-from jaxpipe.sharding import MeshAxes, resolve_mesh_axes, to_spec
+from jaxpipe.sharding import (
+    MeshAxes,
+    resolve_mesh_axes,
+    to_spec,
+    trace_context,
+    typed_shardings,
+)
 from jaxpipe.stacks import Stack
 from jaxpipe.stages.stage_fn import StageFn
 from jaxpipe.trace import Traced, microbatch_like, trace_shard
@@ -122,9 +128,10 @@ class Pipeline:
         self.objective: Objective = self.traced.objective
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
-        st = cut_and_split(self.traced, schedule, cut, self.runtime.memory_model, mesh,
-                           self.param_dims, share_cores=self.runtime.shares_cores(),
-                           split_backward=self.runtime.splits_backward(mesh))
+        with trace_context(mesh, self.mesh_axes):
+            st = cut_and_split(self.traced, schedule, cut, self.runtime.memory_model, mesh,
+                               self.param_dims, share_cores=self.runtime.shares_cores(),
+                               split_backward=self.runtime.splits_backward(mesh))
         self.stacks: tuple[Stack, ...] = st.stacks
         self.cut_traced: Traced = st.cut_traced
         self.cuts, self.cut_report = st.cuts, st.cut_report
@@ -177,9 +184,11 @@ class Pipeline:
         self.placement = Placement(self.mesh, mesh_axes, self.param_dims)
         check_microbatch_rows(self._mb_shapes, self.num_microbatches, self.batch_shards,
                               self.batch_axes)
-        return trace_shard(loss_fn, params, mb, self._shards(mesh_axes.manual_batch_axes),
-                           self._shards(mesh_axes.auto_batch_axes) if self.rng else 0,
-                           self.key_dtype, objective)
+        with trace_context(self.mesh, mesh_axes):
+            return trace_shard(loss_fn, params, mb, self._shards(mesh_axes.manual_batch_axes),
+                               self._shards(mesh_axes.auto_batch_axes) if self.rng else 0,
+                               self.key_dtype, objective,
+                               typed_shardings(self.mesh, mesh_axes, self.param_dims))
 
     def _shards(self, axes: tuple[str, ...]) -> int:
         return int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1

@@ -26,6 +26,7 @@ sort; :func:`to_spec` turns dims back into a ``PartitionSpec``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -91,6 +92,10 @@ def constrain(x: Any, dims: Dims) -> Any:
     axes (nothing to do when ``dims`` shard nothing)."""
     if not any(dims):
         return x
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and any(context.axis_types[context.axis_names.index(a)]
+                                 == AxisType.Explicit for a in dims_axes(dims)):
+        return jax.sharding.reshard(x, to_spec(dims))  # sharding in types: a new type
     return jax.lax.with_sharding_constraint(x, to_spec(dims))
 
 
@@ -285,18 +290,29 @@ def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
                  for s, shape, p in zip(specs, shapes, paths, strict=True))
     used = {a for d in dims for a in dims_axes(d)}
     param_axes = tuple(a for a in mesh.axis_names if a in used)
-    explicit = [a for a in param_axes
-                if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit]
-    if explicit:
-        raise PipelineError(
-            f"parameters are sharded over mesh axes {tuple(explicit)} of type Explicit "
-            f"({'as placed' if placed else 'as param_specs says'}); the stages run under "
-            "JAX's automatic sharding over parameter axes, and Explicit ones are not "
-            "supported yet. Build the mesh with axis_types=AxisType.Auto for them "
-            "(jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))) and "
-            "place the parameters on it.")
     if batch_axes is None:
         batch = tuple(a for a in mesh.axis_names if a != axis and a not in used)
     else:
         batch = _check_batch_axes(batch_axes, mesh, axis)
     return MeshAxes(axis, batch, param_axes), dims
+
+
+def explicit_param_axes(mesh: Mesh, mesh_axes: MeshAxes) -> tuple[str, ...]:
+    """The parameter axes of type Explicit (sharding in types)."""
+    return tuple(a for a in mesh_axes.param_axes
+                 if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit)
+
+
+def typed_shardings(mesh: Mesh, mesh_axes: MeshAxes, dims: Sequence[Dims]) -> list | None:
+    """Per parameter, the ``NamedSharding`` its traced type carries when some parameter
+    axis is Explicit (sharding in types: the stages are traced with it); else ``None``."""
+    if not explicit_param_axes(mesh, mesh_axes):
+        return None
+    return [NamedSharding(mesh, to_spec(d)) for d in dims]
+
+
+def trace_context(mesh: Mesh, mesh_axes: MeshAxes) -> Any:
+    """What tracing the stages runs under: the mesh, when types carry its Explicit axes."""
+    if not explicit_param_axes(mesh, mesh_axes):
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)

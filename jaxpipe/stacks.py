@@ -29,6 +29,7 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
+from jaxpipe.avals import typed_sds
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import read
 from jaxpipe.markers import boundary_p
@@ -160,10 +161,9 @@ def cut_stacks(closed: jcore.ClosedJaxpr, num_params: int, stacks: Sequence[Stac
             env.update(zip(eqn.outvars, outs, strict=True))
         return [read(env, v) for v in jaxpr.outvars]
 
-    avals = [jax.ShapeDtypeStruct(_view_shape(jaxpr.invars[w.leaf].aval, w),
-                                  jaxpr.invars[w.leaf].aval.dtype) for w in views]
-    avals += [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-              for v in jaxpr.invars[num_params:]]
+    avals = [typed_sds(jaxpr.invars[w.leaf].aval, _view_shape(jaxpr.invars[w.leaf].aval, w))
+             for w in views]
+    avals += [typed_sds(v.aval) for v in jaxpr.invars[num_params:]]
     new = jax.make_jaxpr(run)(*avals)
     return new, views, marker_ids, names
 

@@ -13,7 +13,7 @@ there and raise a clear error.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +143,8 @@ def microbatch_like(batch: Any, num_microbatches: int) -> Any:
 
 
 def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any,
-          objective: Objective = MEAN) -> Traced:
+          objective: Objective = MEAN, param_shardings: Sequence[Any] | None = None
+          ) -> Traced:
     """Trace ``loss_fn(params, microbatch)`` to a flat ClosedJaxpr with top-level markers.
 
     ``params`` and ``microbatch`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. The
@@ -163,7 +164,9 @@ def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any,
         aux_tree.append(tree)
         return [*main, *aux_leaves]
 
-    avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in p_leaves + b_leaves]
+    shardings = list(param_shardings or [None] * len(p_leaves)) + [None] * len(b_leaves)
+    avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sh)
+             for x, sh in zip(p_leaves + b_leaves, shardings, strict=True)]
     raw = jax.make_jaxpr(flat_loss)(*avals)
     if any(isinstance(v, jcore.Literal) for v in raw.jaxpr.outvars):
         # a constant output (``return 0.0`` while the model is being written): an equation
@@ -264,7 +267,8 @@ def with_key(loss_fn: Callable[..., jax.Array]) -> Callable[[Any, Any], jax.Arra
 
 def trace_shard(loss_fn: Callable[..., jax.Array], params: Any, microbatch: Any,
                 manual_shards: int, key_shards: int = 0, key_dtype: Any = None,
-                objective: Objective = MEAN) -> Traced:
+                objective: Objective = MEAN, param_shardings: Sequence[Any] | None = None
+                ) -> Traced:
     """Trace ``loss_fn`` on what one stage call sees: one manual batch shard of a microbatch.
 
     Stage functions run on one manual batch shard (the global view of the automatic batch
@@ -277,6 +281,6 @@ def trace_shard(loss_fn: Callable[..., jax.Array], params: Any, microbatch: Any,
         lambda a: jax.ShapeDtypeStruct((a.shape[0] // manual_shards, *a.shape[1:]), a.dtype),
         microbatch)
     if not key_shards:
-        return trace(loss_fn, params, shard, objective)
+        return trace(loss_fn, params, shard, objective, param_shardings)
     keys = jax.ShapeDtypeStruct((key_shards,), key_dtype)
-    return trace(with_key(loss_fn), params, (shard, keys), objective)
+    return trace(with_key(loss_fn), params, (shard, keys), objective, param_shardings)

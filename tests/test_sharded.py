@@ -256,14 +256,6 @@ def test_placed_shardings_the_pipeline_cannot_keep_are_refused():
     with pytest.raises(jp.PipelineError, match=r"params\['proj'\] is placed sharded over the "
                        "pipe axis 'pipe'"):
         build(on_pipe)
-    explicit = jax.make_mesh(*TP["mesh"], axis_types=(AxisType.Explicit,) * 3)
-    with pytest.raises(jp.PipelineError, match=r"mesh axes \('model',\) of type Explicit "
-                       r"\(as placed\).*AxisType.Auto"):
-        build(_place(params, specs, explicit), explicit)
-    # replicated on an Explicit mesh is fine: no parameter axis
-    assert build(_place(params, jax.tree.map(lambda _: None, specs,
-                                             is_leaf=lambda v: v is None), explicit),
-                 explicit).mesh_axes.param_axes == ()
 
 
 @pytest.mark.parametrize("bad,kwargs,match", [
@@ -289,16 +281,12 @@ def test_bad_specs_name_problem_and_fix(bad, kwargs, match):
                     schedule=jp.OneFOneB(2, M), cut="markers", param_specs=specs, **kwargs)
 
 
-def test_specs_of_another_structure_and_explicit_axes_are_refused():
+def test_specs_of_another_structure_are_refused():
     loss_fn, params, specs, batch = _model(TP["wspec"], TP["bspec"], 16)
     with pytest.raises(jp.PipelineError, match="structure of params"):
         jp.pipeline(loss_fn, params, batch, mesh=_mesh(*TP["mesh"]),
                     schedule=jp.OneFOneB(2, M), cut="markers",
                     param_specs={"proj": P(None, "model")})
-    explicit = jax.make_mesh(*TP["mesh"], axis_types=(AxisType.Explicit,) * 3)
-    with pytest.raises(jp.PipelineError, match="AxisType.Auto"):
-        jp.pipeline(loss_fn, params, batch, mesh=explicit, schedule=jp.OneFOneB(2, M),
-                    cut="markers", param_specs=specs)
 
 
 def test_resharding_inside_a_stage_is_refused_on_cpu_not_hung():
@@ -528,3 +516,76 @@ def test_cutter_counts_the_shards_of_parameters(layer_axis):
     assert full == full_stored and sharded == stored
     for f, s in zip(full, sharded, strict=True):
         assert s < 0.7 * f  # most bytes are the weights tensor parallelism halves
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_an_nnx_model_on_explicit_axes_trains_exactly(backend):
+    """Sharding in types: an nnx model written as flax's examples write one (partitioning
+    metadata on its kernels, out_sharding= where a contraction needs one), built under
+    jax.set_mesh on a default jax.make_mesh (every axis Explicit), pipelined with no
+    sharding argument: exact, the parameters, gradients and optimizer state keep their
+    sharded types, each device holds its shard."""
+    from flax import nnx
+
+    from jaxpipe.runtime.spmd import SpmdRuntime
+
+    mesh = jax.make_mesh(*TP["mesh"])
+    assert set(mesh.axis_types) == {AxisType.Explicit}
+
+    def kernel(*names):
+        return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+    @jp.layer
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(D, H, kernel_init=kernel(None, "model"),
+                                 bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(),
+                                                                 ("model",)), rngs=rngs)
+            self.down = nnx.Linear(H, D, kernel_init=kernel("model", None), rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jnp.tanh(self.up(x)), out_sharding=P())
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    def loss_fn(model, b):
+        return jnp.mean((model(b["x"]) - b["y"]) ** 2)
+
+    ks = jax.random.split(jax.random.key(2))
+    batch = {"x": jax.random.normal(ks[0], (16, D)), "y": jax.random.normal(ks[1], (16, D))}
+    with jax.set_mesh(mesh):
+        model = Model(nnx.Rngs(0))
+        pipe = jp.flax.pipeline(model, loss_fn, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                                cut="markers", runtime=SpmdRuntime(backend=backend))
+        assert pipe.batch_axes == ("data",)
+        up = pipe.param_specs["blocks"][0]["up"]
+        assert spec_dims(up["kernel"], 2) == ((), ("model",))
+        loss, grads = pipe.value_and_grad(model, batch)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def mean_loss(s):
+            mbs = jax.tree.map(lambda x: x.reshape(M, -1, *x.shape[1:]), batch)
+            return jnp.mean(jax.vmap(lambda mb: loss_fn(nnx.merge(graphdef, s, rest), mb))(mbs))
+
+        ref_loss, ref_grads = jax.jit(jax.value_and_grad(mean_loss))(params)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(nnx.to_pure_dict(ref_grads)),
+                        strict=True):
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+        kgrad = grads["blocks"][1]["down"]["kernel"]
+        assert _axes(jax.typeof(kgrad).sharding.spec) == {"model"}
+        state = pipe.init(model, optax.adamw(1e-2))
+        state, metrics = pipe.train_step(state, batch)
+        np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+    kernels = [v for v in jax.tree.leaves((state.params, state.opt_state))
+               if v.shape == (2, D, H)]  # the up kernels and their two moments, staged
+    assert len(kernels) == 3
+    for v in kernels:  # each device: its pipe position's, its model shard's
+        assert v.addressable_shards[0].data.size * 4 == v.size

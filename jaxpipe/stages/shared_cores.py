@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jaxpipe.avals import aval_bytes
+from jaxpipe.avals import aval_bytes, typed_sds
 from jaxpipe.constraints import jaxpr_as_fun
 from jaxpipe.remat import Remat
 from jaxpipe.stages.stage_fn import Fragments, StageFn, StageParts
@@ -116,7 +116,7 @@ def compose(parts: Sequence[StageFn], core: int, index: int, eqn_range: tuple[in
         return diff_grads(grads)
 
     def sds(avals):
-        return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+        return [typed_sds(a) for a in avals]
 
     first, last = parts[0], parts[-1]
     ct_out = sds(last.ct_out_avals())

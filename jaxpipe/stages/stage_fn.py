@@ -44,7 +44,14 @@ from dataclasses import dataclass, field
 import jax
 from jax.extend import core as jcore
 
-from jaxpipe.avals import boundary_aval, from_boundary, is_differentiable, is_key, to_boundary
+from jaxpipe.avals import (
+    boundary_aval,
+    from_boundary,
+    is_differentiable,
+    is_key,
+    to_boundary,
+    typed_sds,
+)
 from jaxpipe.constraints import jaxpr_as_fun
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import read
@@ -138,7 +145,7 @@ class StageParts:
 
 
 def _sds(aval):
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    return typed_sds(aval)
 
 
 class Fragments:

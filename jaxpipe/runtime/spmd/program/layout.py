@@ -28,12 +28,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.avals import aval_bytes
 from jaxpipe.runtime.spmd.lowering.types import Pool
 from jaxpipe.runtime.spmd.program.writes import get_rows, put_rows
-from jaxpipe.sharding import Dims, constrain, to_spec
+from jaxpipe.sharding import Dims, constrain, spec_dims, to_spec
 from jaxpipe.stages.stage_fn import StageFn
 
 __all__ = ["Packing", "SlotLayout", "StageLayouts", "ValueClass", "param_slots", "value_class"]
@@ -74,7 +75,16 @@ class ValueClass:
 
     def zeros(self, slots: int) -> jax.Array:
         """A buffer of ``slots`` rows (each :attr:`row_shape`)."""
-        return jnp.zeros((slots, *self.row_shape), self.dtype)
+        buf = jnp.zeros((slots, *self.row_shape), self.dtype)
+        return constrain(buf, ((), *self.row_dims)) if self.dims else buf
+
+    @property
+    def row_dims(self) -> Dims:
+        """:attr:`dims` of one row (:attr:`row_shape`)."""
+        if not self.dims:
+            return ()
+        return self.dims[:1] + tuple(d for n, d in zip(self.shape[1:], self.dims[1:],
+                                                        strict=True) if n != 1)
 
     def spec(self, *lead: Any) -> P:
         """The value's ``PartitionSpec`` after the ``lead`` entries (e.g. the pipe axis)."""
@@ -83,9 +93,23 @@ class ValueClass:
 
 def value_class(aval: Any, dims: Dims = ()) -> ValueClass:
     """The class of ``aval``; ``dims`` as in :attr:`ValueClass.dims` (all-unsharded dims
-    count as none)."""
+    count as none). A value sharded over Explicit mesh axes (sharding in types) brings
+    its own dims: its buffer must have its type."""
+    if not any(dims):
+        dims = _explicit_dims(aval)
     return ValueClass(tuple(int(d) for d in aval.shape), np.dtype(aval.dtype).name,
                       tuple(dims) if any(dims) else ())
+
+
+def _explicit_dims(aval: Any) -> Dims:
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        return ()
+    explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if t == AxisType.Explicit}
+    dims = spec_dims(sharding.spec, len(aval.shape))
+    return tuple(tuple(a for a in d if a in explicit) for d in dims)
 
 
 #: Leaves up to this many bytes are read and written by runs of rows (Packing.write).

@@ -107,6 +107,13 @@ def _added(buf: jax.Array, ct: jax.Array, row: Any) -> jax.Array:
                                            allow_negative_indices=False)
 
 
+def _typed_spec(x: Any) -> Any:
+    """The ``PartitionSpec`` of ``x``'s type when it names mesh axes (Explicit axes:
+    sharding in types), else ``None``."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec if spec is not None and any(e is not None for e in spec) else None
+
+
 @dataclass(frozen=True)
 class _Port:
     """One write every branch returns: rows of a class (``kind="rows"``: ``key`` the
@@ -119,6 +126,7 @@ class _Port:
     dtype: Any
     row: int | None = None
     dynamic: bool = False
+    spec: Any = None  # the value's sharding over Explicit axes (sharding in types)
 
 
 class Ports:
@@ -156,12 +164,13 @@ class Ports:
     @staticmethod
     def signature(store: DeferredStore, gbuf: DeferredGrads) -> list[_Port]:
         """The ports a branch's records need, in record order."""
-        out = [_Port("rows", c, tuple(rows.shape), jnp.dtype(rows.dtype))
-               for c, _, _, rows in store.writes]
+        out = [_Port("rows", c, tuple(rows.shape), jnp.dtype(rows.dtype),
+                     spec=_typed_spec(rows)) for c, _, _, rows in store.writes]
         for pos, row, ct in gbuf.adds:
             static = isinstance(row, int)
             out.append(_Port("grad", pos, tuple(ct.shape), jnp.dtype(gbuf[pos].dtype),
-                             row if static else None, dynamic=row is not None and not static))
+                             row if static else None, dynamic=row is not None and not static,
+                             spec=_typed_spec(ct)))
         return out
 
     def outputs(self, store: DeferredStore, gbuf: DeferredGrads) -> list:
@@ -188,6 +197,8 @@ class Ports:
     @staticmethod
     def _empty(port: _Port) -> tuple:
         zeros = jnp.zeros(port.shape, port.dtype)
+        if port.spec is not None:  # the other branches' type
+            zeros = jax.sharding.reshard(zeros, port.spec)
         if port.kind == "rows":
             return zeros, jnp.int32(0), jnp.int32(0)
         return zeros, jnp.int32(0)
