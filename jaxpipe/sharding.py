@@ -13,6 +13,9 @@ and over the batch axes that shard no parameter (their data parallelism is expli
 every device traces its own batch shard and gradients are ``pmean``-ed). Parameter axes
 stay under JAX's sharding inside every stage: stages are traced on the global view of
 those axes, and XLA partitions them as the parameters' (and batch's) shardings say.
+Where a parameter axis is Explicit (sharding in types), the stages are traced with the
+parameters' sharded types under the mesh (:func:`typed_shardings`,
+:func:`trace_context`), and the program's buffers take their values' types.
 
 :class:`MeshAxes` is that split, computed once from the user's ``batch_axes=`` and
 ``param_specs=`` (:func:`resolve_mesh_axes`, which also checks them; without

@@ -103,9 +103,11 @@ def test_two_processes_match_unpipelined(tmp_path, mode):
     assert (tmp_path / "result.npz.ckpt" / "state").is_dir()
 
 
-def test_two_processes_tensor_parallel_stages(tmp_path):
-    """pipe 2 (across the processes) x model 2 (inside each): exact, trained, restored."""
-    got = _run_worker("sharded", tmp_path / "sharded.npz")
+@pytest.mark.parametrize("mode", ["sharded", "sharded-explicit"])
+def test_two_processes_tensor_parallel_stages(tmp_path, mode):
+    """pipe 2 (across the processes) x model 2 (inside each), Auto or Explicit axes
+    (sharding in types): exact, trained, restored."""
+    got = _run_worker(mode, tmp_path / "sharded.npz")
     w = _worker_module()
     params, batch = w.make_tp_model()
     _check_against_unpipelined(got, w.tp_loss_fn, params, batch, w.M, w.tp_optimizer(),

@@ -14,12 +14,14 @@ accelerator program) or ``mp_worker.py mismatch <out>`` (process 1 builds
 its schedule with a different ``num_microbatches``, which must fail with a clear error),
 or ``mp_worker.py sharded <out>``: a pipe 2 x model 2 mesh (the pipe axis across the
 processes, the tensor-parallel ``model`` axis inside each), an MLP whose weights are
-split over ``model`` (``param_specs``), trained with AdamW and checkpointed.
+split over ``model`` (``param_specs``), trained with AdamW and checkpointed;
+``mp_worker.py sharded-explicit <out>`` the same on Explicit axes (sharding in types).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -145,8 +147,25 @@ def tp_optimizer() -> optax.GradientTransformation:
     return optax.adamw(LR, weight_decay=0.1)
 
 
-def sharded(out: str) -> None:
-    mesh = jax.make_mesh((2, 2), ("pipe", "model"), axis_types=(AxisType.Auto,) * 2)
+def tp_loss_fn_typed(params: list, mb: dict) -> jax.Array:
+    """:func:`tp_loss_fn` written for sharding in types: the row-parallel contraction says
+    its output sharding (both operands are sharded over 'model')."""
+    h = mb["x"]
+    for i, blk in enumerate(params):
+        u = jnp.tanh(h @ blk["w1"] + blk["b1"])
+        h = h + jnp.einsum("bh,hd->bd", u, blk["w2"], out_sharding=P()) + blk["b2"]
+        if i < len(params) - 1:
+            h = jp.boundary(h)
+    return jnp.mean((h - mb["y"]) ** 2)
+
+
+def sharded(out: str, axis_type: AxisType = AxisType.Auto) -> None:
+    mesh = jax.make_mesh((2, 2), ("pipe", "model"), axis_types=(axis_type,) * 2)
+    with jax.set_mesh(mesh):
+        _sharded(out, mesh, tp_loss_fn if axis_type == AxisType.Auto else tp_loss_fn_typed)
+
+
+def _sharded(out: str, mesh: Any, loss_fn: Any) -> None:
     # the pipe axis spans the processes; 'model' stays inside each
     for stage in range(2):
         assert {d.process_index for d in mesh.devices[stage]} == {stage}, mesh.devices
@@ -154,7 +173,7 @@ def sharded(out: str) -> None:
     specs = [dict(TP_SPECS) for _ in host_params]
     params = jpd.replicate(host_params, mesh)
     batch = jpd.global_batch(host_batch, mesh, data_axes=())
-    pipe = jp.pipeline(tp_loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
                        cut="markers", param_specs=specs)
     jpd.check_consistent(pipe)
     loss, grads = pipe.value_and_grad(params, batch)
@@ -190,5 +209,7 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "sharded":
         sharded(out)
+    elif mode == "sharded-explicit":
+        sharded(out, AxisType.Explicit)
     else:
         main(mode, out)
