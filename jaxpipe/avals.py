@@ -56,6 +56,20 @@ def is_key(aval: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def shard_bytes(aval: Any) -> int:
+    """Bytes one device holds of a value of type ``aval``: with sharding in types
+    (Explicit mesh axes), its bytes divided by the axes its type shards it over."""
+    nbytes = aval_bytes(aval)
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or sharding.spec is None:
+        return nbytes
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    shards = math.prod(sizes[a] for e in sharding.spec if e is not None
+                       for a in ((e,) if isinstance(e, str) else e))
+    return nbytes // shards
+
+
 def typed_sds(aval: Any, shape: Any = None) -> jax.ShapeDtypeStruct:
     """``aval`` as a ``ShapeDtypeStruct`` to trace with (``shape``: another shape), keeping
     a sharding over Explicit mesh axes (sharding in types); others carry none."""

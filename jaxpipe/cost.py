@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxpipe.avals import aval_bytes, is_differentiable
+from jaxpipe.avals import aval_bytes, is_differentiable, shard_bytes
 from jaxpipe.interpret import eval_eqns, read
 from jaxpipe.remat import Remat, has_user_remat
 from jaxpipe.stages import split
@@ -316,9 +316,10 @@ def segment_costs(traced: Any, *, profile: bool = False,
     # Residuals: one stage per segment, exactly as the runtime would store them.
     all_cuts = list(range(len(traced.markers)))
     stage_fns = split(traced, all_cuts)
-    residual = [sum(aval_bytes(a) for a in s.residual_avals) for s in stage_fns]
+    # what one device stores: a residual's shard where its type is sharded
+    residual = [sum(shard_bytes(a) for a in s.residual_avals) for s in stage_fns]
     # What crosses each boundary: what the next stage receives (its in_avals).
-    outs = [sum(aval_bytes(a) for a in s.in_avals) for s in stage_fns[1:]] + [0]
+    outs = [sum(shard_bytes(a) for a in s.in_avals) for s in stage_fns[1:]] + [0]
     user_remat = [has_user_remat(jaxpr.eqns[a:b]) for a, b in ranges]
     remat_costs = _remat_costs(traced, all_cuts, stage_fns,
                                [p for p in remat if p is not Remat.NONE])
@@ -362,7 +363,7 @@ def _remat_costs(traced: Any, cuts: list[int], plain: list[Any], policies: Seque
             continue
         stages = split(traced, cuts, [policy] * len(plain))
         out[policy] = [
-            RematCost(sum(aval_bytes(a) for a in s.residual_avals),
+            RematCost(sum(shard_bytes(a) for a in s.residual_avals),
                       max(jaxpr_flops(s.bwd) - b, 0.0))
             for s, b in zip(stages, base, strict=True)]
         out[same] = out[policy]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpipe.avals import aval_bytes
+from jaxpipe.avals import aval_bytes, shard_bytes
 from jaxpipe.avals import format_bytes as _fmt
 
 __all__ = ["Plan"]
@@ -61,7 +61,7 @@ class Plan:
                 # its device's shard (parameters sharded over other mesh axes)
                 "param_bytes": int(sum(pipe.executor.spec.device_bytes(i)
                                        for i in st.param_ids)),
-                "residual_bytes": int(sum(aval_bytes(a) for a in st.residual_avals)),
+                "residual_bytes": int(sum(shard_bytes(a) for a in st.residual_avals)),
                 "in_flight": res.in_flight[s],
                 "remat": str(st.remat.value),
                 "recompute_flops": res.stage_recompute[s],

@@ -527,6 +527,7 @@ def test_an_nnx_model_on_explicit_axes_trains_exactly(backend):
     sharded types, each device holds its shard."""
     from flax import nnx
 
+    from jaxpipe.avals import aval_bytes, shard_bytes
     from jaxpipe.runtime.spmd import SpmdRuntime
 
     mesh = jax.make_mesh(*TP["mesh"])
@@ -567,6 +568,12 @@ def test_an_nnx_model_on_explicit_axes_trains_exactly(backend):
         assert pipe.batch_axes == ("data",)
         up = pipe.param_specs["blocks"][0]["up"]
         assert spec_dims(up["kernel"], 2) == ((), ("model",))
+        # the cutter counts what a device stores: residuals typed @model are half size
+        report = pipe.cut_report
+        for st in pipe.stages:
+            assert any(shard_bytes(a) < aval_bytes(a) for a in st.residual_avals)
+            assert report.stage_memory[st.index].residuals == report.in_flight[st.index] * sum(
+                shard_bytes(a) for a in st.residual_avals)
         loss, grads = pipe.value_and_grad(model, batch)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
