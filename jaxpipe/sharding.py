@@ -41,8 +41,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
 
-__all__ = ["Dims", "MeshAxes", "constrain", "manual_spec", "placed_spec", "resolve_mesh_axes",
-           "spec_dims", "to_spec"]
+__all__ = ["Dims", "MeshAxes", "constrain", "constrain_to", "manual_spec", "placed_spec",
+           "resolve_mesh_axes", "spec_dims", "to_spec", "trace_context", "typed_shardings"]
 
 #: One tuple of mesh axis names per array dimension (``()``: not sharded).
 Dims = tuple[tuple[str, ...], ...]
@@ -95,11 +95,29 @@ def constrain(x: Any, dims: Dims) -> Any:
     axes (nothing to do when ``dims`` shard nothing)."""
     if not any(dims):
         return x
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and any(context.axis_types[context.axis_names.index(a)]
-                                 == AxisType.Explicit for a in dims_axes(dims)):
-        return jax.sharding.reshard(x, to_spec(dims))  # sharding in types: a new type
-    return jax.lax.with_sharding_constraint(x, to_spec(dims))
+    return constrain_to(x, jax.sharding.get_abstract_mesh(), to_spec(dims))
+
+
+def constrain_to(x: Any, mesh: Any, spec: P) -> Any:
+    """``x`` sharded as ``spec`` on ``mesh`` (inside jit): ``reshard`` over its Explicit
+    axes (sharding in types: a new type), ``with_sharding_constraint`` over its Auto ones
+    (a mesh may mix them). With no mesh in context, ``spec``'s axes are taken as Auto."""
+    def part(kind: Any) -> P:
+        if mesh.empty:
+            keep: Any = (lambda a: kind == AxisType.Auto)
+        else:
+            keep = (lambda a: mesh.axis_types[mesh.axis_names.index(a)] == kind)
+        return to_spec(tuple(tuple(a for a in d if keep(a))
+                             for d in spec_dims(spec, len(spec))))
+
+    explicit, auto = part(AxisType.Explicit), part(AxisType.Auto)
+    if len(explicit):
+        x = jax.sharding.reshard(x, explicit if mesh.empty or not isinstance(mesh, Mesh)
+                                 else NamedSharding(mesh, explicit))
+    if len(auto):
+        x = jax.lax.with_sharding_constraint(
+            x, auto if not isinstance(mesh, Mesh) else NamedSharding(mesh, auto))
+    return x
 
 
 def dims_axes(dims: Dims) -> tuple[str, ...]:

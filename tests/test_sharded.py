@@ -596,3 +596,29 @@ def test_an_nnx_model_on_explicit_axes_trains_exactly(backend):
     assert len(kernels) == 3
     for v in kernels:  # each device: its pipe position's, its model shard's
         assert v.addressable_shards[0].data.size * 4 == v.size
+
+
+@pytest.mark.parametrize("types", [(AxisType.Auto, AxisType.Auto, AxisType.Explicit),
+                                   (AxisType.Explicit, AxisType.Explicit, AxisType.Auto)],
+                         ids=["model_explicit", "model_auto"])
+def test_mixed_meshes(types):
+    """Explicit and Auto axes in one mesh (flax refuses to place on one; plain JAX does
+    not): tensor parallel over 'model' of either type, data parallel over 'data'."""
+    mesh = jax.make_mesh(*TP["mesh"], axis_types=types)
+    _, params, specs, batch = _model(TP["wspec"], TP["bspec"], 16)
+    specs["proj"] = None  # the blocks are tensor parallel; the tied projection whole
+
+    def loss_fn(p, b):  # _model's loss; the row-parallel contraction says its sharding
+        h = jp.boundary(b["x"] @ p["proj"])
+        for blk in p["blocks"]:
+            u = jnp.tanh(h @ blk["w1"] + blk["b1"])
+            h = jp.boundary(h + jnp.einsum("bh,hd->bd", u, blk["w2"], out_sharding=P())
+                            + blk["b2"])
+        return jnp.mean((h @ p["proj"].T - b["y"]) ** 2)
+
+    with jax.set_mesh(mesh):
+        placed = _place(params, specs, mesh)
+        pipe = jp.pipeline(loss_fn, placed, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                           cut="markers")
+        assert pipe.batch_axes == ("data",)
+        assert_matches(pipe.value_and_grad(placed, batch), reference(loss_fn, placed, batch, M))

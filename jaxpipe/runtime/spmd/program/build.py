@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
@@ -36,7 +36,7 @@ from jaxpipe.runtime.spmd.program.cpu_ticks import CpuTicks
 from jaxpipe.runtime.spmd.program.layout import StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
-from jaxpipe.sharding import MeshAxes, constrain, manual_spec
+from jaxpipe.sharding import MeshAxes, constrain, constrain_to, manual_spec
 
 __all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
 
@@ -218,9 +218,7 @@ def place_tree(tree, mesh: Mesh, specs):
 
 
 def place(x, mesh: Mesh, spec: P):
-    """Constrain ``x`` (inside jit) to ``spec`` on ``mesh``, for Auto and Explicit meshes."""
-    sharding = NamedSharding(mesh, spec)
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        return jax.sharding.reshard(x, sharding)
-    return lax.with_sharding_constraint(x, sharding)
+    """Constrain ``x`` (inside jit) to ``spec`` on ``mesh``, for Auto, Explicit and mixed
+    meshes (:func:`jaxpipe.sharding.constrain_to`)."""
+    return constrain_to(x, mesh, spec)
 
