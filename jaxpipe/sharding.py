@@ -110,13 +110,15 @@ def constrain_to(x: Any, mesh: Any, spec: P) -> Any:
         return to_spec(tuple(tuple(a for a in d if keep(a))
                              for d in spec_dims(spec, len(spec))))
 
-    explicit, auto = part(AxisType.Explicit), part(AxisType.Auto)
-    if len(explicit):
-        x = jax.sharding.reshard(x, explicit if mesh.empty or not isinstance(mesh, Mesh)
-                                 else NamedSharding(mesh, explicit))
-    if len(auto):
-        x = jax.lax.with_sharding_constraint(
-            x, auto if not isinstance(mesh, Mesh) else NamedSharding(mesh, auto))
+    types = set() if mesh.empty else set(mesh.axis_types)
+    if AxisType.Explicit in types:  # (an empty part replicates over those axes)
+        explicit = part(AxisType.Explicit)
+        x = jax.sharding.reshard(x, NamedSharding(mesh, explicit)
+                                 if isinstance(mesh, Mesh) else explicit)
+    if AxisType.Auto in types or mesh.empty:
+        auto = part(AxisType.Auto)
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, auto)
+                                             if isinstance(mesh, Mesh) else auto)
     return x
 
 
