@@ -332,6 +332,22 @@ def test_rng_over_an_fsdp_batch_axis():
                    jax.jit(jax.value_and_grad(mean_loss))(params))
 
 
+def _nnx_stack(block):
+    """An nnx model of two ``block`` s in a row."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([block(rngs) for _ in range(2)])
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    return Model
+
+
 def test_nnx_partitioning_metadata_gives_the_specs():
     from flax import nnx
 
@@ -347,14 +363,7 @@ def test_nnx_partitioning_metadata_gives_the_specs():
         def __call__(self, x):
             return x + self.down(jnp.tanh(self.up(x)))
 
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
-
-        def __call__(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return x
+    Model = _nnx_stack(Block)
 
     with jax.set_mesh(mesh):
         model = Model(nnx.Rngs(0))
@@ -547,14 +556,7 @@ def test_an_nnx_model_on_explicit_axes_trains_exactly(backend):
         def __call__(self, x):
             return x + self.down(jnp.tanh(self.up(x)), out_sharding=P())
 
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
-
-        def __call__(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return x
+    Model = _nnx_stack(Block)
 
     def loss_fn(model, b):
         return jnp.mean((model(b["x"]) - b["y"]) ** 2)
