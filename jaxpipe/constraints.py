@@ -20,7 +20,8 @@ import jax
 from jax._src.pjit import sharding_constraint_p
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.extend.core import jaxpr_as_fun as _jax_jaxpr_as_fun
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.sharding import MeshAxes
@@ -53,19 +54,6 @@ def constraint_axes(jaxpr: Jaxpr) -> frozenset[str]:
     return frozenset(out)
 
 
-def _on_context(sharding: NamedSharding, names: tuple, types: tuple) -> NamedSharding:
-    """``sharding`` on its mesh with the context's axis types (as it is when its mesh is
-    not the context's, or already has them)."""
-    m = sharding.mesh
-    if tuple(m.axis_names) != names or tuple(m.axis_types) == types:
-        return sharding
-    if isinstance(m, Mesh):
-        mesh: Any = Mesh(m.devices, m.axis_names, axis_types=types)
-    else:
-        mesh = m.update_axis_types(dict(zip(names, types, strict=True)))
-    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
-
-
 def without_constrained_batch_axes(mesh_axes: MeshAxes, jaxpr: Jaxpr,
                                    default: bool) -> MeshAxes | None:
     """``None`` when the model's constraints name no axis the program is manual over;
@@ -84,12 +72,37 @@ def without_constrained_batch_axes(mesh_axes: MeshAxes, jaxpr: Jaxpr,
     if not default:
         raise PipelineError(
             f"the model constrains activations over mesh axes {clash} "
-            "(jax.lax.with_sharding_constraint), which batch_axes= also names: the program "
-            "splits the batch over them by hand, so no stage can shard over them. Leave "
-            "them out of batch_axes= (the model's constraints then shard over them), or "
-            "drop them from the model's constraints.")
+            "(jax.lax.with_sharding_constraint), which batch_axes= (or the batch's placed "
+            "sharding) also names: the program splits the batch over them by hand, so no "
+            "stage can shard over them. Leave them out of batch_axes= / the batch's "
+            "placement (the model's constraints then shard over them), or drop them from "
+            "the model's constraints.")
     return MeshAxes(mesh_axes.axis, tuple(a for a in mesh_axes.batch_axes if a not in clash),
                     mesh_axes.param_axes)
+
+
+def _target(m: Any, names: tuple, types: tuple) -> tuple | None:
+    """The axis types a mesh recorded in the jaxpr takes in the context (the context's
+    Manual axes become Manual, the others keep their type: a ``jax.sharding.auto_axes``
+    region stays Auto); ``None`` when it is not the context's mesh or nothing changes."""
+    if m is None or m.empty or tuple(m.axis_names) != names:
+        return None
+    target = tuple(c if c == AxisType.Manual else t
+                   for t, c in zip(m.axis_types, types, strict=True))
+    return None if target == tuple(m.axis_types) else target
+
+
+def _on_context(sharding: NamedSharding, names: tuple, types: tuple) -> NamedSharding:
+    """``sharding`` on its mesh with the axis types it takes in the context."""
+    m = sharding.mesh
+    target = _target(m, names, types)
+    if target is None:
+        return sharding
+    if isinstance(m, Mesh):
+        mesh: Any = Mesh(m.devices, m.axis_names, axis_types=target)
+    else:
+        mesh = m.update_axis_types(dict(zip(names, target, strict=True)))
+    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
 
 
 def _retarget_value(v: Any, names: tuple, types: tuple) -> Any:
@@ -97,7 +110,9 @@ def _retarget_value(v: Any, names: tuple, types: tuple) -> Any:
         return _on_context(v, names, types)
     if isinstance(v, ClosedJaxpr):
         new = _retarget(v.jaxpr, names, types)
-        return v if new is v.jaxpr else ClosedJaxpr(new, v.consts)
+        if new is v.jaxpr and not _stale(new, names, types):
+            return v
+        return _retraced(ClosedJaxpr(new, v.consts), names, types)
     if isinstance(v, Jaxpr):
         return _retarget(v, names, types)
     if isinstance(v, tuple | list) and any(
@@ -106,10 +121,37 @@ def _retarget_value(v: Any, names: tuple, types: tuple) -> Any:
     return v
 
 
+def _aval_target(aval: Any, names: tuple, types: tuple) -> tuple | None:
+    return _target(getattr(getattr(aval, "sharding", None), "mesh", None), names, types)
+
+
+def _stale(jaxpr: Jaxpr, names: tuple, types: tuple) -> bool:
+    """Some input or output of ``jaxpr`` is typed on the mesh without the context's
+    Manual axes: an equation holding it as a sub-jaxpr (``jit``, ``scan``...) returns
+    those recorded types, so it is traced again."""
+    return any(_aval_target(v.aval, names, types) is not None
+               for v in (*jaxpr.invars, *jaxpr.outvars))
+
+
+def _retyped(aval: Any, names: tuple, types: tuple) -> jax.ShapeDtypeStruct:
+    sharding = getattr(aval, "sharding", None)
+    if _aval_target(aval, names, types) is not None:
+        sharding = _on_context(sharding, names, types)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+
+
+def _retraced(closed: ClosedJaxpr, names: tuple, types: tuple) -> ClosedJaxpr:
+    """``closed`` traced again with its inputs on the axis types they take in the
+    context, so that its recorded types (which an equation holding it returns) are
+    those too."""
+    return jax.make_jaxpr(_jax_jaxpr_as_fun(closed))(
+        *(_retyped(a, names, types) for a in closed.in_avals))
+
+
 def _retarget(jaxpr: Jaxpr, names: tuple, types: tuple) -> Jaxpr:
     """``jaxpr`` with every sharding its equations name (constraints, and the shardings
-    of the values JAX derived from them) on the context's axis types; ``jaxpr`` itself
-    when nothing changes."""
+    of the values JAX derived from them) and every equation's mesh on the axis types
+    they take in the context; ``jaxpr`` itself when nothing changes."""
     eqns, changed = [], False
     for eqn in jaxpr.eqns:
         params = {k: _retarget_value(v, names, types) for k, v in eqn.params.items()}
@@ -122,12 +164,13 @@ def _retarget(jaxpr: Jaxpr, names: tuple, types: tuple) -> Jaxpr:
 
 def _ctx_on_context(ctx: Any, names: tuple, types: tuple) -> Any:
     """An equation's context (it records the mesh it was traced under, and binding the
-    equation enters it again) with the context mesh's axis types."""
+    equation enters it again) with the axis types it takes in the context."""
     m = ctx.cur_abstract_mesh
-    if m.empty or tuple(m.axis_names) != names or tuple(m.axis_types) == types:
+    target = _target(m, names, types)
+    if target is None:
         return ctx
     return type(ctx)._create(ctx.compute_type, ctx.threefry_partitionable,
-                             m.update_axis_types(dict(zip(names, types, strict=True))),
+                             m.update_axis_types(dict(zip(names, target, strict=True))),
                              ctx.remove_size_one_mesh_axis,
                              None if ctx.xla_metadata is None
                              else tuple(sorted(ctx.xla_metadata.items())))
@@ -138,22 +181,52 @@ def _ctx_on_context(ctx: Any, names: tuple, types: tuple) -> Any:
 _CACHE: dict[tuple[int, tuple], tuple[ClosedJaxpr, ClosedJaxpr]] = {}
 
 
-def _for_context(closed: ClosedJaxpr) -> ClosedJaxpr:
-    context = jax.sharding.get_abstract_mesh()
-    if context.empty:
-        return closed
-    key = (id(closed), tuple(context.axis_names), tuple(context.axis_types))
+def _for_context(closed: ClosedJaxpr, names: tuple, types: tuple) -> ClosedJaxpr:
+    key = (id(closed), names, types)
     hit = _CACHE.get(key)
     if hit is None or hit[0] is not closed:
         if len(_CACHE) > 4096:
             _CACHE.clear()
-        jaxpr = _retarget(closed.jaxpr, tuple(context.axis_names), tuple(context.axis_types))
+        jaxpr = _retarget(closed.jaxpr, names, types)
         hit = (closed, closed if jaxpr is closed.jaxpr else ClosedJaxpr(jaxpr, closed.consts))
         _CACHE[key] = hit
     return hit[1]
 
 
+def _into(x: Any, aval: Any, names: tuple, types: tuple) -> Any:
+    """An input the jaxpr reads on other axis types (an ``auto_axes`` region's), moved
+    onto them as ``auto_axes`` moves its arguments."""
+    target = _aval_target(aval, names, types)
+    if target is None or target == types:
+        return x
+    mesh = aval.sharding.mesh.update_axis_types(dict(zip(names, target, strict=True)))
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.reshard(x, aval.sharding.spec)
+
+
+def _out_of(x: Any, context: Any) -> Any:
+    """An output typed on other axis types, moved onto the context's (as ``auto_axes``
+    returns its outputs): the program's buffers hold the context's types."""
+    m = jax.typeof(x).sharding.mesh
+    if m.empty or tuple(m.axis_types) == tuple(context.axis_types):
+        return x
+    return jax.sharding.reshard(x, P())
+
+
 def jaxpr_as_fun(closed: ClosedJaxpr) -> Callable[..., list[Any]]:
     """``jax.extend.core.jaxpr_as_fun`` for a stage's jaxpr inside the program: the
-    model's sharding constraints are re-made on the context mesh's axis types."""
-    return _jax_jaxpr_as_fun(_for_context(closed))
+    model's sharding constraints and the meshes its equations recorded are re-made with
+    the context's Manual axes; values typed on other axis types (``auto_axes`` regions)
+    cross into and out of it as ``auto_axes`` moves them."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty:
+        return _jax_jaxpr_as_fun(closed)
+    names, types = tuple(context.axis_names), tuple(context.axis_types)
+    fn = _jax_jaxpr_as_fun(_for_context(closed, names, types))
+    in_avals = closed.in_avals
+
+    def run(*args: Any) -> list[Any]:
+        args = tuple(_into(x, a, names, types) for x, a in zip(args, in_avals, strict=True))
+        return [_out_of(x, context) for x in fn(*args)]
+
+    return run

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 __all__ = ["DeferredGrads", "DeferredStore", "Ports", "add_grad", "get_rows", "put_rows"]
 
@@ -101,10 +102,20 @@ def add_grad(gbuf: list, pos: int, ct: jax.Array, row: Any = None) -> None:
 
 def _added(buf: jax.Array, ct: jax.Array, row: Any) -> jax.Array:
     if row is None:
-        return buf + ct.astype(buf.dtype)
+        return buf + _typed_like(ct.astype(buf.dtype), buf)
     old = lax.dynamic_index_in_dim(buf, row, 0, keepdims=False, allow_negative_indices=False)
-    return lax.dynamic_update_index_in_dim(buf, old + ct.astype(old.dtype), row, 0,
-                                           allow_negative_indices=False)
+    return lax.dynamic_update_index_in_dim(buf, old + _typed_like(ct.astype(old.dtype), old),
+                                           row, 0, allow_negative_indices=False)
+
+
+def _typed_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """``x`` with ``ref``'s sharded type (Explicit axes): a gradient may come out of the
+    backward sharded where its parameter is not (a replicated bias added to an activation
+    sharded over 'tp' gets a cotangent summed to ``P('tp')``); the buffer keeps its own."""
+    want, have = _typed_spec(ref), _typed_spec(x)
+    if want == have or jax.typeof(ref).sharding.mesh.empty:
+        return x
+    return jax.sharding.reshard(x, want if want is not None else P())
 
 
 def _typed_spec(x: Any) -> Any:
