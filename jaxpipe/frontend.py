@@ -51,6 +51,7 @@ from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
 from jaxpipe.sharding import (
     MeshAxes,
+    placed_batch_axes,
     resolve_mesh_axes,
     to_spec,
     trace_context,
@@ -111,9 +112,10 @@ class Pipeline:
         check_mesh(mesh, axis, schedule)
         check_no_keys(params)
         param_leaves, param_tree = jax.tree.flatten(params)
+        placed = None if batch_axes is not None else placed_batch_axes(batch, mesh, axis)
         mesh_axes, self.param_dims = resolve_mesh_axes(
             mesh, axis, batch_axes, param_specs, params, param_tree,
-            [tuple(np.shape(x)) for x in param_leaves])
+            [tuple(np.shape(x)) for x in param_leaves], placed)
         self.num_microbatches = schedule.num_microbatches
         mb = microbatch_like(batch, self.num_microbatches)
         self._mb_shapes = [a.shape for a in jax.tree.leaves(mb)]
@@ -122,7 +124,8 @@ class Pipeline:
         self.key_dtype = jax.random.key(0).dtype if rng else None
         self.traced = self._trace(mesh_axes, loss_fn, params, mb, objective)
         # Batch axes the model's own sharding constraints name stay under JAX's sharding.
-        kept = without_constrained_batch_axes(mesh_axes, self.traced.jaxpr, batch_axes is None)
+        kept = without_constrained_batch_axes(mesh_axes, self.traced.jaxpr,
+                                              batch_axes is None and placed is None)
         if kept is not None:
             self.traced = self._trace(kept, loss_fn, params, mb, objective)
         self.objective: Objective = self.traced.objective
@@ -554,8 +557,11 @@ def pipeline(
         ``fold_in(key, i * n + j)``; over batch axes that also shard parameters the
         stage runs on their whole piece and draws with its first key).
       batch_axes: the mesh axes that split the batch (data parallelism; gradients are
-        averaged over them). Default: every axis but ``axis`` that no parameter is
-        sharded over and no activation constraint of the model names. An axis may also
+        averaged over them). Default: the axes the batch is placed split over along its
+        axis 0 (``jax.device_put(batch, NamedSharding(mesh, P('fsdp')))``, as ``jax.jit``
+        keeps an input's sharding); for a batch not placed so, every axis but ``axis``
+        that no parameter is sharded over and no activation constraint of the model
+        names. An axis may also
         shard parameters (FSDP: ``batch_axes=('fsdp',)`` with ``P('fsdp', None)``
         weights).
       param_specs: how parameters are sharded over the non-pipe axes. Default: as they

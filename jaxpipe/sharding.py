@@ -41,8 +41,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
 
-__all__ = ["Dims", "MeshAxes", "constrain", "constrain_to", "manual_spec", "placed_spec",
-           "resolve_mesh_axes", "spec_dims", "to_spec", "trace_context", "typed_shardings"]
+__all__ = ["Dims", "MeshAxes", "constrain", "constrain_to", "manual_spec", "placed_batch_axes",
+           "placed_spec", "resolve_mesh_axes", "spec_dims", "to_spec", "trace_context",
+           "typed_shardings"]
 
 #: One tuple of mesh axis names per array dimension (``()``: not sharded).
 Dims = tuple[tuple[str, ...], ...]
@@ -284,14 +285,48 @@ def placed_spec(x: Any, mesh: Mesh, path: str) -> P | None:
         "place it with a NamedSharding on the pipeline's mesh, or pass param_specs=.")
 
 
+def placed_batch_axes(batch: Any, mesh: Mesh, axis: str) -> tuple[str, ...] | None:
+    """The mesh axes a batch is placed split over along its axis 0, as the default
+    ``batch_axes`` (``jax.jit`` keeps an input's sharding too); ``None`` when no leaf is
+    split over mesh axes. Leaves that disagree, a split over the pipe axis or along
+    another dimension are errors naming the fix."""
+    found: dict[tuple[str, ...], str] = {}
+    for path, x in jax.tree.flatten_with_path(batch)[0]:
+        sharding, name = getattr(x, "sharding", None), f"batch{jax.tree_util.keystr(path)}"
+        if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
+            continue
+        if not _same_devices(sharding.mesh, mesh):
+            raise PipelineError(
+                f"{name} is placed on a mesh with axes {dict(sharding.mesh.shape)}, not on "
+                f"the pipeline's mesh {dict(mesh.shape)}; place it on the pipeline's mesh "
+                "(or pass a host array) and say how to split it with batch_axes=.")
+        dims = spec_dims(sharding.spec, len(x.shape))
+        if any(dims[1:]) or axis in dims[0]:
+            raise PipelineError(
+                f"{name} is placed with {sharding.spec}: the pipeline splits a batch only "
+                f"along its axis 0 and never over the pipe axis '{axis}' (each microbatch "
+                "goes to every pipe position). Place it split along axis 0 over other "
+                "axes (e.g. P('data')), or replicated.")
+        found.setdefault(dims[0], name)
+    if len(found) > 1:
+        (a, x), (b, y) = list(found.items())[:2]
+        raise PipelineError(
+            f"the batch's leaves are placed split over different mesh axes ({x} over {a}, "
+            f"{y} over {b}); place them alike, or pass batch_axes= to say how to split "
+            "the batch.")
+    return next(iter(found), None)
+
+
 def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
-                      params: Any, treedef: Any, shapes: Sequence[tuple[int, ...]]
+                      params: Any, treedef: Any, shapes: Sequence[tuple[int, ...]],
+                      placed_batch: tuple[str, ...] | None = None
                       ) -> tuple[MeshAxes, tuple[Dims, ...]]:
     """The roles of the mesh axes and the dims of every user parameter leaf.
 
     Args:
-      batch_axes: ``None`` (default: every non-pipe axis no parameter is sharded over) or
-        the axis names.
+      batch_axes: ``None`` (default: the axes the batch is placed split over,
+        ``placed_batch``; else every non-pipe axis no parameter is sharded over) or the
+        axis names.
       param_specs: ``None`` (default; ``"params"`` says the same): each parameter's own
         sharding, as ``jax.jit`` keeps an input's (:func:`placed_spec`); or a pytree of
         ``PartitionSpec`` / ``None`` with the structure of ``params``.
@@ -313,7 +348,9 @@ def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
                  for s, shape, p in zip(specs, shapes, paths, strict=True))
     used = {a for d in dims for a in dims_axes(d)}
     param_axes = tuple(a for a in mesh.axis_names if a in used)
-    if batch_axes is None:
+    if batch_axes is None and placed_batch is not None:
+        batch = tuple(a for a in mesh.axis_names if a in placed_batch)
+    elif batch_axes is None:
         batch = tuple(a for a in mesh.axis_names if a != axis and a not in used)
     else:
         batch = _check_batch_axes(batch_axes, mesh, axis)

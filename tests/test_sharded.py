@@ -58,8 +58,9 @@ TP = dict(mesh=((2, 2, 2), ("pipe", "data", "model")),
           wspec=(P(None, "model"), P("model", None)), bspec=P("model"), batch=16,
           kwargs={})
 # FSDP: weights sharded over 'fsdp' on their first dimension, the batch split over it too
+# (the batch is placed so: its placement gives the batch axes)
 FSDP = dict(mesh=((2, 4), ("pipe", "fsdp")), wspec=(P("fsdp", None), P("fsdp", None)),
-            bspec=None, batch=32, kwargs={"batch_axes": ("fsdp",)})
+            bspec=None, batch=32, kwargs={})
 CASES = {"tp": TP, "fsdp": FSDP}
 
 
@@ -71,7 +72,8 @@ def _place(params, specs, mesh):
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request):
     """tp: parameters placed with their shardings and no param_specs (the default keeps
-    what the user placed, as jax.jit does); fsdp: host parameters and param_specs."""
+    what the user placed, as jax.jit does); fsdp: host parameters and param_specs, the
+    batch placed split over 'fsdp' and no batch_axes (its placement is the default)."""
     c = CASES[request.param]
     loss_fn, params, specs, batch = _model(c["wspec"], c["bspec"], c["batch"])
     mesh = _mesh(*c["mesh"])
@@ -80,6 +82,7 @@ def case(request):
         params = _place(params, specs, mesh)
     else:
         kwargs["param_specs"] = specs
+        batch = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
                        cut="markers", **kwargs)
     return request.param, loss_fn, params, specs, batch, pipe
@@ -256,6 +259,38 @@ def test_placed_shardings_the_pipeline_cannot_keep_are_refused():
     with pytest.raises(jp.PipelineError, match=r"params\['proj'\] is placed sharded over the "
                        "pipe axis 'pipe'"):
         build(on_pipe)
+
+
+def test_a_placed_batch_gives_the_batch_axes():
+    """batch_axes=None follows the batch's placement along axis 0 (over a parameter axis
+    too: FSDP); a batch_axes= wins; placements the pipeline cannot keep are refused."""
+    loss_fn, params, specs, batch = _model(TP["wspec"], TP["bspec"], 16)
+    mesh = _mesh(*TP["mesh"])
+    placed = _place(params, specs, mesh)
+
+    def build(b, **kwargs):
+        return jp.pipeline(loss_fn, placed, b, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                           cut="markers", **kwargs)
+
+    def put(b, spec):
+        return jax.device_put(b, NamedSharding(mesh, spec))
+
+    assert build(put(batch, P("model"))).batch_axes == ("model",)
+    assert build(put(batch, P(("model", "data")))).batch_axes == ("data", "model")
+    assert build(put(batch, P()), batch_axes=()).batch_axes == ()
+    assert build(put(batch, P())).batch_axes == ("data",)  # not split: the axes no one uses
+    assert build(put(batch, P("model")), batch_axes=("data",)).batch_axes == ("data",)
+    with pytest.raises(jp.PipelineError, match=r"batch\['x'\] is placed with .*only along "
+                       "its axis 0 and never over the pipe axis"):
+        build(put(batch, P("pipe")))
+    with pytest.raises(jp.PipelineError, match=r"batch\['y'\] is placed with .*only along"):
+        build(dict(batch, y=put(batch["y"], P(None, "model"))))
+    with pytest.raises(jp.PipelineError, match=r"placed split over different mesh axes "
+                       r"\(batch\['x'\] over \('data',\), batch\['y'\] over \('model',\)\)"):
+        build({"x": put(batch["x"], P("data")), "y": put(batch["y"], P("model"))})
+    other = _mesh((2, 4), ("pipe", "data"))
+    with pytest.raises(jp.PipelineError, match=r"batch\['x'\] is placed on a mesh with axes"):
+        build(dict(batch, x=jax.device_put(batch["x"], NamedSharding(other, P("data")))))
 
 
 @pytest.mark.parametrize("bad,kwargs,match", [
