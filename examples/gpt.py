@@ -85,6 +85,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpipe as jp  # noqa: E402
 
@@ -168,6 +170,46 @@ class Config:
     mlp_ratio: int = 4
 
 
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """Where the GPT's arrays live on the mesh, one ``PartitionSpec`` per kind of array (as
+    flax's Gemma example writes its ``ShardingConfig``). ``None`` everywhere (the default):
+    nothing is sharded. The weights carry theirs as flax metadata (``out_sharding``), the
+    layers pass the activations' to their contractions (``out_sharding=``): under a mesh
+    with Explicit axes (``jax.make_mesh``'s default) the types carry the sharding."""
+
+    embed_vd: P | None = None  # token embedding [vocab, width], tied to the output head
+    pos_td: P | None = None  # position embedding [seq, width]
+    act_td: P | None = None  # the positions' embeddings [seq, width]
+    w_df: P | None = None  # column-parallel kernels [width, out]: q, k, v, MLP in
+    w_fd: P | None = None  # row-parallel kernels [in, width]: attention out, MLP out
+    b_f: P | None = None  # the column-parallel layers' biases
+    act_btd: P | None = None  # the residual stream [batch, seq, width] (and the logits)
+    act_btf: P | None = None  # column-parallel outputs [batch, seq, heads or hidden]
+
+    @staticmethod
+    def for_mesh(axis_names: tuple[str, ...]) -> Sharding:
+        """FSDP over ``fsdp`` (weights split on their width dimension, the batch too) and
+        Megatron tensor parallelism over ``tp``; ``data`` (the pipeline splits the batch
+        over it by hand) and ``pipe`` shard no weight."""
+        if "fsdp" not in axis_names and "tp" not in axis_names:
+            return Sharding()
+        fsdp = "fsdp" if "fsdp" in axis_names else None
+        tp = "tp" if "tp" in axis_names else None
+        # Tables are split along their rows: a lookup (nnx.Embed's auto_axes gather) in a
+        # table split along its width aborts XLA:CPU's SPMD partitioner inside the
+        # pipeline, and so does one whose rows are split over fsdp alone. The vocabulary
+        # (98) splits over tp only; the positions over both.
+        rows = tuple(a for a in (tp, fsdp) if a is not None)
+        return Sharding(embed_vd=P(tp, None), pos_td=P(rows, None), act_td=P(),
+                        w_df=P(fsdp, tp), w_fd=P(tp, fsdp), b_f=P(tp),
+                        act_btd=P(fsdp, None, None), act_btf=P(fsdp, None, tp))
+
+
+def _meta(spec: P | None) -> dict:
+    return {} if spec is None else {"out_sharding": spec}
+
+
 def _init() -> nnx.Initializer:
     return nnx.initializers.normal(0.02)
 
@@ -178,66 +220,82 @@ def _residual_init(cfg: Config) -> nnx.Initializer:
     return nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.layers))
 
 
-class CausalSelfAttention(nnx.Module):
-    """Multi-head self-attention where position t only attends to positions <= t."""
+def _column(cfg: Config, shd: Sharding, out: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(cfg.width, out, kernel_init=_init(), kernel_metadata=_meta(shd.w_df),
+                      bias_metadata=_meta(shd.b_f), rngs=rngs)
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        self.heads = cfg.heads
-        self.qkv = nnx.Linear(cfg.width, 3 * cfg.width, kernel_init=_init(), rngs=rngs)
-        self.proj = nnx.Linear(cfg.width, cfg.width, kernel_init=_residual_init(cfg), rngs=rngs)
+
+def _row(cfg: Config, shd: Sharding, inp: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(inp, cfg.width, kernel_init=_residual_init(cfg),
+                      kernel_metadata=_meta(shd.w_fd), rngs=rngs)
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head self-attention where position t only attends to positions <= t; the
+    heads are split over the tensor-parallel axis."""
+
+    def __init__(self, cfg: Config, shd: Sharding, *, rngs: nnx.Rngs):
+        self.heads, self.shd = cfg.heads, shd
+        self.q, self.k, self.v = (_column(cfg, shd, cfg.width, rngs) for _ in range(3))
+        self.proj = _row(cfg, shd, cfg.width, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
-        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
-        # [b, t, d] -> [b, heads, t, d/heads]
-        q, k, v = (a.reshape(b, t, self.heads, d // self.heads).transpose(0, 2, 1, 3)
-                   for a in (q, k, v))
-        scores = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(d // self.heads)
+        # [b, t, d] -> [b, t, heads, d/heads]
+        q, k, v = (f(x, out_sharding=self.shd.act_btf).reshape(b, t, self.heads, -1)
+                   for f in (self.q, self.k, self.v))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // self.heads)
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        out = jax.nn.softmax(scores, axis=-1) @ v
-        return self.proj(out.transpose(0, 2, 1, 3).reshape(b, t, d))
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        return self.proj(out.reshape(b, t, d), out_sharding=self.shd.act_btd)
 
 
 @jp.layer
 class Block(nnx.Module):
     """A pre-layernorm decoder block; ``@jp.layer`` makes each call one cuttable unit."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        hidden = cfg.mlp_ratio * cfg.width
+    def __init__(self, cfg: Config, shd: Sharding, *, rngs: nnx.Rngs):
+        self.shd = shd
         self.ln1 = nnx.LayerNorm(cfg.width, rngs=rngs)
-        self.attn = CausalSelfAttention(cfg, rngs=rngs)
+        self.attn = CausalSelfAttention(cfg, shd, rngs=rngs)
         self.ln2 = nnx.LayerNorm(cfg.width, rngs=rngs)
-        self.fc = nnx.Linear(cfg.width, hidden, kernel_init=_init(), rngs=rngs)
-        self.out = nnx.Linear(hidden, cfg.width, kernel_init=_residual_init(cfg), rngs=rngs)
+        self.fc = _column(cfg, shd, cfg.mlp_ratio * cfg.width, rngs)
+        self.out = _row(cfg, shd, cfg.mlp_ratio * cfg.width, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.ln1(x))
-        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+        hidden = jax.nn.gelu(self.fc(self.ln2(x), out_sharding=self.shd.act_btf))
+        return x + self.out(hidden, out_sharding=self.shd.act_btd)
 
 
 class GPT(nnx.Module):
     """Decoder-only transformer with the token embedding tied to the output head."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, scan_layers: bool = False):
-        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab, cfg.width)))
-        self.pos = nnx.Param(nnx.initializers.normal(0.01)(rngs.params(), (cfg.seq, cfg.width)))
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, scan_layers: bool = False,
+                 sharding: Sharding = Sharding()):
+        self.shd = sharding
+        self.embed = nnx.Embed(cfg.vocab, cfg.width, embedding_init=_init(),
+                               embedding_metadata=_meta(sharding.embed_vd), rngs=rngs)
+        self.pos = nnx.Embed(cfg.seq, cfg.width, embedding_init=nnx.initializers.normal(0.01),
+                             embedding_metadata=_meta(sharding.pos_td), rngs=rngs)
         self.scan_layers = scan_layers
         if scan_layers:
             # One Block whose every weight has a leading [layers] axis.
             @nnx.split_rngs(splits=cfg.layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def stacked(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, rngs=rngs)
+                return Block(cfg, sharding, rngs=rngs)
 
             self.blocks = stacked(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+            self.blocks = nnx.List([Block(cfg, sharding, rngs=rngs) for _ in range(cfg.layers)])
         self.ln_f = nnx.LayerNorm(cfg.width, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits ``[batch, seq, vocab]`` for integer ``tokens`` ``[batch, seq]``."""
-        h = self.embed[...][tokens] + self.pos[...][: tokens.shape[1]]
+        positions = self.pos(jnp.arange(tokens.shape[1]), out_sharding=self.shd.act_td)
+        h = self.embed(tokens, out_sharding=self.shd.act_btd) + positions
         if self.scan_layers:
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
             def run(h: jax.Array, block: Block) -> jax.Array:
@@ -248,7 +306,7 @@ class GPT(nnx.Module):
             for block in self.blocks:
                 h = block(h)
         # Tied head: the same matrix that embedded the tokens scores the next one.
-        return self.ln_f(h) @ self.embed[...].T
+        return self.embed.attend(self.ln_f(h), out_sharding=self.shd.act_btd)
 
 
 #: How many times ``loss_fn`` ran (traced) in this process: in the pipelined run, only
@@ -323,8 +381,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="train without the pipeline (plain jax.value_and_grad, one device)")
     p.add_argument("--scan-layers", action="store_true",
                    help="run the blocks as one nnx.scan over stacked weights")
-    p.add_argument("--mesh", help="mesh axes, e.g. pipe=2,data=2,model=2 (the pipe size is "
-                   "the number of stages; 'data' splits the batch, 'model' is tensor parallel)")
+    p.add_argument("--mesh", help="mesh axes, e.g. pipe=2,fsdp=2,tp=2 (the pipe size is the "
+                   "number of stages; 'data' splits the batch, 'fsdp' the batch and the "
+                   "weights, 'tp' is tensor parallel)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.mesh:
@@ -334,35 +393,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(str(err))
         if "pipe" not in sizes:
             p.error(f"--mesh {args.mesh} has no pipe axis")
+        unknown = sorted(set(sizes) - {"pipe", "data", "fsdp", "tp"})
+        if unknown:
+            p.error(f"--mesh {args.mesh} names axes {unknown}; the GPT knows pipe, data, "
+                    "fsdp and tp")
         args.stages = sizes["pipe"]
     base = TINY if args.tiny else DEFAULTS
     for key, value in base.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
-
-
-def tensor_parallel_specs(params: Any, axis: str = "model", stacked: bool = False) -> Any:
-    """``PartitionSpec`` s of the GPT's parameters (the pure dict) for tensor parallelism
-    over ``axis``: the MLP's first matrix split by output columns (its bias too), its
-    second by input rows; attention, embeddings and norms replicated. ``stacked``: block
-    weights have a leading layer axis (``--scan-layers``).
-
-    The attention stays whole: sharding its heads makes XLA split q, k and v out of the
-    column-split ``qkv(x)`` with collective-permutes inside the stage, which the CPU
-    runtime cannot run in a branch only some devices take (see docs/multihost.md)."""
-    from jax.sharding import PartitionSpec as P
-
-    def spec(path: Any, x: Any) -> P:
-        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-        lead = (None,) if stacked and "blocks" in keys else ()
-        if "fc" in keys:
-            return P(*lead, None, axis) if keys[-1] == "kernel" else P(*lead, axis)
-        if "out" in keys and keys[-1] == "kernel":
-            return P(*lead, axis, None)
-        return P()
-
-    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def parse_mesh(text: str) -> list[tuple[str, int]]:
@@ -378,18 +418,37 @@ def parse_mesh(text: str) -> list[tuple[str, int]]:
 
 
 def make_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
-    """The pipeline's mesh: ``--stages`` devices on one pipe axis, or ``--mesh``."""
-    devices = jax.devices()
+    """The pipeline's mesh: ``--stages`` devices on one pipe axis, or ``--mesh``; made
+    as JAX users make one today (``jax.make_mesh``: every axis Explicit)."""
     axes = parse_mesh(args.mesh) if args.mesh else [("pipe", args.stages)]
     need = math.prod(size for _, size in axes)
-    if len(devices) < need:
+    if len(jax.devices()) < need:
         raise SystemExit(f"the mesh {dict(axes)} needs {need} devices, jax sees "
-                         f"{len(devices)}; set XLA_FLAGS=--xla_force_host_platform_"
+                         f"{len(jax.devices())}; set XLA_FLAGS=--xla_force_host_platform_"
                          f"device_count={need} before starting Python")
-    names = tuple(name for name, _ in axes)
-    grid = np.array(devices[:need]).reshape(tuple(size for _, size in axes))
-    return jax.sharding.Mesh(grid, names,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+    return jax.make_mesh(tuple(size for _, size in axes), tuple(name for name, _ in axes))
+
+
+def batch_axes_of(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+    """The mesh axes that split the batch: ``data`` and ``fsdp``."""
+    return tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+
+
+def place_batch(batch: dict, mesh: jax.sharding.Mesh) -> dict:
+    """The host batch placed split over the batch axes (the pipeline follows the
+    placement); left on the host when the mesh has none."""
+    axes = batch_axes_of(mesh)
+    return jax.device_put(batch, NamedSharding(mesh, P(axes))) if axes else batch
+
+
+def param_bytes_per_device(state: Any) -> int:
+    """The most bytes of parameters one device holds in a pipeline's train state (its
+    stage layout: its stages' weights, its shards of them)."""
+    per_device: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(state.params):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
 
 
 def make_schedule(args: argparse.Namespace) -> jp.Schedule:
@@ -402,11 +461,21 @@ def make_schedule(args: argparse.Namespace) -> jp.Schedule:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train and evaluate; returns the summary dict also printed as the ``RESULT`` line."""
     args = parse_args(argv)
+    if args.plain:
+        return train(args, None)
+    mesh = make_mesh(args)
+    with jax.set_mesh(mesh):  # the model is built (its weights placed) and trained on it
+        return train(args, mesh)
+
+
+def train(args: argparse.Namespace, mesh: jax.sharding.Mesh | None) -> dict[str, Any]:
+    """The run: plain JAX on one device when ``mesh`` is ``None``, else pipelined."""
     t_start = time.perf_counter()
     cfg = Config(seq=args.seq, layers=args.layers, width=args.width, heads=args.heads)
     train_ids, held_ids = load_data(args.corpus_chars)
     rng = np.random.default_rng(args.seed)
-    model = GPT(cfg, rngs=nnx.Rngs(args.seed), scan_layers=args.scan_layers)
+    sharding = Sharding() if mesh is None else Sharding.for_mesh(mesh.axis_names)
+    model = GPT(cfg, rngs=nnx.Rngs(args.seed), scan_layers=args.scan_layers, sharding=sharding)
     optimizer = make_optimizer(args.lr, args.steps, args.scan_layers)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"corpus: {len(train_ids):,} train / {len(held_ids):,} held-out characters of "
@@ -442,29 +511,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         final_params = lambda s: s[0]
         print("training without a pipeline (--plain): one device, jax.value_and_grad")
     else:
+        assert mesh is not None
         schedule = make_schedule(args)
-        mesh = make_mesh(args)
-        example = sample_batch(train_ids, np.random.default_rng(args.seed), args.batch, args.seq)
-        specs = (tensor_parallel_specs(nnx.to_pure_dict(params0), stacked=args.scan_layers)
-                 if "model" in mesh.axis_names else None)
+        example = place_batch(sample_batch(train_ids, np.random.default_rng(args.seed),
+                                           args.batch, args.seq), mesh)
+        # No sharding argument: the weights are placed as their flax metadata says, the
+        # batch as place_batch put it, and the pipeline keeps both.
         pipe = jp.flax.pipeline(model, loss_fn, example, mesh=mesh, schedule=schedule,
-                                cut=args.cut, param_specs=specs, has_aux=True,
-                                reduction="weighted")
-        if specs is not None:
-            print(f"mesh {dict(mesh.shape)}: batch split over {pipe.batch_axes}, blocks "
-                  "tensor-parallel over 'model'")
+                                cut=args.cut, has_aux=True, reduction="weighted")
         print(pipe.plan)
         print(f"schedule {type(schedule).__name__} (p={args.stages}, m={args.microbatches}):")
         print(schedule.simulate().to_ascii())
         state = pipe.init(model, optimizer)
+        per_device = param_bytes_per_device(state)
+        total = sum(x.nbytes for x in jax.tree.leaves(params0))
+        print(f"mesh {dict(mesh.shape)}: batch split over {pipe.batch_axes}; parameters: "
+              f"{per_device:,} bytes on the busiest device, the model's {total:,} "
+              f"({per_device * mesh.size / total:.2f} x total/{mesh.size})")
 
         def step_fn(s: Any, b: dict) -> tuple[Any, jax.Array, dict]:
-            s, metrics = pipe.train_step(s, b)
+            s, metrics = pipe.train_step(s, place_batch(b, mesh))
             return s, metrics["loss"], metrics["aux"]
 
         def evaluate(s: Any, b: dict) -> tuple[float, float]:
             # forward only, through the pipeline, on the state's stage layout (no gather)
-            loss, aux = pipe.loss(s, b)
+            loss, aux = pipe.loss(s, place_batch(b, mesh))
             return float(loss), float(jnp.sum(aux["correct"]) / jnp.sum(aux["tokens"]))
 
         def final_params(s: Any) -> Any:
@@ -522,6 +593,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "heldout_loss": held_loss,
         "heldout_accuracy": held_acc,
         "evaluated_by": "jax.jit forward" if args.plain else "pipe.loss",
+        "mesh": None if mesh is None else dict(mesh.shape),
+        "param_bytes": None if mesh is None else {"busiest_device": per_device,
+                                                  "total": total},
         "loss_fn_calls": LOSS_FN_CALLS[0],
         "tokens_per_s": tokens_per_step * steady_steps / steady_time if steady_steps else None,
         "wall_s": time.perf_counter() - t_start,

@@ -13,7 +13,7 @@ them out of the batch axes the program splits by hand.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -26,7 +26,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.errors import PipelineError
 from jaxpipe.sharding import MeshAxes
 
-__all__ = ["constraint_axes", "jaxpr_as_fun", "without_constrained_batch_axes"]
+__all__ = ["constraint_axes", "entering", "for_context", "jaxpr_as_fun", "leaving",
+           "without_constrained_batch_axes"]
 
 
 def _sub_jaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
@@ -193,9 +194,17 @@ def _for_context(closed: ClosedJaxpr, names: tuple, types: tuple) -> ClosedJaxpr
     return hit[1]
 
 
+def for_context(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` as it runs in the current context (for an evaluator of its equations
+    that does not go through :func:`jaxpr_as_fun`): its constraints and recorded meshes
+    with the context's Manual axes."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty:
+        return closed
+    return _for_context(closed, tuple(context.axis_names), tuple(context.axis_types))
+
+
 def _into(x: Any, aval: Any, names: tuple, types: tuple) -> Any:
-    """An input the jaxpr reads on other axis types (an ``auto_axes`` region's), moved
-    onto them as ``auto_axes`` moves its arguments."""
     target = _aval_target(aval, names, types)
     if target is None or target == types:
         return x
@@ -204,29 +213,39 @@ def _into(x: Any, aval: Any, names: tuple, types: tuple) -> Any:
         return jax.sharding.reshard(x, aval.sharding.spec)
 
 
-def _out_of(x: Any, context: Any) -> Any:
-    """An output typed on other axis types, moved onto the context's (as ``auto_axes``
-    returns its outputs): the program's buffers hold the context's types."""
-    m = jax.typeof(x).sharding.mesh
-    if m.empty or tuple(m.axis_types) == tuple(context.axis_types):
-        return x
-    return jax.sharding.reshard(x, P())
+def entering(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    """``args`` moved onto the axis types ``closed`` reads them on, where those are not
+    the context's (the inputs of an ``auto_axes`` region), as ``auto_axes`` moves its
+    arguments."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty:
+        return list(args)
+    names, types = tuple(context.axis_names), tuple(context.axis_types)
+    return [_into(x, a, names, types) for x, a in zip(args, closed.in_avals, strict=True)]
+
+
+def leaving(outs: Sequence[Any]) -> list[Any]:
+    """Values typed on other axis types than the context's (an ``auto_axes`` region's
+    residuals) moved onto the context's, as ``auto_axes`` returns its outputs: the
+    program's buffers hold the context's types."""
+    context = jax.sharding.get_abstract_mesh()
+    out = []
+    for x in outs:
+        if x is None:  # (an output written to a buffer elsewhere)
+            out.append(x)
+            continue
+        m = jax.typeof(x).sharding.mesh
+        if not (context.empty or m.empty or tuple(m.axis_types) == tuple(context.axis_types)):
+            x = jax.sharding.reshard(x, P())
+        out.append(x)
+    return out
 
 
 def jaxpr_as_fun(closed: ClosedJaxpr) -> Callable[..., list[Any]]:
     """``jax.extend.core.jaxpr_as_fun`` for a stage's jaxpr inside the program: the
     model's sharding constraints and the meshes its equations recorded are re-made with
     the context's Manual axes; values typed on other axis types (``auto_axes`` regions)
-    cross into and out of it as ``auto_axes`` moves them."""
-    context = jax.sharding.get_abstract_mesh()
-    if context.empty:
-        return _jax_jaxpr_as_fun(closed)
-    names, types = tuple(context.axis_names), tuple(context.axis_types)
-    fn = _jax_jaxpr_as_fun(_for_context(closed, names, types))
-    in_avals = closed.in_avals
-
-    def run(*args: Any) -> list[Any]:
-        args = tuple(_into(x, a, names, types) for x, a in zip(args, in_avals, strict=True))
-        return [_out_of(x, context) for x in fn(*args)]
-
-    return run
+    cross into and out of it as ``auto_axes`` moves them (:func:`entering`,
+    :func:`leaving`)."""
+    fn = _jax_jaxpr_as_fun(for_context(closed))
+    return lambda *args: leaving(fn(*entering(closed, args)))

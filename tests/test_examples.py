@@ -50,13 +50,19 @@ def test_gpt_tiny_pipelined_loss_finite_and_decreasing():
     assert "OneFOneB" in out
 
 
-def test_gpt_tiny_scan_layers_trains():
-    """The same GPT with its blocks as one nnx.scan: 3 scanned blocks cut over 2 stages."""
-    out = _run("gpt.py", "--tiny", "--scan-layers", "--stages", "2", "--layers", "3",
-               "--steps", "3", "--seed", "0", "--no-progress")
+def test_gpt_tiny_scan_layers_trains_on_pipe_fsdp_tp():
+    """The same GPT with its blocks as one nnx.scan (3 scanned blocks cut over 2 stages),
+    on pipe 2 x fsdp 2 x tp 2 as the flax metadata shards it (the stacked weights keep
+    their sharding per stage)."""
+    out = _run("gpt.py", "--tiny", "--scan-layers", "--mesh", "pipe=2,fsdp=2,tp=2",
+               "--layers", "3", "--steps", "3", "--seed", "0", "--no-progress")
     res = _result(out)
     losses = res["first_losses"]
     assert res["mode"] == "pipeline" and res["config"]["scan_layers"]
+    assert res["mesh"] == {"pipe": 2, "fsdp": 2, "tp": 2}
+    # the first stage holds 2 of the 3 blocks (> 0.6 of the weights): split 4 ways it is
+    # ~0.28 (the tables and norms are replicated or split 2 ways in a model this small)
+    assert res["param_bytes"]["busiest_device"] < 0.35 * res["param_bytes"]["total"]
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[0] > losses[1] > losses[2], losses
     assert "Block[" in out  # the plan names each stage's slice of the stack

@@ -659,3 +659,61 @@ def test_mixed_meshes(types):
                            cut="markers")
         assert pipe.batch_axes == ("data",)
         assert_matches(pipe.value_and_grad(placed, batch), reference(loss_fn, placed, batch, M))
+
+
+def _example(name):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"jaxpipe_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpt_example_on_pipe_fsdp_tp_is_exact():
+    """examples/gpt.py's GPT as flax's examples write one (out_sharding metadata on its
+    kernels and tables, out_sharding= on its contractions and nnx.Embed lookups), built
+    under jax.set_mesh on a default jax.make_mesh (pipe 2 x fsdp 2 x tp 2, every axis
+    Explicit), its batch placed over 'fsdp', pipelined with no sharding argument: loss,
+    aux and gradients equal nnx.value_and_grad's; each device holds ~1/8 of the weights."""
+    from flax import nnx
+
+    gpt = _example("gpt")
+    mesh = jax.make_mesh((2, 2, 2), ("pipe", "fsdp", "tp"))
+    cfg = gpt.Config(seq=16, layers=4, width=128, heads=4)  # the example's default width
+    ids = np.random.default_rng(0).integers(0, gpt.VOCAB, 2048).astype(np.int32)
+    host = gpt.sample_batch(ids, np.random.default_rng(1), 8, cfg.seq)
+
+    def full(model, b):  # the weighted reduction over the whole batch
+        (loss_sum, count), aux = gpt.loss_fn(model, b)
+        return loss_sum / count, aux
+
+    with jax.set_mesh(mesh):
+        model = gpt.GPT(cfg, rngs=nnx.Rngs(0), sharding=gpt.Sharding.for_mesh(mesh.axis_names))
+        batch = gpt.place_batch(host, mesh)
+        pipe = jp.flax.pipeline(model, gpt.loss_fn, batch, mesh=mesh,
+                                schedule=jp.OneFOneB(2, M), has_aux=True, reduction="weighted")
+        assert pipe.batch_axes == ("fsdp",) and pipe.mesh_axes.param_axes == ("fsdp", "tp")
+        (loss, aux), grads = pipe.value_and_grad(model, batch)
+        (ref_loss, ref_aux), ref_grads = nnx.jit(nnx.value_and_grad(full, has_aux=True))(
+            model, host)
+        staged = pipe.shard(model)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for key in ("correct", "tokens"):
+        np.testing.assert_allclose(jnp.sum(aux[key]), ref_aux[key], rtol=1e-6)
+    flat = jax.tree.leaves(nnx.to_pure_dict(ref_grads))
+    assert len(flat) == len(jax.tree.leaves(grads))
+    for g, r in zip(jax.tree.leaves(grads), flat, strict=True):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+    kernel = grads["blocks"][0]["fc"]["kernel"]
+    assert _axes(jax.typeof(kernel).sharding.spec) == {"fsdp", "tp"}
+    held: dict = {}
+    for leaf in jax.tree.leaves(staged):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert max(held.values()) < 1.1 * total / 8  # tables and norms are the excess

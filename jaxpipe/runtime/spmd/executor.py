@@ -403,12 +403,23 @@ class SpmdExecutor(Executor):
         def init_opt_state(param_leaves: list) -> list:
             D = spec.schedule.num_devices
             bufs = [ostate.zeros() for _ in range(D)]
+            held: list[set[int]] = [set() for _ in range(D)]
             inputs = spec.views.take(param_leaves)
             for st in spec.stages:
                 d = spec.schedule.placement(st.index)
                 leaves = stage_opt.init(st.index, [inputs[i] for i in st.param_ids])
                 bufs[d] = ostate.scatter(bufs[d], st.index, leaves)
-            return [jnp.stack([bufs[d][k] for d in range(D)]) for k in range(len(ostate))]
+                held[d].update(ostate.where[st.index])
+
+            def column(k: int) -> jax.Array:
+                # A device no stage of which holds slot k keeps zeros of the held value's
+                # type (Explicit axes: its sharding is part of the type, and stacking
+                # needs one).
+                like = next((bufs[d][k] for d in range(D) if k in held[d]), None)
+                return jnp.stack([bufs[d][k] if like is None or k in held[d]
+                                  else jnp.zeros_like(like) for d in range(D)])
+
+            return [column(k) for k in range(len(ostate))]
 
         return step, _InitOptState(init_opt_state, ospec)
 

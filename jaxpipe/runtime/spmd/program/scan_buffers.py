@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxpipe.constraints import jaxpr_as_fun
+from jaxpipe.constraints import entering, for_context, jaxpr_as_fun, leaving
 from jaxpipe.interpret import eval_eqns, read
 
 __all__ = ["Sink", "Source", "direct_inputs", "direct_outputs", "evaluate", "flatten",
@@ -101,6 +101,8 @@ def evaluate(closed: jcore.ClosedJaxpr, args: Sequence[Any],
 
     Returns the outputs (``None`` at those in ``sinks``) and the updated buffers.
     """
+    args = entering(closed, args)
+    closed = for_context(closed)  # bound equation by equation below
     j = closed.jaxpr
     bufs = dict(bufs)
     target = {j.outvars[i]: s for i, s in (sinks or {}).items()}
@@ -146,7 +148,7 @@ def evaluate(closed: jcore.ClosedJaxpr, args: Sequence[Any],
     env.update(zip(j.invars, args, strict=True))
     eval_eqns(j.eqns, env,
               override=lambda e, v: scan(e, v) if e.primitive.name == "scan" else None)
-    return [read(env, v) for v in j.outvars], bufs
+    return leaving([read(env, v) for v in j.outvars]), bufs
 
 
 def row_sink(layers: int, base: Any, offset: Any) -> Sink:
