@@ -5,7 +5,7 @@
     python examples/gpt.py --schedule schedules/zb.py:ZeroBubbleH1
     python examples/gpt.py --plain              # same model, plain single-device JAX
     python examples/gpt.py --scan-layers        # the blocks as one nnx.scan over stacked weights
-    python examples/gpt.py --mesh pipe=2,data=2,model=2   # + data and tensor parallelism
+    python examples/gpt.py --mesh pipe=2,fsdp=2,tp=2     # + FSDP and tensor parallelism
 
 The model is a GPT written in flax nnx: token + position embeddings, the token
 embedding tied to the output head (``logits = h @ embed.T``), ``--layers`` decoder
@@ -19,10 +19,15 @@ init) and runs them with one ``nnx.scan``, as MaxText-style models do; the model
 otherwise unchanged. jaxpipe cuts the scan between iterations: each stage scans its own
 blocks and holds only their rows of the stacked weights.
 
-With ``--mesh pipe=2,data=2,model=2`` the pipeline runs inside a bigger mesh: the batch
-is split over ``data`` and every block is tensor-parallel over ``model`` (Megatron
-style: the MLP's first matrix split by columns, its second by rows;
-``tensor_parallel_specs``), passed to the pipeline as ``param_specs``.
+With ``--mesh pipe=2,fsdp=2,tp=2`` the pipeline runs inside a bigger mesh, written as
+flax's own examples write sharded models: the mesh is ``jax.make_mesh``'s default (every
+axis Explicit: sharding in types), the model is built under ``jax.set_mesh``, its weights
+carry ``out_sharding`` metadata (FSDP over ``fsdp``, Megatron tensor parallelism over
+``tp``: :class:`Sharding`) and its layers pass their activations' sharding to their
+contractions (``out_sharding=``). The batch is placed split over ``fsdp`` (and ``data``,
+an axis that only splits the batch). No sharding argument reaches the pipeline: it keeps
+what the weights and the batch were placed with. Each device holds ~1/8 of the weights
+(the busiest 1.08 x total/8 at the default size).
 
 The corpus is the Python standard library's own source code (present on every
 machine, no download), read as characters. Files are taken in sorted order; the last
@@ -406,12 +411,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def parse_mesh(text: str) -> list[tuple[str, int]]:
-    """``"pipe=2,data=2,model=2"`` -> ``[("pipe", 2), ("data", 2), ("model", 2)]``."""
+    """``"pipe=2,fsdp=2,tp=2"`` -> ``[("pipe", 2), ("fsdp", 2), ("tp", 2)]``."""
     out = []
     for part in text.split(","):
         name, _, size = part.partition("=")
         if not name or not size.isdigit():
-            raise ValueError(f"--mesh expects name=size,... (e.g. pipe=2,data=2,model=2), "
+            raise ValueError(f"--mesh expects name=size,... (e.g. pipe=2,fsdp=2,tp=2), "
                              f"got {text!r}")
         out.append((name.strip(), int(size)))
     return out

@@ -19,6 +19,13 @@ head by vocabulary). Two measurements:
   ``pipe=2 x fsdp=2 x model=2`` (FSDP on each weight's free dimension plus the
   tensor-parallel specs) where there are 8 devices. The parameters are placed with their
   shardings and passed without ``param_specs`` (the default keeps them).
+* **Explicit axes, the flax way** (``explicit``): ``examples/gpt.py``'s GPT (flax nnx,
+  ``out_sharding`` metadata on its weights and ``out_sharding=`` on its contractions) on
+  a default ``jax.make_mesh`` (every axis Explicit), built under ``jax.set_mesh``, the
+  batch placed over ``fsdp``, pipelined with no sharding argument: ``pipe=2 x fsdp=2 x
+  tp=2`` against ``pipe=2`` alone (arguments per device; analytic share 1/4 of the
+  state), and the cutter's predicted bytes of the busiest device against the compiled
+  resident AdamW ``train_step`` (residuals count their shard: their types carry it).
 * **Overhead at p=1**: the public ``Pipeline.value_and_grad`` over a ``pipe=1 x data=2 x
   model=2`` mesh against plain JAX (``jit(value_and_grad)`` scanned over the same
   microbatches) with the same parameter and batch shardings. Target <= 1.10. CPU time
@@ -168,12 +175,69 @@ def measure(quick: bool = False) -> dict[str, Any]:
     t = C.time_interleaved({"jaxpipe": (c_pipe, (placed, placed_batch)),
                             "plain": (c_plain, (placed, placed_batch))},
                            warmup=warmup, repeats=repeats)
+    out["explicit"] = measure_explicit(quick, m, rows)
     out["p1_overhead"] = {
         "mesh": "pipe=1 x data=2 x model=2",
         "jaxpipe_cpu_s": t["jaxpipe"]["cpu_median_s"], "plain_cpu_s": t["plain"]["cpu_median_s"],
         "ratio_cpu": t["jaxpipe"]["cpu_median_s"] / t["plain"]["cpu_median_s"],
         "ratio_wall": t["jaxpipe"]["median_s"] / t["plain"]["median_s"]}
     return out
+
+
+def _example(name: str) -> Any:
+    """``examples/<name>.py`` as a module (the examples are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"jaxpipe_example_{name}",
+                                                  REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure_explicit(quick: bool, m: int, rows: int) -> dict[str, Any]:
+    """The flax-style GPT on Explicit axes: per-device memory pipe=2 x fsdp=2 x tp=2 /
+    pipe=2, and the cutter's prediction against the compiled train step, per mesh."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import jaxpipe as jp
+    from benchmarks import common as C
+
+    gpt = _example("gpt")
+    cfg = (gpt.Config(seq=16, layers=2, width=32, heads=2) if quick
+           else gpt.Config(seq=64, layers=8, width=128, heads=4))
+    ids = np.random.default_rng(0).integers(0, gpt.VOCAB, 1 << 16).astype(np.int32)
+    host = gpt.sample_batch(ids, np.random.default_rng(1), m * rows, cfg.seq)
+    meshes = {"pipe": ((2,), ("pipe",))}
+    if len(jax.devices()) >= 8:
+        meshes["pipe_x_fsdp_x_tp"] = ((2, 2, 2), ("pipe", "fsdp", "tp"))
+    res: dict[str, Any] = {"model": dataclasses.asdict(cfg)}
+    for name, (shape, names) in meshes.items():
+        mesh = jax.make_mesh(shape, names, devices=jax.devices()[:int(np.prod(shape))])
+        with jax.set_mesh(mesh):
+            model = gpt.GPT(cfg, rngs=nnx.Rngs(0), sharding=gpt.Sharding.for_mesh(names))
+            batch = gpt.place_batch(host, mesh)
+            pipe = jp.flax.pipeline(model, gpt.loss_fn, batch, mesh=mesh,
+                                    schedule=jp.OneFOneB(2, m), cut="markers", has_aux=True,
+                                    reduction="weighted")
+            state = pipe.init(model, optax.adamw(1e-3))
+            stats = C.memory_stats(state.trainer.step_fn.lower(state, batch).compile())
+        predicted = float(pipe.cut_report.peak_memory)
+        res[name] = {**stats, "state_share_bytes": _state_share(state, mesh),
+                     "predicted_bytes": predicted,
+                     "predicted_over_compiled": predicted / stats["total_bytes"]}
+    if "pipe_x_fsdp_x_tp" in res:
+        res["argument_ratio"] = (res["pipe_x_fsdp_x_tp"]["argument_bytes"]
+                                 / res["pipe"]["argument_bytes"])
+        res["analytic_state_ratio"] = (res["pipe_x_fsdp_x_tp"]["state_share_bytes"]
+                                       / res["pipe"]["state_share_bytes"])
+    return res
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -195,6 +259,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"pipe x model / pipe alone, per device: arguments {mem['argument_ratio']:.3f} "
           f"(analytic state {mem['analytic_state_ratio']:.3f}), temp {mem['temp_ratio']:.3f}, "
           f"total {mem['total_ratio']:.3f}")
+    ex = res["explicit"]
+    for name in ("pipe", "pipe_x_fsdp_x_tp"):
+        if name in ex:
+            r = ex[name]
+            print(f"explicit {name:>16}: argument {r['argument_bytes'] / 2**20:.2f} MiB, temp "
+                  f"{r['temp_bytes'] / 2**20:.2f} MiB, total {r['total_bytes'] / 2**20:.2f} "
+                  f"MiB per device; the cutter predicts {r['predicted_bytes'] / 2**20:.2f} "
+                  f"MiB (x{r['predicted_over_compiled']:.2f} of compiled)")
+    if "argument_ratio" in ex:
+        print(f"explicit pipe x fsdp x tp / pipe alone, arguments per device: "
+              f"{ex['argument_ratio']:.3f} (analytic state {ex['analytic_state_ratio']:.3f})")
     o = res["p1_overhead"]
     print(f"p=1 composed overhead ({o['mesh']}, public value_and_grad / plain JAX, same "
           f"shardings, CPU time): {o['ratio_cpu']:.3f} (wall {o['ratio_wall']:.3f})")
@@ -206,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 # ------------------------------------------------------------ the section in benchmarks/run.py
 ORDER = 100
-FIELDS = ("model", "memory", "p1_overhead")
+FIELDS = ("model", "memory", "explicit", "p1_overhead")
 
 
 def run(r: Any) -> dict[str, Any]:
@@ -214,13 +289,16 @@ def run(r: Any) -> dict[str, Any]:
 
 
 def summary(sh: dict[str, Any]) -> str:
-    mem, o = sh["memory"], sh["p1_overhead"]
+    mem, o, ex = sh["memory"], sh["p1_overhead"], sh["explicit"]
     return (f"**Inside a bigger mesh**: per-device memory pipe=2 x model=2 / pipe=2 "
             f"alone: arguments {mem['argument_ratio']:.3f} (analytic "
             f"{mem['analytic_state_ratio']:.3f}), total {mem['total_ratio']:.3f}; p=1 "
             f"overhead on {o['mesh']}: {o['ratio_cpu']:.3f} of plain JAX (CPU time); the "
             "cutter's predicted bytes / compiled: " + ", ".join(
-                f"{k} {v:.2f}" for k, v in mem.get("predicted_over_compiled", {}).items()))
+                f"{k} {v:.2f}" for k, v in mem.get("predicted_over_compiled", {}).items())
+            + "; Explicit axes (the flax GPT): " + ", ".join(
+                f"{k} {ex[k]['predicted_over_compiled']:.2f}"
+                for k in ("pipe", "pipe_x_fsdp_x_tp") if k in ex))
 
 
 if __name__ == "__main__":
