@@ -73,6 +73,20 @@ class GPTConfig:
         return asdict(self)
 
 
+def load_example(name: str) -> Any:
+    """``examples/<name>.py`` as a module (the examples are scripts, not a package); its
+    ``if __name__ == "__main__"`` part does not run."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"jaxpipe_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def _dense(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[0])).astype(dtype)
 

@@ -446,11 +446,11 @@ def place_batch(batch: dict, mesh: jax.sharding.Mesh) -> dict:
     return jax.device_put(batch, NamedSharding(mesh, P(axes))) if axes else batch
 
 
-def param_bytes_per_device(state: Any) -> int:
-    """The most bytes of parameters one device holds in a pipeline's train state (its
-    stage layout: its stages' weights, its shards of them)."""
+def param_bytes_per_device(staged: Any) -> int:
+    """The most bytes of parameters one device holds in a pipeline's stage layout
+    (``state.params`` or ``pipe.shard(model)``: its stages' weights, its shards of them)."""
     per_device: dict[Any, int] = {}
-    for leaf in jax.tree.leaves(state.params):
+    for leaf in jax.tree.leaves(staged):
         for shard in leaf.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     return max(per_device.values())
@@ -528,7 +528,7 @@ def train(args: argparse.Namespace, mesh: jax.sharding.Mesh | None) -> dict[str,
         print(f"schedule {type(schedule).__name__} (p={args.stages}, m={args.microbatches}):")
         print(schedule.simulate().to_ascii())
         state = pipe.init(model, optimizer)
-        per_device = param_bytes_per_device(state)
+        per_device = param_bytes_per_device(state.params)
         total = sum(x.nbytes for x in jax.tree.leaves(params0))
         print(f"mesh {dict(mesh.shape)}: batch split over {pipe.batch_axes}; parameters: "
               f"{per_device:,} bytes on the busiest device, the model's {total:,} "

@@ -111,9 +111,8 @@ def _retarget_value(v: Any, names: tuple, types: tuple) -> Any:
         return _on_context(v, names, types)
     if isinstance(v, ClosedJaxpr):
         new = _retarget(v.jaxpr, names, types)
-        if new is v.jaxpr and not _stale(new, names, types):
-            return v
-        return _retraced(ClosedJaxpr(new, v.consts), names, types)
+        closed = v if new is v.jaxpr else ClosedJaxpr(new, v.consts)
+        return _retraced(closed, names, types) if _stale(new, names, types) else closed
     if isinstance(v, Jaxpr):
         return _retarget(v, names, types)
     if isinstance(v, tuple | list) and any(

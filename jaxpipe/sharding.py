@@ -259,6 +259,16 @@ def _same_devices(a: Any, b: Mesh) -> bool:
                                                               strict=True)))
 
 
+def _check_on_mesh(sharding: NamedSharding, mesh: Mesh, name: str, fix: str) -> None:
+    """``name``'s placement is on ``mesh`` (same axis names, sizes and devices), or an
+    error that says where it is and ``fix``."""
+    if not _same_devices(sharding.mesh, mesh):
+        raise PipelineError(
+            f"{name} is placed on a mesh with axes "
+            f"{dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))}"
+            f", not on the pipeline's mesh {dict(mesh.shape)}{fix}")
+
+
 def placed_spec(x: Any, mesh: Mesh, path: str) -> P | None:
     """The ``PartitionSpec`` a parameter is placed with, as the default ``param_specs``.
 
@@ -270,13 +280,10 @@ def placed_spec(x: Any, mesh: Mesh, path: str) -> P | None:
     if sharding is None:
         return None
     if isinstance(sharding, NamedSharding):
-        if not _same_devices(sharding.mesh, mesh):
-            raise PipelineError(
-                f"params{path} is placed on a mesh with axes "
-                f"{dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))}"
-                f", not on the pipeline's mesh {dict(mesh.shape)} (same axis names, sizes "
-                "and devices). Place it on the pipeline's mesh (jax.device_put(x, "
-                "NamedSharding(mesh, spec))), or pass param_specs= to say how to shard it.")
+        _check_on_mesh(sharding, mesh, f"params{path}",
+                       " (same axis names, sizes and devices). Place it on the pipeline's "
+                       "mesh (jax.device_put(x, NamedSharding(mesh, spec))), or pass "
+                       "param_specs= to say how to shard it.")
         return sharding.spec
     if len(sharding.device_set) == 1 or sharding.is_fully_replicated:
         return None
@@ -295,11 +302,9 @@ def placed_batch_axes(batch: Any, mesh: Mesh, axis: str) -> tuple[str, ...] | No
         sharding, name = getattr(x, "sharding", None), f"batch{jax.tree_util.keystr(path)}"
         if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
             continue
-        if not _same_devices(sharding.mesh, mesh):
-            raise PipelineError(
-                f"{name} is placed on a mesh with axes {dict(sharding.mesh.shape)}, not on "
-                f"the pipeline's mesh {dict(mesh.shape)}; place it on the pipeline's mesh "
-                "(or pass a host array) and say how to split it with batch_axes=.")
+        _check_on_mesh(sharding, mesh, name,
+                       "; place it on the pipeline's mesh (or pass a host array) and say how "
+                       "to split it with batch_axes=.")
         dims = spec_dims(sharding.spec, len(x.shape))
         if any(dims[1:]) or axis in dims[0]:
             raise PipelineError(

@@ -184,18 +184,6 @@ def measure(quick: bool = False) -> dict[str, Any]:
     return out
 
 
-def _example(name: str) -> Any:
-    """``examples/<name>.py`` as a module (the examples are scripts, not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"jaxpipe_example_{name}",
-                                                  REPO / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def measure_explicit(quick: bool, m: int, rows: int) -> dict[str, Any]:
     """The flax-style GPT on Explicit axes: per-device memory pipe=2 x fsdp=2 x tp=2 /
     pipe=2, and the cutter's prediction against the compiled train step, per mesh."""
@@ -209,7 +197,7 @@ def measure_explicit(quick: bool, m: int, rows: int) -> dict[str, Any]:
     import jaxpipe as jp
     from benchmarks import common as C
 
-    gpt = _example("gpt")
+    gpt = C.load_example("gpt")
     cfg = (gpt.Config(seq=16, layers=2, width=32, heads=2) if quick
            else gpt.Config(seq=64, layers=8, width=128, heads=4))
     ids = np.random.default_rng(0).integers(0, gpt.VOCAB, 1 << 16).astype(np.int32)
