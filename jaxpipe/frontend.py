@@ -119,6 +119,7 @@ class Pipeline:
         self.num_microbatches = schedule.num_microbatches
         mb = microbatch_like(batch, self.num_microbatches)
         self._mb_shapes = [a.shape for a in jax.tree.leaves(mb)]
+        self._batch_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
         self._batch_treedef = jax.tree.structure(batch)
         self._batch_dtypes = [a.dtype for a in jax.tree.leaves(mb)]
         self.key_dtype = jax.random.key(0).dtype if rng else None
@@ -423,6 +424,67 @@ class Pipeline:
     def lower_step(self, params: Any, batch: Any) -> Any:
         """``jax.jit(...).lower`` of the value-and-grad step (for memory/cost inspection)."""
         return self._vg.lower(params, batch)
+
+    # ---------------------------------------------------------------- ahead of time
+    def lower(self, program: str = "train_step", *, optimizer: Any = None,
+              skip_nonfinite: bool = False, clip_global_norm: float | None = None) -> Any:
+        """One of the pipeline's programs lowered from abstract inputs, no data needed.
+
+        The ahead-of-time path, as ``jax.jit(f).trace(...).lower()``: the inputs are the
+        ``jax.ShapeDtypeStruct`` s of the parameters and batch the pipeline was built
+        with (placed as a call would place them), so nothing is put on a device. Build
+        the pipeline on a mesh of compile-only devices (:func:`jaxpipe.aot.target`) and
+        ``.compile()`` the result to compile for a TPU or GPU this machine does not have.
+
+        Args:
+          program: ``"train_step"`` (needs ``optimizer``; the state is abstract too),
+            ``"value_and_grad"`` or ``"loss"`` (the forward-only program).
+          optimizer, skip_nonfinite, clip_global_norm: as :meth:`init` takes them.
+
+        Returns:
+          ``jax.stages.Lowered``: ``.compile()`` it, then ``.memory_analysis()``,
+          ``.as_text()`` (or :func:`jaxpipe.aot.compile_report` for all of it).
+
+        Example::
+
+            mesh = jaxpipe.aot.target("gpu:h200:8").mesh((8,), ("pipe",))
+            pipe = jp.pipeline(loss_fn, abstract_params, abstract_batch, mesh=mesh,
+                               schedule=jp.OneFOneB(8, 16))
+            compiled = pipe.lower("train_step", optimizer=optax.adamw(1e-3)).compile()
+        """
+        programs = ("train_step", "value_and_grad", "loss")
+        if program not in programs:
+            raise PipelineTypeError(f"program must be one of {', '.join(map(repr, programs))}"
+                                    f", got {program!r}.")
+        if (optimizer is None) != (program != "train_step"):
+            raise PipelineTypeError(
+                "pipe.lower('train_step', optimizer=...) needs the optax optimizer the "
+                "state trains with" if optimizer is None else
+                f"pipe.lower({program!r}) takes no optimizer (only 'train_step' has "
+                "optimizer state).")
+        placement = self.placement
+        params = jax.tree.unflatten(self.traced.params_treedef, [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s or placement.replicated)
+            for a, s in zip(self.param_avals, placement.param_shardings
+                            or [None] * len(self.param_avals), strict=True)])
+        batch = jax.tree.unflatten(self._batch_treedef, [
+            jax.ShapeDtypeStruct(shape, dtype, sharding=placement.batch)
+            for shape, dtype in zip(self._batch_shapes, self._batch_dtypes, strict=True)])
+        key = (jax.ShapeDtypeStruct((), self.key_dtype, sharding=placement.replicated)
+               if self.rng else None)
+        if program == "value_and_grad":
+            return self._vg.trace(params, batch, key).lower()
+        if program == "loss":
+            return self._loss_jit.trace(params, batch, key).lower()
+        from jaxpipe.train import Trainer, TrainState
+        from jaxpipe.train_options import TrainOptions
+
+        options = TrainOptions(skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
+        trainer = Trainer(self.executor, optimizer, options, self.microbatches)
+        state = TrainState(self.executor.staged_abstract(), trainer.abstract_opt_state(),
+                           jax.ShapeDtypeStruct((), np.int32, sharding=placement.replicated),
+                           trainer)
+        return trainer.step_fn.trace(state, batch, key).lower()
 
     # ---------------------------------------------------------------- training
     def init(self, params: Any, optimizer: Any, *, skip_nonfinite: bool = False,

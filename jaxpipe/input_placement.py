@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpipe.device_memory import is_compile_only
 from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.inputs import check_alive
 from jaxpipe.sharding import Dims, MeshAxes, to_spec
@@ -48,6 +49,8 @@ class Placement:
     def __init__(self, mesh: Mesh, axes: MeshAxes, param_dims: tuple[Dims, ...] = ()
                  ) -> None:
         self.mesh = mesh
+        #: a mesh of an ahead-of-time target: nothing can be placed on it
+        self.compile_only = is_compile_only(mesh.devices.flat[0])
         self.replicated = NamedSharding(mesh, P())
         self.batch = NamedSharding(mesh, axes.batch_spec())
         #: per user parameter leaf, its sharding (None: as before, see the class doc)
@@ -64,6 +67,12 @@ class Placement:
             return jax.device_put(x, sharding)
         if isinstance(x, jax.Array) and x.sharding == sharding:
             return x
+        if self.compile_only:
+            raise PipelineError(
+                f"{what} cannot be placed: this pipeline's mesh is of compile-only devices "
+                f"({self.mesh.devices.flat[0].device_kind}, an ahead-of-time target), where "
+                "nothing runs. Compile its programs instead: pipe.lower('train_step', "
+                "optimizer=...).compile(), or jaxpipe.aot.compile_report(pipe, ...).")
         if jax.dtypes.issubdtype(getattr(x, "dtype", None) or np.float32, jax.dtypes.prng_key):
             # PRNG keys move as their key data (numpy cannot hold them)
             data = self.put(jax.random.key_data(x), sharding, what)

@@ -134,10 +134,13 @@ class Plan:
         """
         import optax
 
-        # A state of its own (the caller's states keep their optimizers); the train step
-        # is already jitted with the state donated.
-        state = pipe.init(params, optimizer if optimizer is not None else optax.adam(1e-3))
-        ma = state.trainer.step_fn.lower(state, batch).compile().memory_analysis()
+        pipe.check_params(params, "compare_compiled(params, ...)")
+        pipe.check_batch(batch)
+        # Compiled from the pipeline's abstract inputs (the shapes checked above): no
+        # state is made, so this works on an ahead-of-time target's mesh too.
+        lowered = pipe.lower("train_step", optimizer=optimizer if optimizer is not None
+                             else optax.adam(1e-3))
+        ma = lowered.compile().memory_analysis()
         arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
         temp, alias = int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes)
         plan = pipe.plan

@@ -393,7 +393,7 @@ def test_pipeline_fits_a_budget_by_recomputing_and_the_plan_says_so(monkeypatch)
     import jaxpipe.cut.budget as budget
 
     monkeypatch.setattr(budget, "device_memory_limit",
-                        lambda devices: (int(0.7 * need / 0.9), "FakeGPU"))
+                        lambda devices: (int(0.7 * need / 0.9), "FakeGPU bytes_limit"))
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, 8))
     res = pipe.cut_report
     assert res.memory_budget is not None and res.peak_memory <= res.memory_budget
@@ -413,7 +413,8 @@ def test_a_budget_that_fits_without_recomputation_changes_nothing(lm, monkeypatc
     loss_fn, params, batch, _ = lm
     mesh = jax.make_mesh((4,), ("pipe",))
     plain = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, M))
-    monkeypatch.setattr(budget, "device_memory_limit", lambda devices: (1 << 40, "FakeGPU"))
+    monkeypatch.setattr(budget, "device_memory_limit",
+                        lambda devices: (1 << 40, "FakeGPU bytes_limit"))
     costed = []
     real = resolve.segment_costs
     monkeypatch.setattr(resolve, "segment_costs",
@@ -437,7 +438,7 @@ def test_plan_predicts_compiled_memory_within_15_percent_with_recomputation(poli
 
 def test_fake_devices_are_only_read_on_this_process():
     remote = SimpleNamespace(process_index=99, memory_stats=lambda: 1 / 0)
-    assert budget_limit([remote, _Device(64)]) == (64, "FakeGPU")
+    assert budget_limit([remote, _Device(64)]) == (64, "FakeGPU bytes_limit")
 
 
 def budget_limit(devices):

@@ -2,8 +2,9 @@
 
 JAX reports a device's allocator limit as ``device.memory_stats()["bytes_limit"]`` on
 GPU and TPU (what the allocator may hand out, after ``XLA_PYTHON_CLIENT_MEM_FRACTION``
-on GPU); CPU devices report nothing, so there ``cut="auto"`` is the plain
-compute-balanced cut, as before. :func:`auto_cut` turns the limit into a
+on GPU); a compile-only device (an ahead-of-time target, :mod:`jaxpipe.aot`) has the
+capacity of its kind (:mod:`jaxpipe.device_memory`); CPU devices report nothing, so there
+``cut="auto"`` is the plain compute-balanced cut, as before. :func:`auto_cut` turns the limit into a
 :class:`~jaxpipe.cut.Cut` with ``memory_budget`` and ``remat="auto"``: the fastest cut
 and recomputation that fit.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 from jaxpipe.avals import format_bytes
 from jaxpipe.cut.options import Cut
+from jaxpipe.device_memory import capacity, is_compile_only
 
 __all__ = ["AUTO_RESERVE", "auto_cut", "device_memory_limit"]
 
@@ -25,19 +27,21 @@ AUTO_RESERVE = 0.10
 
 
 def device_memory_limit(devices: Iterable[Any]) -> tuple[int, str] | None:
-    """The smallest ``bytes_limit`` among this process's ``devices`` and which device
-    kind it is; ``None`` when any of them does not report one (CPU)."""
+    """The smallest memory capacity among ``devices`` and where it comes from (e.g.
+    ``"NVIDIA H100 bytes_limit"``); ``None`` when any of them does not report one (CPU).
+
+    Devices of another process are skipped (their stats are not readable here), except
+    compile-only ones, which belong to no process and whose capacity is their kind's.
+    """
     found: list[tuple[int, str]] = []
     for device in devices:
-        if getattr(device, "process_index", 0) != _process_index():
+        if (not is_compile_only(device)
+                and getattr(device, "process_index", 0) != _process_index()):
             continue  # another host's device: its stats are not readable here
-        try:
-            stats = device.memory_stats()
-        except Exception:  # noqa: BLE001 - a backend without memory stats
-            stats = None
-        if not stats or not stats.get("bytes_limit"):
+        cap = capacity(device)  # ValueError for a compile-only device of unknown kind
+        if cap is None:
             return None
-        found.append((int(stats["bytes_limit"]), str(getattr(device, "device_kind", device))))
+        found.append((cap.bytes, cap.source))
     return min(found) if found else None
 
 
@@ -58,9 +62,9 @@ def auto_cut(devices: Iterable[Any], held_bytes: int = 0, reserve: float = AUTO_
     found = device_memory_limit(devices)
     if found is None:
         return Cut()
-    limit, kind = found
+    limit, where = found
     budget = int(limit * (1.0 - reserve)) - int(held_bytes)
-    source = (f"device memory: {kind} bytes_limit {format_bytes(limit)} minus a "
+    source = (f"device memory: {where} {format_bytes(limit)} minus a "
               f"{reserve:.0%} reserve")
     if held_bytes:
         source += f" and {format_bytes(held_bytes)} of batch"

@@ -141,8 +141,7 @@ class SpmdRuntime(Runtime):
         """The program built for ``mesh`` (``backend="auto"``: its devices' platform)."""
         if self.backend != "auto":
             return self.backend
-        platform = (mesh.devices.flat[0].platform if mesh is not None
-                    else jax.default_backend())
+        platform = _platform(mesh)
         return "cpu" if platform == "cpu" else ("tpu" if platform == "tpu" else "gpu")
 
     def accelerated(self, mesh: Any = None) -> bool:
@@ -153,13 +152,13 @@ class SpmdRuntime(Runtime):
         """Local-search evaluations the lowering runs (``refine="auto"`` resolved)."""
         if self.refine != "auto":
             return self.refine
-        return REFINE_EVALS if self.accelerated(mesh) or _concurrent() else 0
+        return REFINE_EVALS if self.accelerated(mesh) or _concurrent(mesh) else 0
 
     def resolve_iw_same_tick(self, mesh: Any = None) -> bool:
         """Whether a W runs in its own I's tick (``iw_same_tick="auto"`` resolved)."""
         if self.iw_same_tick != "auto":
             return bool(self.iw_same_tick)
-        return not (self.accelerated(mesh) or _concurrent())
+        return not (self.accelerated(mesh) or _concurrent(mesh))
 
     def resolve_split(self, mesh: Any = None) -> bool:
         if self.split_backward != "auto":
@@ -434,7 +433,7 @@ class SpmdExecutor(Executor):
         """On the CPU backend with parameters sharded over automatic axes: refuse a program
         in which XLA moved data inside a stage with a collective-permute (see
         :func:`.program.build.check_stage_collectives`)."""
-        if not self.spec.param_axes or jax.default_backend() != "cpu":
+        if not self.spec.param_axes or _platform(self.spec.mesh) != "cpu":
             return None
         return check_stage_collectives
 
@@ -511,8 +510,16 @@ def _packed_w_error(backend: str) -> PipelineError:
         "'auto', or backend='cpu'.")
 
 
-def _concurrent() -> bool:
+def _platform(mesh: Any = None) -> str:
+    """The platform of ``mesh``'s devices (a compile-only TPU or GPU mesh included: the
+    program is built for the devices it will run on, not for this process's backend)."""
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
+def _concurrent(mesh: Any = None) -> bool:
     """Whether the pipeline's devices run at the same time (an accelerator, or several
     processes); virtual CPU devices in one process take turns, and there the grouping of
     actions into ticks costs nothing."""
-    return jax.default_backend() != "cpu" or jax.process_count() > 1
+    return _platform(mesh) != "cpu" or jax.process_count() > 1
