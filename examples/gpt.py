@@ -6,6 +6,7 @@
     python examples/gpt.py --plain              # same model, plain single-device JAX
     python examples/gpt.py --scan-layers        # the blocks as one nnx.scan over stacked weights
     python examples/gpt.py --mesh pipe=2,fsdp=2,tp=2     # + FSDP and tensor parallelism
+    python examples/gpt.py --target tpu:v5e:2x4 # compile for a TPU (or gpu:h200:8): memory, fit
 
 The model is a GPT written in flax nnx: token + position embeddings, the token
 embedding tied to the output head (``logits = h @ embed.T``), ``--layers`` decoder
@@ -77,6 +78,10 @@ def _force_cpu_devices(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _force_cpu_devices(sys.argv[1:])
+    if any(a == "--target" or a.startswith("--target=") for a in sys.argv[1:]):
+        # compile-only devices need no backend of their own; the CUDA plugin cannot start
+        # on a machine without a GPU and would register nothing
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -390,6 +395,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "number of stages; 'data' splits the batch, 'fsdp' the batch and the "
                    "weights, 'tp' is tensor parallel)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--target", help="compile the train step ahead of time for an accelerator "
+                   "this machine need not have (e.g. tpu:v5e:2x4, gpu:h200:8; needs "
+                   "pip install 'jaxpipe[aot]') and print its memory, fit and tick loop "
+                   "instead of training; --mesh axes must use all its devices (default: "
+                   "pipe=--stages, data=the rest)")
+    p.add_argument("--json", help="with --target: also write the report as JSON here")
     args = p.parse_args(argv)
     if args.mesh:
         try:
@@ -403,6 +414,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--mesh {args.mesh} names axes {unknown}; the GPT knows pipe, data, "
                     "fsdp and tp")
         args.stages = sizes["pipe"]
+    if args.target and args.plain:
+        p.error("--target compiles the pipeline; it does not combine with --plain")
     base = TINY if args.tiny else DEFAULTS
     for key, value in base.items():
         if getattr(args, key) is None:
@@ -466,11 +479,73 @@ def make_schedule(args: argparse.Namespace) -> jp.Schedule:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train and evaluate; returns the summary dict also printed as the ``RESULT`` line."""
     args = parse_args(argv)
+    if args.target:
+        return compile_for_target(args)
     if args.plain:
         return train(args, None)
     mesh = make_mesh(args)
     with jax.set_mesh(mesh):  # the model is built (its weights placed) and trained on it
         return train(args, mesh)
+
+
+def compile_for_target(args: argparse.Namespace) -> dict[str, Any]:
+    """``--target``: the same model and pipeline built abstractly (no weights, no data) on
+    the target's compile-only devices, its train step compiled by XLA's TPU or CUDA
+    compiler; prints the plan and the compile report (memory per device, fit, tick loop)."""
+    import jaxpipe.aot
+
+    target = jaxpipe.aot.target(args.target)
+    if args.mesh:
+        axes = dict(parse_mesh(args.mesh))
+    else:
+        if target.num_devices % args.stages:
+            raise SystemExit(f"--stages {args.stages} does not divide the "
+                             f"{target.num_devices} devices of {args.target}; pass --mesh")
+        axes = {"pipe": args.stages}
+        if target.num_devices > args.stages:
+            axes["data"] = target.num_devices // args.stages
+    mesh = target.mesh(axes)
+    pipe, optimizer = abstract_pipeline(args, mesh)
+    print(pipe.plan)
+    report = jaxpipe.aot.compile_report(pipe, optimizer=optimizer)
+    print(report)
+    result = {"mode": "compile", "target": args.target, "mesh": dict(mesh.shape),
+              **report.to_dict()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    print("RESULT " + json.dumps(result, default=str))
+    return result
+
+
+def abstract_pipeline(args: argparse.Namespace, mesh: jax.sharding.Mesh
+                      ) -> tuple[Any, optax.GradientTransformation]:
+    """The GPT's pipeline and optimizer built from shapes alone (``nnx.eval_shape``: no
+    weight is made), on ``mesh`` (its ``pipe`` axis sets the stages): what an
+    ahead-of-time compile needs."""
+    args.stages = mesh.shape["pipe"]
+    cfg = Config(seq=args.seq, layers=args.layers, width=args.width, heads=args.heads)
+    with jax.set_mesh(mesh):
+        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(args.seed),
+                                           scan_layers=args.scan_layers,
+                                           sharding=Sharding.for_mesh(mesh.axis_names)))
+        n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        rows = NamedSharding(mesh, P(batch_axes_of(mesh) or None))
+        batch = {name: jax.ShapeDtypeStruct((args.batch, args.seq), dtype, sharding=rows)
+                 for name, dtype in (("x", jnp.int32), ("y", jnp.int32),
+                                     ("mask", jnp.float32))}
+        pipe = jp.flax.pipeline(model, loss_fn, batch, mesh=mesh, schedule=make_schedule(args),
+                                cut=args.cut, has_aux=True, reduction="weighted")
+    print(f"model: {cfg.layers} blocks{' (scanned)' if args.scan_layers else ''}, width "
+          f"{cfg.width}, {n_params:,} parameters; mesh {dict(mesh.shape)} of "
+          f"{mesh.devices.flat[0].device_kind}")
+    return pipe, make_optimizer(args.lr, args.steps, args.scan_layers)
+
+
+def aot_pipeline(mesh: jax.sharding.Mesh, *argv: str) -> tuple[Any, Any]:
+    """For ``jaxpipe compile --target T examples/gpt.py [-- --layers 48 ...]``: the
+    pipeline and optimizer of this script's arguments ``argv`` on ``mesh``."""
+    return abstract_pipeline(parse_args(list(argv)), mesh)
 
 
 def train(args: argparse.Namespace, mesh: jax.sharding.Mesh | None) -> dict[str, Any]:

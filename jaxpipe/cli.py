@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import NoReturn
 
+from jaxpipe.aot.command import add_compile_parser
+
 
 class CLIError(Exception):
     """A user error: printed as ``jaxpipe: error: <message>``, exit code 2."""
@@ -204,7 +206,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 #: Subcommand registry: each adds one parser to the ``subparsers`` action.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_simulate_parser]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_simulate_parser,
+                                                                   add_compile_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

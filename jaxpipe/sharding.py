@@ -253,7 +253,8 @@ def _same_devices(a: Any, b: Mesh) -> bool:
     (if concrete) holds its devices in the same order; axis types may differ."""
     if tuple(a.axis_names) != tuple(b.axis_names) or tuple(a.axis_sizes) != tuple(b.axis_sizes):
         return False
-    devices = getattr(a, "devices", None)
+    # an AbstractMesh (nnx.eval_shape's shardings) has no devices; its property raises
+    devices = None if isinstance(a, jax.sharding.AbstractMesh) else a.devices
     return devices is None or (devices.shape == b.devices.shape
                                and all(x == y for x, y in zip(devices.flat, b.devices.flat,
                                                               strict=True)))

@@ -101,3 +101,30 @@ def test_devices_that_update_alike_share_one_optimizer_branch(setup):
     assert train.count("stablehlo.case") == staged.count("stablehlo.case")
     state, _ = pipe.train_step(state, batch)
     _close(pipe.params(state), _plain_steps(loss_fn, params, batch, optax.adamw(1e-2), 1))
+
+
+@pytest.mark.parametrize(("backend", "has_aux"), [("cpu", True), ("gpu", False)])
+def test_evaluate_train_evaluate_in_a_training_loops_order(backend, has_aux):
+    """loss, loss again, init, train_step, loss(state), value_and_grad, loss(params): the
+    evaluation program built inside the first loss call's trace once leaked its tick tables
+    into later calls (UnexpectedTracerError); every value equals the reference's."""
+    from jaxpipe.runtime.spmd import SpmdRuntime
+
+    loss_fn, params, batch = MODELS["mlp"](4, batch=8)
+    fn = (lambda p, b: (loss_fn(p, b), {"l": loss_fn(p, b)})) if has_aux else loss_fn
+    pipe = jp.pipeline(fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=jp.OneFOneB(2, M), cut="markers", has_aux=has_aux,
+                       runtime=SpmdRuntime(backend=backend))
+    loss_only = (lambda out: out[0]) if has_aux else (lambda out: out)
+    want = reference(loss_fn, params, batch, M)[0]
+    for _ in range(2):
+        np.testing.assert_allclose(loss_only(pipe.loss(params, batch)), want, rtol=1e-5)
+    tx = optax.sgd(0.1)
+    state, _ = pipe.train_step(pipe.init(params, tx), batch)
+    stepped = _plain_steps(loss_fn, params, batch, tx, 1)
+    after = reference(loss_fn, stepped, batch, M)[0]
+    np.testing.assert_allclose(loss_only(pipe.loss(state, batch)), after, rtol=1e-5)
+    value, grads = pipe.value_and_grad(pipe.params(state), batch)
+    np.testing.assert_allclose(loss_only(value), after, rtol=1e-5)
+    _close(grads, reference(loss_fn, stepped, batch, M)[1])
+    np.testing.assert_allclose(loss_only(pipe.loss(params, batch)), want, rtol=1e-5)

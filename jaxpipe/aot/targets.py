@@ -33,7 +33,7 @@ import numpy as np
 from jaxpipe import device_memory
 from jaxpipe.errors import PipelineError
 
-__all__ = ["GPUS", "TPUS", "GpuSpec", "Target", "target"]
+__all__ = ["GPUS", "TPUS", "GpuSpec", "Target", "default_compiler_options", "target"]
 
 
 @dataclass(frozen=True)
@@ -158,17 +158,24 @@ class Target:
         return jax.sharding.Mesh(devices, axis_names, axis_types=axis_types)
 
     def compiler_options(self) -> dict[str, Any]:
-        """XLA options for compiling a pipeline for this target (per compile, so they do
-        not depend on ``XLA_FLAGS`` at start-up): on GPU the latency-hiding scheduler,
-        which lets a collective-permute overlap the tick's compute (see
-        :mod:`jaxpipe.xla_flags`); TPU schedules collectives so by default."""
-        if self.platform != "gpu":
-            return {}
-        return {"xla_gpu_enable_latency_hiding_scheduler": True}
+        """XLA options for compiling a pipeline for this target
+        (:func:`default_compiler_options`)."""
+        return default_compiler_options(self.platform)
 
     def describe(self) -> str:
         return (f"{self.name}: {self.num_devices} x {self.device_kind}, "
                 f"{self.memory / _GIB:.2f} GiB each")
+
+
+def default_compiler_options(platform: str) -> dict[str, Any]:
+    """The XLA options jaxpipe compiles a pipeline with on ``platform``, per compile (so
+    they need no ``XLA_FLAGS`` at start-up): on GPU the latency-hiding scheduler, which
+    lets a collective-permute overlap the tick's compute and which XLA:GPU leaves off by
+    default (see :mod:`jaxpipe.xla_flags`); none elsewhere (XLA:TPU schedules so by
+    default)."""
+    if platform in ("gpu", "cuda"):
+        return {"xla_gpu_enable_latency_hiding_scheduler": True}
+    return {}
 
 
 _NAME = re.compile(r"^(tpu|gpu):([\w\-]+):(\d+(?:x\d+)*)$")
@@ -211,6 +218,10 @@ def _tpu(name: str, gen: str, dims: str) -> Target:
             "'jaxpipe[aot]' (or the libtpu version your jax's 'tpu' extra pins).") from None
     from jax.experimental import topologies
 
+    # libtpu holds a lockfile so that one process owns a TPU host's chips; compiling for
+    # a topology owns none, and several processes (test workers, a benchmark beside a
+    # session) may compile at once
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         devices = topologies.get_topology_desc(topology_name=f"{gen}:{dims}",
                                                platform="tpu").devices

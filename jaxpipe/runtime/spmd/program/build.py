@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -143,7 +144,11 @@ def build_step(
         return ([None if v is None else v[None] for v in gbuf[:n]],
                 [v[None] for v in gbuf[n:]]), loss, aux
 
-    table_arrays = jax.tree.map(jnp.asarray, loop.fields)
+    # numpy until a call traces the step: a jax array made here would belong to whatever
+    # trace builds the step (evaluation's program is built inside pipe.loss's jit, and
+    # its tables leaked into later calls), and on an ahead-of-time target's mesh there is
+    # no device to put it on
+    table_arrays = jax.tree.map(np.asarray, loop.fields)
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
     batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
     pspec = [c.spec(axis) for c in L.slots.classes]
@@ -176,7 +181,7 @@ def build_step(
 
     def run(pbuf, batch_mb, *extra):
         pbuf = tuple(map(list, pbuf)) if grouped else list(pbuf)
-        args = (pbuf, list(batch_mb), table_arrays, *extra)
+        args = (pbuf, list(batch_mb), jax.tree.map(jnp.asarray, table_arrays), *extra)
         out = fn(*place_tree(args, mesh, in_specs))
         return place_tree(out, mesh, out_specs) if manual != set(mesh.axis_names) else out
 
