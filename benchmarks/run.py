@@ -27,13 +27,6 @@ import os
 import sys
 
 
-def _accelerator_plugin() -> bool:
-    import importlib.util
-
-    return any(importlib.util.find_spec(m) is not None
-               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu", "jax_rocm60_plugin"))
-
-
 def _preparse(argv: list[str]) -> None:
     """Before jax is imported: XLA flags (virtual devices, threads) and core pinning."""
     n, threads, cores = 8, "single", 1
@@ -56,22 +49,24 @@ def _preparse(argv: list[str]) -> None:
     if threads == "single" and "xla_cpu_multi_thread_eigen" not in flags:
         flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     os.environ["XLA_FLAGS"] = flags.strip()
-    # One core for the whole process (CPU runs): virtual devices then share it, so wall
-    # time measures total work, like process CPU time, instead of how many of the
-    # machine's cores p virtual devices happen to occupy.
-    if cores > 0 and hasattr(os, "sched_setaffinity") and not _accelerator_plugin():
-        mine = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, set(mine[:cores]))
-    # on GPU/TPU, the flags the accelerator program wants (jaxpipe/xla_flags.py)
     import importlib.util
 
-    platform = ("tpu" if importlib.util.find_spec("libtpu") is not None else "gpu"
-                if _accelerator_plugin() else "cpu")
     spec = importlib.util.spec_from_file_location(
         "_jaxpipe_xla_flags", os.path.join(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))), "jaxpipe", "xla_flags.py"))
     flags_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(flags_module)  # (not via jaxpipe: that imports jax)
+    # the accelerator attached, not the compilers installed (jaxpipe[aot] brings both
+    # libtpu and the CUDA plugin to machines without either device)
+    platform = flags_module.attached_platform()
+    flags_module.cpu_unless_attached()
+    # One core for the whole process (CPU runs): virtual devices then share it, so wall
+    # time measures total work, like process CPU time, instead of how many of the
+    # machine's cores p virtual devices happen to occupy.
+    if cores > 0 and hasattr(os, "sched_setaffinity") and platform == "cpu":
+        mine = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, set(mine[:cores]))
+    # on GPU/TPU, the flags the accelerator program wants (jaxpipe/xla_flags.py)
     flags_module.apply(platform)
 
 

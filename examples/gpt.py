@@ -78,10 +78,11 @@ def _force_cpu_devices(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _force_cpu_devices(sys.argv[1:])
-    if any(a == "--target" or a.startswith("--target=") for a in sys.argv[1:]):
-        # compile-only devices need no backend of their own; the CUDA plugin cannot start
-        # on a machine without a GPU and would register nothing
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jaxpipe.xla_flags import cpu_unless_attached
+
+    # no GPU/TPU attached: the CPU, even where jaxpipe[aot] installed their compilers
+    # (compile-only devices for --target need no backend of their own)
+    cpu_unless_attached()
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

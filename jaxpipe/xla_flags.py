@@ -66,3 +66,25 @@ def apply(platform: str, env: MutableMapping[str, str] | None = None) -> str:
     added = [f for f in recommended(platform) if f.split("=", 1)[0] not in names]
     env["XLA_FLAGS"] = " ".join([*have, *added])
     return env["XLA_FLAGS"]
+
+
+def attached_platform() -> str:
+    """``"gpu"``, ``"tpu"`` or ``"cpu"``: the accelerator this machine has, from its device
+    nodes, without starting JAX. An installed CUDA plugin or libtpu alone (what
+    ahead-of-time compiles need, ``jaxpipe[aot]``) is not a device: on a machine without
+    one, JAX would try to start it and fall back to the CPU with errors on every start."""
+    import glob
+
+    if os.path.exists("/dev/nvidiactl") or glob.glob("/dev/nvidia[0-9]*"):
+        return "gpu"
+    if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        return "tpu"
+    return "cpu"
+
+
+def cpu_unless_attached(env: MutableMapping[str, str] | None = None) -> None:
+    """Set ``JAX_PLATFORMS=cpu`` (unless already set) on a machine with no accelerator
+    attached (:func:`attached_platform`), before JAX starts."""
+    env = os.environ if env is None else env
+    if attached_platform() == "cpu":
+        env.setdefault("JAX_PLATFORMS", "cpu")

@@ -24,9 +24,11 @@ from typing import Any
 
 
 def _run_compile(args: argparse.Namespace) -> int:
-    # Compile-only devices need no backend; the CUDA plugin cannot start without a GPU
+    from jaxpipe.xla_flags import cpu_unless_attached
+
+    # Compile-only devices need no backend; without a GPU the CUDA plugin cannot start
     # and would then register nothing (a no-op if JAX started already).
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    cpu_unless_attached()
     from jaxpipe.aot.report import compile_report
     from jaxpipe.aot.targets import target
 

@@ -1,0 +1,216 @@
+"""Ahead-of-time compiles with XLA's real TPU and CUDA compilers (``pip install '.[aot]'``).
+
+A pipeline built from shapes on a target's compile-only devices (:mod:`jaxpipe.aot`)
+lowers and compiles with no device and no ``device_put``; its accelerator program is read
+from what XLA:TPU and XLA's CUDA compiler made of it: straight-line ticks (no loop of
+unknown trip count, one conditional holding no permute, at most one permute a direction),
+with the overlap on each permute running across the tick's compute, no carried buffer
+copied per tick, and the cutter's memory prediction close to the compiled program's.
+Without the compilers installed these tests skip and say what to install.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from models import tiny_lm
+
+import jaxpipe as jp
+from jaxpipe.aot import compile_report, target
+from jaxpipe.runtime.spmd import SpmdRuntime
+
+REPO = Path(__file__).resolve().parents[1]
+GALLERY = REPO / "schedules"
+HAVE = {"tpu": importlib.util.find_spec("libtpu") is not None,
+        "gpu": importlib.util.find_spec("jax_plugins.xla_cuda12") is not None}
+TARGETS = {"tpu": "tpu:v5e:2x2", "gpu": "gpu:h200:4"}
+
+
+def _need(platform: str) -> None:
+    if not HAVE[platform]:
+        pytest.skip(f"XLA's {platform.upper()} compiler is not installed: "
+                    "pip install -e '.[aot]'")
+
+
+@functools.cache
+def _target(platform: str):
+    _need(platform)
+    return target(TARGETS[platform])
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _lm(platform: str, schedule, width: int = 8, seq: int = 4, runtime=None, cut="markers"):
+    loss_fn, params, batch = tiny_lm(schedule.num_stages, width=width, seq=seq,
+                                     batch=2 * schedule.num_microbatches)
+    mesh = _target(platform).mesh((schedule.num_devices,), ("pipe",))
+    return jp.pipeline(loss_fn, _abstract(params), _abstract(batch), mesh=mesh,
+                       schedule=schedule, cut=cut, runtime=runtime or SpmdRuntime())
+
+
+# ---------------------------------------------------------------------- targets
+
+
+def test_target_names_and_their_errors():
+    with pytest.raises(jp.PipelineError, match="expected 'tpu:GEN:TOPOLOGY'.*'gpu:KIND:COUNT'"):
+        target("v5e-8")
+    with pytest.raises(jp.PipelineError, match="unknown GPU kind 'rtx1'.*h200"):
+        target("gpu:rtx1:8")
+    with pytest.raises(jp.PipelineError, match="unknown TPU generation 'v9'"):
+        target("tpu:v9:2x2")
+    if HAVE["gpu"]:
+        t = target("gpu:h200:2x4")
+        assert (t.platform, t.num_devices, t.memory) == ("gpu", 8, 141 << 30)
+        assert all(d.device_kind == "NVIDIA H200" for d in t.devices)
+        with pytest.raises(jp.PipelineError, match=r"needs 4 devices; gpu:h200:2x4 has 8"):
+            t.mesh((4,), ("pipe",))
+        assert dict(t.mesh({"data": 2, "pipe": 4}).shape) == {"data": 2, "pipe": 4}
+    if HAVE["tpu"]:
+        t = target("tpu:v5e:2x4")
+        assert (t.platform, t.num_devices, t.device_kind) == ("tpu", 8, "TPU v5 lite")
+        assert t.memory == int(15.75 * (1 << 30))
+
+
+def test_unknown_compile_only_devices_need_a_budget():
+    from types import SimpleNamespace
+
+    from jaxpipe.device_memory import capacity
+
+    device = SimpleNamespace(device_kind="TPU v9",
+                             client=SimpleNamespace(runtime_type="compile_only_runtime"))
+    with pytest.raises(ValueError, match=r"kind 'TPU v9'.*Cut\(memory_budget=BYTES\)"):
+        capacity(device)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_auto_cut_budgets_the_targets_memory_and_nothing_is_placed(platform):
+    """cut='auto' on a target's mesh gets its device memory as the budget (never a silent
+    none) and says where it came from; anything that would place data is refused with
+    the ahead-of-time path named; lower() checks what it is asked for."""
+    pipe = _lm(platform, jp.OneFOneB(4, 8), cut="auto")
+    t = _target(platform)
+    res = pipe.cut_report
+    assert res.memory_budget is not None
+    assert res.memory_budget <= 0.9 * t.memory
+    assert t.device_kind in res.budget_source
+    assert t.device_kind in str(pipe.plan) and "memory budget: none" not in str(pipe.plan)
+    params, batch = tiny_lm(4, width=8, seq=4, batch=16)[1:]
+    for call in (lambda: pipe.init(params, optax.adam(1e-3)),
+                 lambda: pipe.value_and_grad(params, batch),
+                 lambda: pipe.loss(params, batch)):
+        with pytest.raises(jp.PipelineError, match=r"compile-only devices.*pipe\.lower"):
+            call()
+    with pytest.raises(jp.PipelineError, match="needs the optax optimizer"):
+        pipe.lower("train_step")
+    with pytest.raises(jp.PipelineError, match="takes no optimizer"):
+        pipe.lower("loss", optimizer=optax.adam(1e-3))
+    with pytest.raises(jp.PipelineError, match="program must be one of"):
+        pipe.lower("step")
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_a_model_too_large_for_the_device_does_not_fit(platform):
+    """An MLP whose every stage holds 64 GiB of weights (and as much again of gradients
+    and twice of Adam state): XLA:TPU refuses it at compile time, XLA's CUDA compiler
+    compiles it; both are reported as not fitting."""
+    width = 1 << 17
+    params = [jax.ShapeDtypeStruct((width, width), np.float32) for _ in range(4)]
+    batch = jax.ShapeDtypeStruct((8, width), np.float32)
+
+    def loss_fn(ws, x):
+        for w in ws:
+            x = jp.boundary(jax.numpy.tanh(x @ w))
+        return jax.numpy.mean(x ** 2)
+
+    mesh = _target(platform).mesh((4,), ("pipe",))
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.GPipe(4, 4),
+                       cut="markers")
+    report = compile_report(pipe, optimizer=optax.adam(1e-3))
+    assert report.fits is False, report
+    assert "DOES NOT FIT" in str(report)
+    if platform == "tpu":
+        assert report.error is not None and "HBM" in report.error
+    else:
+        assert report.total_bytes > report.capacity
+
+
+def test_the_compile_command_sizes_the_gpt_example(capsys, tmp_path):
+    """``jaxpipe compile --target gpu:h200:4 examples/gpt.py -- --tiny``: the example's
+    train step compiled for the target; memory, fit, tick loop and times printed."""
+    _need("gpu")
+    from jaxpipe.cli import main
+
+    out = tmp_path / "report.json"
+    rc = main(["compile", "--target", "gpu:h200:4", "--json", str(out),
+               str(REPO / "examples" / "gpt.py"), "--", "--tiny"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "train_step for 4 x NVIDIA H200" in text and ": fits" in text
+    assert "tick loop:" in text and "compile" in text
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["fits"] is True and report["platform"] == "gpu"
+    assert report["census"]["conditionals"] == 1
+
+
+# ---------------------------------------------------------------------- the program
+
+
+def _gallery(spec: str):
+    return jp.load_schedule(str(GALLERY / spec))
+
+
+SCHEDULES = {
+    "GPipe": jp.GPipe,
+    "1F1B": jp.OneFOneB,
+    "Interleaved1F1B": lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=2),
+    "Eager1F1B": _gallery("eager_1f1b.py:Eager1F1B"),
+    "LoopedBFS": _gallery("looped_bfs.py:LoopedBFS"),
+    "ZeroBubbleH1": _gallery("zero_bubble.py:ZeroBubbleH1"),
+    "DualPipeV": _gallery("dualpipe_v.py:DualPipeV"),
+    "VHalf": _gallery("v_half.py:VHalf"),
+}
+
+
+def _storage_shapes(pipe) -> set[str]:
+    """HLO shapes of the program's carried storage pools and inbox."""
+    hlo = {"float32": "f32", "int32": "s32", "bool": "pred", "bfloat16": "bf16"}
+    low, lay = pipe.executor.lowering, pipe.executor.layouts
+
+    def shape(c, lead):
+        return f"{hlo[c.dtype]}[{','.join(map(str, (*lead, *c.row_shape)))}]"
+
+    return ({shape(c, (n,)) for c, n in low.slots.items()}
+            | {shape(c, ((low.num_inbox + 1) * n,)) for c, n in lay.unit.items()})
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_the_accelerator_program_as_the_real_compilers_schedule_it(platform, name):
+    """Every built-in and gallery schedule at p=4, overlap on, compiled by XLA:TPU and
+    XLA's CUDA compiler: in the tick loop no loop of unknown trip count (the tick loop's
+    own count known, on TPU read from its condition), at most one conditional and no
+    permute in it, one permute a direction, each permute's start-to-done window holding
+    the tick's compute (the conditional), no carried buffer copied per tick."""
+    from jaxpipe.runtime.spmd.program.hlo_census import census
+
+    pipe = _lm(platform, SCHEDULES[name](4, 8), runtime=SpmdRuntime(overlap=True))
+    compiled = pipe.lower("value_and_grad").compile(_target(platform).compiler_options())
+    found = census(compiled.as_text())
+    low = pipe.executor.lowering
+    assert found.trip_count == low.num_ticks, found
+    assert found.unknown_trip_whiles == 0, found
+    assert found.conditionals <= 1, found
+    assert found.permutes_in_conditionals == 0, found
+    assert found.permutes == len(low.perm_offsets) <= 2, found
+    assert all(w.overlaps_conditional for w in found.windows), found.summary()
+    assert not set(found.copied) & _storage_shapes(pipe), found.summary()
