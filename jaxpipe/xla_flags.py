@@ -9,12 +9,25 @@ pipelines:
 
 - ``--xla_gpu_enable_latency_hiding_scheduler=true``: schedule a collective-permute's start
   early and its end late, around independent compute (the overlap);
+- ``--xla_gpu_experimental_parallel_collective_overlap_limit=2``: both directions'
+  permutes in flight at once (by default the second starts after the first is done);
+- ``--xla_gpu_experimental_collective_start_as_early_as_possible=true``: start them
+  before the tick's ``conditional`` (the scheduler costs a conditional as one small
+  kernel and would otherwise start them after it, overlapping only the buffer writes);
 - ``--xla_gpu_enable_command_buffer=`` (empty): no CUDA graphs, which JAX's pipeline
   guide turns off (and whose conditional nodes are off by default anyway);
 - ``--xla_disable_hlo_passes=collective-permute-motion``: keep the permutes where the
-  program puts them;
-- ``--xla_gpu_experimental_pipeline_parallelism_opt_level=PIPELINE_PARALLELISM_OPT_LEVEL_ENABLE``:
-  XLA's pipeline-parallelism scheduling of loop-carried permutes.
+  program puts them.
+
+Not ``xla_gpu_experimental_pipeline_parallelism_opt_level``, which JAX's guide names: it
+turns one permute into a send/recv whose recv-done comes before the switch (no overlap).
+Read from XLA:GPU's scheduled HLO of deviceless compiles (``jaxpipe.aot``, H200 target):
+with all of these, both permutes start before the switch and end after it, for every
+built-in and gallery schedule.
+
+:data:`COMPILER_OPTIONS` holds the scheduling ones as per-compile options
+(``lowered.compile(COMPILER_OPTIONS["gpu"])``: what ``jaxpipe.aot`` compiles with, no
+``XLA_FLAGS`` at start-up needed).
 
 On TPU, XLA:TPU schedules collectives with its latency-hiding scheduler by default;
 jaxpipe asks for nothing there. On CPU nothing is needed.
@@ -32,16 +45,32 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-__all__ = ["RECOMMENDED", "apply", "recommended"]
+__all__ = ["COMPILER_OPTIONS", "RECOMMENDED", "apply", "attached_platform",
+           "cpu_unless_attached", "recommended"]
+
+#: Per platform, XLA options the accelerator program is compiled with, per compile
+#: (``lowered.compile(COMPILER_OPTIONS["gpu"])``; see the module docstring).
+COMPILER_OPTIONS: dict[str, dict[str, bool | int]] = {
+    "gpu": {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+        "xla_gpu_experimental_collective_start_as_early_as_possible": True,
+    },
+    "tpu": {},
+    "cpu": {},
+}
+
+
+def _flag(name: str, value: bool | int) -> str:
+    return f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
+
 
 #: Per platform, the flags :func:`apply` adds (see the module docstring).
 RECOMMENDED: dict[str, tuple[str, ...]] = {
     "gpu": (
-        "--xla_gpu_enable_latency_hiding_scheduler=true",
+        *(_flag(k, v) for k, v in COMPILER_OPTIONS["gpu"].items()),
         "--xla_gpu_enable_command_buffer=",
         "--xla_disable_hlo_passes=collective-permute-motion",
-        "--xla_gpu_experimental_pipeline_parallelism_opt_level="
-        "PIPELINE_PARALLELISM_OPT_LEVEL_ENABLE",
     ),
     "tpu": (),
     "cpu": (),

@@ -193,6 +193,17 @@ def _storage_shapes(pipe) -> set[str]:
             | {shape(c, ((low.num_inbox + 1) * n,)) for c, n in lay.unit.items()})
 
 
+@functools.cache
+def _compiled(platform: str, name: str):
+    """The value-and-grad program of ``name`` at p=4, overlap on, compiled for the
+    target: ``(pipe, hlo text, census)``, shared by the tests below."""
+    from jaxpipe.runtime.spmd.program.hlo_census import census
+
+    pipe = _lm(platform, SCHEDULES[name](4, 8), runtime=SpmdRuntime(overlap=True))
+    hlo = pipe.lower("value_and_grad").compile(_target(platform).compiler_options()).as_text()
+    return pipe, hlo, census(hlo)
+
+
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_the_accelerator_program_as_the_real_compilers_schedule_it(platform, name):
@@ -200,17 +211,31 @@ def test_the_accelerator_program_as_the_real_compilers_schedule_it(platform, nam
     XLA's CUDA compiler: in the tick loop no loop of unknown trip count (the tick loop's
     own count known, on TPU read from its condition), at most one conditional and no
     permute in it, one permute a direction, each permute's start-to-done window holding
-    the tick's compute (the conditional), no carried buffer copied per tick."""
-    from jaxpipe.runtime.spmd.program.hlo_census import census
-
-    pipe = _lm(platform, SCHEDULES[name](4, 8), runtime=SpmdRuntime(overlap=True))
-    compiled = pipe.lower("value_and_grad").compile(_target(platform).compiler_options())
-    found = census(compiled.as_text())
+    the tick's compute (the conditional), no carried value copied per tick outside the
+    conditional and no storage buffer copied anywhere."""
+    pipe, _, found = _compiled(platform, name)
     low = pipe.executor.lowering
     assert found.trip_count == low.num_ticks, found
     assert found.unknown_trip_whiles == 0, found
     assert found.conditionals <= 1, found
     assert found.permutes_in_conditionals == 0, found
-    assert found.permutes == len(low.perm_offsets) <= 2, found
+    assert found.permutes == len(low.perm_offsets) == len(found.windows) <= 2, found
     assert all(w.overlaps_conditional for w in found.windows), found.summary()
+    assert len(found.copied) == found.copies_in_conditionals, found.summary()
     assert not set(found.copied) & _storage_shapes(pipe), found.summary()
+
+
+def test_gpu_branches_fill_no_unused_port_and_the_tick_copies_nothing():
+    """XLA:GPU's tick body holds no copy of an array (a whole-buffer port's select copied
+    into the carry, the message), and no branch fills and copies zeros into a port it
+    leaves unused (unused ports are uninitialised: lax.empty)."""
+    import re
+
+    _, hlo, _ = _compiled("gpu", "1F1B")
+    comps = dict(re.findall(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S))
+    tick = next(body for body in comps.values() if "collective-permute-start" in body)
+    assert not re.findall(r"\[\d[\d,]*\]\S* copy\(", tick)
+    branches = re.search(r"branch_computations=\{([^}]*)\}", tick).group(1)
+    fills = [line for b in branches.split(",") for line in comps[b.strip(" %")].split("\n")
+             if re.search(r"\[\d[\d,]*\]\S* copy\(%\w*broadcast", line)]
+    assert not fills, fills

@@ -169,13 +169,13 @@ class Target:
 
 def default_compiler_options(platform: str) -> dict[str, Any]:
     """The XLA options jaxpipe compiles a pipeline with on ``platform``, per compile (so
-    they need no ``XLA_FLAGS`` at start-up): on GPU the latency-hiding scheduler, which
-    lets a collective-permute overlap the tick's compute and which XLA:GPU leaves off by
-    default (see :mod:`jaxpipe.xla_flags`); none elsewhere (XLA:TPU schedules so by
-    default)."""
-    if platform in ("gpu", "cuda"):
-        return {"xla_gpu_enable_latency_hiding_scheduler": True}
-    return {}
+    they need no ``XLA_FLAGS`` at start-up): on GPU the latency-hiding scheduler with both
+    directions' permutes in flight and started before the tick's switch, so they overlap
+    its compute (:data:`jaxpipe.xla_flags.COMPILER_OPTIONS`); none on TPU, which
+    schedules so by default."""
+    from jaxpipe.xla_flags import COMPILER_OPTIONS
+
+    return dict(COMPILER_OPTIONS.get("gpu" if platform == "cuda" else platform, {}))
 
 
 _NAME = re.compile(r"^(tpu|gpu):([\w\-]+):(\d+(?:x\d+)*)$")

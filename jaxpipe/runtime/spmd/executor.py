@@ -440,10 +440,10 @@ class SpmdExecutor(Executor):
     # -- reports --------------------------------------------------------------------
     def switch_bytes(self) -> dict[str, int] | None:
         """In the accelerator program, the bytes every tick returns from its switch and
-        writes into the buffers: stored rows (``"rows"``) and gradients (``"grad"``:
-        zeros but in the steps that add a gradient, the price of keeping the gradient
-        buffers out of the conditional). Known once a value-and-grad step was traced;
-        ``None`` before, and in the CPU program."""
+        writes into the buffers: stored rows (``"rows"``) and gradients (``"grad"``;
+        a port a step does not use is left uninitialised and masked out after the switch:
+        the price of keeping the buffers out of the conditional). Known once a
+        value-and-grad step was traced; ``None`` before, and in the CPU program."""
         for step in (self._step_grouped, self._step):
             ports = step.tick_loop.ports
             if ports is not None:

@@ -8,7 +8,7 @@ different branches). So a tick of this program is, in order:
 1. with the overlap on (the lowering's ``Exchange.delay == 2``), one
    ``lax.ppermute`` per direction of the message the previous tick produced, from the
    loop's carry: nothing in the tick depends on it until its end, so XLA can run it
-   alongside the compute;
+   alongside the compute (XLA:GPU only with :data:`jaxpipe.xla_flags.COMPILER_OPTIONS`);
 2. one ``lax.switch`` over the step's *variants* (the (kind, body) branches, a shared
    body's once per member with a prologue or epilogue, and idle): the storage, inbox and
    parameters go in read-only, and the branch returns its output message, its loss and
@@ -49,7 +49,6 @@ from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, Po
 __all__ = ["AcceleratorFields", "AcceleratorTicks"]
 
 Bufs = dict[ValueClass, jax.Array]
-
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -205,6 +204,11 @@ class AcceleratorTicks:
                                                store)
         store, gbuf = ports.apply(store, gbuf, outs)
         inbox = self._write_unit(inbox, msg, at.local_slot)
+        if self.overlap:
+            # pack the next message only once the permutes are done reading the carried
+            # one: then XLA:GPU and TPU write it into the carry's buffer; else, to keep
+            # the permutes' operand apart, they copy the carried message every tick
+            msg, arrived = lax.optimization_barrier((msg, arrived))
         payload = self._pack(msg)
         if not self.overlap:
             arrived = self._exchange(payload)

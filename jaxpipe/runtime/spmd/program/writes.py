@@ -146,10 +146,11 @@ class Ports:
     Every branch of a ``lax.switch`` returns the same structure. Each branch's recorded
     writes are matched to *ports* by what they are (rows of one class and count; a
     gradient of one position and row kind), the k-th such write of a branch to the k-th
-    port of its kind; a branch that writes less returns its unused ports empty (rows
-    marked not valid, gradients zero). After the switch, :meth:`apply` makes every
-    port's write: rows with ``dynamic_update_slice`` (an unused port writes back what is
-    there), gradients added in place.
+    port of its kind; a branch that writes less returns its unused ports marked not
+    valid and uninitialised (``lax.empty``: zeros would be filled and copied per port
+    and tick). After the switch, :meth:`apply` makes every port's write: rows with
+    ``dynamic_update_slice`` (an unused port writes back what is there), gradients added
+    in place (an unused port adds nothing).
 
     Built from every branch's records (:meth:`signature` of each, then the union).
     """
@@ -163,12 +164,16 @@ class Ports:
             for p, n in mine.items():
                 count[p] = max(count.get(p, 0), n)
         self.ports = [p for p, n in count.items() for _ in range(n)]
+        # classes some branch writes more than once (the order of its writes matters)
+        self._rewritten = {p.key for sig in signatures for p in sig if p.kind == "rows"
+                           and sum(q.kind == "rows" and q.key == p.key for q in sig) > 1}
 
     def nbytes(self, kind: str) -> int:
         """Bytes every step returns and writes through the ports of ``kind`` (``"rows"``
         or ``"grad"``), whatever its branch wrote: the price of keeping the buffers out of
-        the conditional. A gradient port costs its bytes in every step (zeros but in a
-        step that adds a gradient), so the W steps' gradients are added in every tick."""
+        the conditional. A gradient port costs its bytes in every step (read and added
+        as zeros but in a step that adds a gradient), so the W steps' gradients are
+        added in every tick."""
         return sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
                    for p in self.ports if p.kind == kind)
 
@@ -186,7 +191,7 @@ class Ports:
 
     def outputs(self, store: DeferredStore, gbuf: DeferredGrads) -> list:
         """A branch's records as one entry per port: ``(rows, start, valid)`` or
-        ``(value, row)``."""
+        ``(value, row, valid)``."""
         records = list(zip(self.signature(store, gbuf),
                            [(base + offset, rows) for _, base, offset, rows in store.writes]
                            + [(row, ct) for _, row, ct in gbuf.adds], strict=True))
@@ -201,23 +206,30 @@ class Ports:
                 out.append((value.astype(port.dtype), jnp.int32(where), jnp.int32(1)))
             else:
                 out.append((value.astype(port.dtype),
-                            jnp.int32(where if port.dynamic else 0)))
+                            jnp.int32(where if port.dynamic else 0), jnp.int32(1)))
         assert not records, records  # every record has a port (the union covers it)
         return out
 
     @staticmethod
     def _empty(port: _Port) -> tuple:
-        zeros = jnp.zeros(port.shape, port.dtype)
+        # not valid, so never read: left uninitialised (XLA's AllocateBuffer on GPU and
+        # TPU) rather than zeros every tick, which XLA:GPU fills and copies per port
+        unused = lax.empty(port.shape, port.dtype)
         if port.spec is not None:  # the other branches' type
-            zeros = jax.sharding.reshard(zeros, port.spec)
-        if port.kind == "rows":
-            return zeros, jnp.int32(0), jnp.int32(0)
-        return zeros, jnp.int32(0)
+            unused = jax.sharding.reshard(unused, port.spec)
+        return unused, jnp.int32(0), jnp.int32(0)
 
     def apply(self, store: dict, gbuf: list, outputs: Sequence) -> tuple[dict, list]:
         """Make every port's write into the real buffers (after the switch)."""
         store, gbuf = dict(store), list(gbuf)
-        for port, out in zip(self.ports, outputs, strict=True):
+        # a port that rewrites its whole buffer goes first: after row writes, XLA fuses
+        # it into a select into a new buffer and copies that into the loop carry every
+        # tick; before them, the writes fuse into one in-place dynamic_update_slice
+        pairs = sorted(zip(self.ports, outputs, strict=True),
+                       key=lambda po: not (po[0].kind == "rows"
+                                           and po[0].key not in self._rewritten
+                                           and po[0].shape[0] == store[po[0].key].shape[0]))
+        for port, out in pairs:
             if port.kind == "rows":
                 rows, start, valid = out
                 buf = store[port.key]
@@ -228,7 +240,8 @@ class Ports:
                 store[port.key] = lax.dynamic_update_slice_in_dim(
                     buf, new, start, 0, allow_negative_indices=False)
             else:
-                value, row = out
+                value, row, valid = out  # an unused port's value is not zeros: add none
+                value = jnp.where(valid.astype(bool), value, jnp.zeros((), value.dtype))
                 gbuf[port.key] = _added(gbuf[port.key], value,
                                         row if port.dynamic else port.row)
         return store, gbuf
