@@ -35,7 +35,9 @@ def test_readme_starts_with_the_commands_and_an_example():
     first_python = next(i for i, line in enumerate(lines) if line.startswith("```python"))
     assert first_python < 40
     assert "python examples/gpt.py" in "\n".join(lines[:first_python])
-    assert "python -m pytest -q tests" in "\n".join(lines[:first_python])
+    assert "python -m pytest -q -n 2 --dist loadfile tests" in "\n".join(lines[:first_python])
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -q -n 2 --dist loadfile" in ci  # CI runs the README's command
 
 
 def test_relative_links_resolve():
