@@ -133,8 +133,9 @@ class Pipeline:
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
         with trace_context(mesh, self.mesh_axes):
-            st = cut_and_split(self.traced, schedule, cut, self.runtime.memory_model, mesh,
-                               self.param_dims, share_cores=self.runtime.shares_cores(),
+            st = cut_and_split(self.traced, schedule, cut,
+                               self.runtime.memory_model_for(mesh), mesh, self.param_dims,
+                               share_cores=self.runtime.shares_cores(),
                                split_backward=self.runtime.splits_backward(mesh))
         self.stacks: tuple[Stack, ...] = st.stacks
         self.cut_traced: Traced = st.cut_traced

@@ -265,6 +265,12 @@ class Runtime(abc.ABC):
     def memory_model(self) -> MemoryModel:
         """How this runtime lays out memory, for the memory-aware cutter."""
 
+    def memory_model_for(self, mesh: Mesh | None = None) -> MemoryModel:
+        """The memory model of the program this runtime builds for ``mesh`` (a runtime
+        whose program differs by platform lays memory out differently). Default:
+        :attr:`memory_model`."""
+        return self.memory_model
+
     @abc.abstractmethod
     def build(self, spec: RuntimeSpec) -> Executor:
         """Bind this runtime to one pipeline."""

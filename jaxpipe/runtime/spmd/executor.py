@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
-from jaxpipe.runtime.memory import SPMD_MEMORY, MemoryModel
+from jaxpipe.runtime.memory import ACCELERATOR_MEMORY, SPMD_MEMORY, MemoryModel
 from jaxpipe.runtime.spmd.lowering import Lowering, lower, lower_accelerator
 from jaxpipe.runtime.spmd.lowering.sync import sync_report
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
@@ -133,6 +133,11 @@ class SpmdRuntime(Runtime):
     @property
     def memory_model(self) -> MemoryModel:
         return SPMD_MEMORY
+
+    def memory_model_for(self, mesh: Any = None) -> MemoryModel:
+        """The CPU program's :data:`SPMD_MEMORY`, or the accelerator program's
+        :data:`ACCELERATOR_MEMORY` (its switch's outputs are buffers of their own)."""
+        return ACCELERATOR_MEMORY if self.accelerated(mesh) else SPMD_MEMORY
 
     def build(self, spec: RuntimeSpec) -> SpmdExecutor:
         return SpmdExecutor(spec, self)
