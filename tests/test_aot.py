@@ -160,6 +160,11 @@ def test_the_compile_command_sizes_the_gpt_example(capsys, tmp_path):
     report = json.loads(out.read_text())
     assert report["fits"] is True and report["platform"] == "gpu"
     assert report["census"]["conditionals"] == 1
+    # a GPT of 16 blocks of width 8192 over 4 devices: no cut fits 141 GiB; exit code 1
+    rc = main(["compile", "--target", "gpu:h200:4", str(REPO / "examples" / "gpt.py"), "--",
+               "--layers", "16", "--width", "8192", "--heads", "64", "--seq", "2048"])
+    text = capsys.readouterr().out
+    assert rc == 1 and "DOES NOT FIT on gpu:h200:4" in text and "smallest feasible" in text
 
 
 # ---------------------------------------------------------------------- the program

@@ -10,7 +10,8 @@ compile-only ``mesh`` it is given (from shapes: ``jax.ShapeDtypeStruct`` s or
 compiles the program (``--program``, default the train step with the returned optimizer,
 else Adam) and prints the plan and :class:`~jaxpipe.aot.report.CompileReport`: memory per
 device beside the cutter's prediction and the device's capacity, whether it fits, the
-tick loop's census and the compile time. Exit code 0 when it fits, 1 when it does not.
+tick loop's census and the compile time. Exit code 0 when it fits, 1 when it does not
+(compiled and too large, or no cut within the target's memory: ``cut="auto"``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ def _run_compile(args: argparse.Namespace) -> int:
     model_args = list(args.model_args)
     if model_args[:1] == ["--"]:
         model_args = model_args[1:]
-    made = build(mesh, *model_args)
+    from jaxpipe.cut import CutError
+
+    try:
+        made = build(mesh, *model_args)
+    except CutError as err:  # cut="auto" found no cut within the target's memory
+        if "infeasible" not in str(err):
+            raise
+        print(f"jaxpipe compile: DOES NOT FIT on {tgt.describe()}: {' '.join(str(err).split())}")
+        return 1
     pipe, optimizer = made if isinstance(made, tuple) else (made, None)
     if not hasattr(pipe, "lower"):
         raise ValueError(f"{args.model} returned {type(pipe).__name__}; it must return a "
