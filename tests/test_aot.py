@@ -280,3 +280,26 @@ def test_the_cutters_prediction_is_within_15_percent_of_compiled(platform, model
                        cut="markers")
     report = compile_report(pipe, optimizer=optax.adam(1e-3))
     assert abs(report.predicted_ratio - 1.0) <= 0.15, report
+
+
+def test_tpu_branches_read_windows_not_whole_storage_pools():
+    """XLA:TPU lays the attention pool (seq 128) out otherwise than the branches' reads
+    want it; handed whole, a branch relaid the whole pool every tick. The switch gets
+    windows of the pools instead (:mod:`jaxpipe.runtime.spmd.program.windows`): no pool
+    with more rows than its window is copied. (Left: a bool pool's tiling change, which
+    XLA:TPU fuses into its slices, and a pool no larger than its window.)"""
+    from jaxpipe.runtime.spmd.program.hlo_census import census
+    from jaxpipe.runtime.spmd.program.windows import Windows
+
+    pipe = _lm("tpu", jp.OneFOneB(4, 4), width=8, seq=128)
+    found = census(pipe.lower("value_and_grad").compile(
+        _target("tpu").compiler_options()).as_text())
+    low, lay = pipe.executor.lowering, pipe.executor.layouts
+    rows: dict = {}
+    for (_, c), n in Windows(lay, low).size.items():
+        rows[c] = max(rows.get(c, 0), n)
+    hlo = {"float32": "f32", "int32": "s32"}
+    pools = {f"{hlo[c.dtype]}[{','.join(map(str, (n, *c.row_shape)))}]"
+             for c, n in low.slots.items() if c.dtype in hlo and n > rows.get(c, n)}
+    assert "f32[12,2,128,128]" in pools
+    assert not set(found.copied) & pools, found.summary()

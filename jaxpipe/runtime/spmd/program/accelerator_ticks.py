@@ -11,9 +11,11 @@ different branches). So a tick of this program is, in order:
    alongside the compute (XLA:GPU only with :data:`jaxpipe.xla_flags.COMPILER_OPTIONS`);
 2. one ``lax.switch`` over the step's *variants* (the (kind, body) branches, a shared
    body's once per member with a prologue or epilogue, and idle): the storage, inbox and
-   parameters go in read-only, and the branch returns its output message, its loss and
-   its writes (:class:`~.writes.Ports`: stored rows with where they go, gradients with
-   their row) -- XLA copies every buffer a conditional updates;
+   parameters go in read-only (with ``windows``, only the rows of storage and inbox the
+   step may read, :mod:`.windows`: XLA:TPU relaid whole buffers inside the branch every
+   tick), and the branch returns its output message, its loss and its writes
+   (:class:`~.writes.Ports`: stored rows with where they go, gradients with their row)
+   -- XLA copies every buffer a conditional updates;
 3. the writes: ``dynamic_update_slice`` of the rows (an unused port writes back what is
    there), the gradients added in place, the message into its inbox slot when it stays
    on the device;
@@ -44,6 +46,7 @@ from jaxpipe.runtime.spmd.program.branches import Branches
 from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
+from jaxpipe.runtime.spmd.program.windows import Windows
 from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, Ports
 
 __all__ = ["AcceleratorFields", "AcceleratorTicks"]
@@ -75,12 +78,14 @@ class AcceleratorTicks:
     ``outputs``: where the last stage's outputs go (:mod:`.loss_outputs`);
     ``forward_only``: an evaluation program (F steps storing nothing). ``packed``: move a
     message of several classes as one byte buffer (only where no mesh axis is left to
-    JAX's sharding inside the program).
+    JAX's sharding inside the program). ``windows``: the switch reads windows of the
+    buffers, kept row-major (:mod:`.windows`; XLA:GPU needs none: it keeps one layout a
+    buffer, and a window would only cost memory).
     """
 
     def __init__(self, bodies: Sequence[Body], layouts: StageLayouts, lowering: Lowering,
                  axis: str, groups: Groups, outputs: LossOutputs, forward_only: bool = False,
-                 packed: bool = True) -> None:
+                 packed: bool = True, windows: bool = True) -> None:
         if not lowering.exchange.every_tick or lowering.num_steps != lowering.num_ticks:
             raise ValueError("the accelerator program needs a lowering with one step per "
                              "tick that exchanges every tick (lower_accelerator)")
@@ -97,6 +102,7 @@ class AcceleratorTicks:
         self.perms = [[(d, (d + off) % D) for d in mine]
                       for off, mine in zip(lowering.perm_offsets, senders, strict=True)]
         self.outputs = outputs
+        self.windows = Windows(layouts, lowering) if windows else None
         self.branch_of = Branches(layouts, outputs, lowering.fused_stages,
                                   lowering.split_stages, groups, direct_writes=False,
                                   forward_only=forward_only)
@@ -166,7 +172,9 @@ class AcceleratorTicks:
         empty = self.branch_of.empty_msg
 
         def run(fn: Callable, row, pbuf, mbd, inbox, store) -> tuple:
-            state = (DeferredStore(store), DeferredGrads(grads), empty(),
+            store = (DeferredStore(store) if self.windows is None
+                     else DeferredStore({}, windows=store))
+            state = (store, DeferredGrads(grads), empty(),
                      jnp.zeros((), jnp.float32))
             return fn(row, pbuf, mbd, inbox, state)
 
@@ -200,9 +208,13 @@ class AcceleratorTicks:
         store, inbox, pending = carry
         # the previous tick's message moves while this tick computes
         arrived = self._exchange(pending) if self.overlap else None
-        msg, dloss, outs, ports = self._switch(at.variant, gbuf, row, pbuf, mbd, inbox,
-                                               store)
+        reads = ((row, inbox, store) if self.windows is None
+                 else self.windows.cut(store, inbox, row))
+        msg, dloss, outs, ports = self._switch(at.variant, gbuf, reads[0], pbuf, mbd,
+                                               *reads[1:])
         store, gbuf = ports.apply(store, gbuf, outs)
+        if self.windows is not None:
+            store = self.windows.laid_out(store)
         inbox = self._write_unit(inbox, msg, at.local_slot)
         if self.overlap:
             # pack the next message only once the permutes are done reading the carried

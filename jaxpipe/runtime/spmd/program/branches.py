@@ -28,6 +28,7 @@ from jaxpipe.runtime.spmd.program.layout import Packing, StageLayouts, ValueClas
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups, of_stage, pick
 from jaxpipe.runtime.spmd.program.stage_ends import Ends, Fixed
+from jaxpipe.runtime.spmd.program.writes import reading
 
 __all__ = ["Branches"]
 
@@ -218,7 +219,8 @@ class Branches:
 
         def w_branch(row, pbuf, mbd, inbox, state):
             store, gbuf, msg, loss = state
-            handoff = io.packing[Pool.HANDOFF].read(store, row.bases(Pool.HANDOFF))
+            handoff = io.packing[Pool.HANDOFF].read(*reading(store, Pool.HANDOFF,
+                                                             row.bases(Pool.HANDOFF)))
             store, gbuf = weights(row, pbuf, mbd, store, gbuf, handoff)
             return store, gbuf, msg, loss
 
@@ -322,7 +324,7 @@ class _DirectIO:
         """Every residual, read from storage; ``None`` for those ``name``'s scans read."""
         out: list = [None] * len(self.st.residual_avals)
         for pool, ids in self.pools:
-            vals = self.packing[pool].read(store, row.bases(pool),
+            vals = self.packing[pool].read(*reading(store, pool, row.bases(pool)),
                                            self._skip(ids, self.sourced[name]))
             for i, x in zip(ids, vals, strict=True):
                 out[i] = x
@@ -331,7 +333,7 @@ class _DirectIO:
     def load_w(self, row: ActionFields, store: Bufs) -> list:
         """The residuals W reads (``st.w_res_ids``); ``None`` for those its scans read."""
         return self.packing[Pool.RESIDUAL_B].read(
-            store, row.bases(Pool.RESIDUAL_B),
+            *reading(store, Pool.RESIDUAL_B, row.bases(Pool.RESIDUAL_B)),
             self._skip(self.st.w_res_ids, self.sourced["bwd_w"]))
 
     def store_residuals(self, row: ActionFields, store: Bufs, stored: Sequence) -> Bufs:
@@ -365,14 +367,19 @@ class _DirectIO:
         sinks: dict = {}
         sources: dict = {}
         for i in sunk | sourced:
-            c, base, offset = self._location(row, i)
+            pool, k = self.leaf_of[i]
+            # a scan writes the store itself; it reads the store or the step's window
+            src, bases = ((store, row.bases(pool)) if i in sunk
+                          else reading(store, pool, row.bases(pool)))
+            c, base, offset = self.packing[pool].location(k, bases)
             offset = scanio.opaque(offset)  # alike rows share one compiled write / read
-            bufs.setdefault(c, scanio.flatten(store[c]))
             if i in sunk:
+                bufs.setdefault(c, scanio.flatten(store[c]))
                 sinks[self.n_out + i] = (c, scanio.row_sink(c.shape[0], base, offset))
             else:
-                sources[self.res_pos[name][i]] = (c, scanio.row_source(c.shape[0], base,
-                                                                       offset, c.shape[1:]))
+                bufs.setdefault((pool, c), scanio.flatten(src[c]))
+                sources[self.res_pos[name][i]] = ((pool, c), scanio.row_source(
+                    c.shape[0], base, offset, c.shape[1:]))
         targets = {}
         for q in grads:  # into a slot [layers, ...], or a group's row [rows, layers, ...]
             k, base = self._grad_row(self.diff[q], row)

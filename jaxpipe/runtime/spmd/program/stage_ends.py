@@ -21,6 +21,7 @@ from jaxpipe.runtime.spmd.program.gated import gated
 from jaxpipe.runtime.spmd.program.layout import StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
+from jaxpipe.runtime.spmd.program.writes import reading
 from jaxpipe.stages.stage_fn import StageFn
 
 __all__ = ["Ends", "Fixed", "gated_stages"]
@@ -79,7 +80,7 @@ class _Part(Fixed):
     def _read(row: ActionFields, store: dict, entries: list) -> dict:
         out: dict = {}
         for pool, packing, mine, others in entries:
-            vals = packing.read(store, row.bases(pool), others)
+            vals = packing.read(*reading(store, pool, row.bases(pool)), others)
             out.update((i, vals[q]) for i, q in mine.items())
         return out
 

@@ -27,18 +27,25 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["DeferredGrads", "DeferredStore", "Ports", "add_grad", "get_rows", "put_rows"]
+__all__ = ["DeferredGrads", "DeferredStore", "Ports", "add_grad", "get_rows", "put_rows",
+           "reading"]
 
 
 class DeferredStore(Mapping):
     """A device's storage read-only (``store[c]``, as the dict the CPU program passes),
     with the rows a branch writes recorded in :attr:`writes`, in order:
-    ``(class, base, offset, rows)``, the rows going to ``base + offset``."""
+    ``(class, base, offset, rows)``, the rows going to ``base + offset``.
+
+    ``windows``: instead of whole buffers, per (pool, class), the rows the step may read
+    and where its part starts in them (:mod:`.windows`); read through :func:`reading`."""
 
     def __init__(self, arrays: Mapping[Hashable, jax.Array],
-                 writes: tuple[tuple[Hashable, Any, int, jax.Array], ...] = ()) -> None:
+                 writes: tuple[tuple[Hashable, Any, int, jax.Array], ...] = (),
+                 windows: Mapping[tuple[Any, Hashable], tuple[jax.Array, Any]] | None = None
+                 ) -> None:
         self.arrays = dict(arrays)
         self.writes = writes
+        self.windows = windows
 
     def __getitem__(self, c: Hashable) -> jax.Array:
         return self.arrays[c]
@@ -50,7 +57,20 @@ class DeferredStore(Mapping):
         return len(self.arrays)
 
     def put(self, c: Hashable, base: Any, offset: int, rows: jax.Array) -> DeferredStore:
-        return DeferredStore(self.arrays, (*self.writes, (c, base, offset, rows)))
+        return DeferredStore(self.arrays, (*self.writes, (c, base, offset, rows)),
+                             self.windows)
+
+
+def reading(store: Mapping[Hashable, jax.Array], pool: Any, bases: Mapping[Hashable, Any]
+            ) -> tuple[Mapping[Hashable, jax.Array], dict]:
+    """``(buffers, bases)`` to read the rows of ``pool``'s part at ``bases`` from: the
+    store itself, or its windows (a :class:`DeferredStore` given them) at the part's
+    place in them."""
+    if not isinstance(store, DeferredStore) or store.windows is None:
+        return store, dict(bases)
+    mine = {c: store.windows[pool, c] for c in bases if (pool, c) in store.windows}
+    return (DeferredStore({c: w for c, (w, _) in mine.items()}, store.writes),
+            {c: at for c, (_, at) in mine.items()})
 
 
 class DeferredGrads(list):
