@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     res["duration_s"] = time.perf_counter() - t0
     from benchmarks import common as C
 
-    C.write_json(a.out, "aot", res)
+    C.write_json(a.out, "aot.json", res, default=str)
     print(summary(res))
     return 0
 
