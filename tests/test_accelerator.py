@@ -6,33 +6,17 @@ collective inside one, one collective-permute per direction, no buffer copied pe
 and its gradients must equal ``jax.value_and_grad`` of the unpipelined model.
 """
 
-from pathlib import Path
 
 import jax
 import pytest
+from every_schedule import EVERY_SCHEDULE
 from models import MODELS, assert_matches, reference
 
 import jaxpipe as jp
 from jaxpipe.runtime.spmd import SpmdRuntime
 from jaxpipe.runtime.spmd.program.hlo_census import census
 
-GALLERY = Path(__file__).resolve().parents[1] / "schedules"
-
-
-def _gallery(spec: str):
-    return jp.load_schedule(str(GALLERY / spec))
-
-
-SCHEDULES = {
-    "GPipe": jp.GPipe,
-    "1F1B": jp.OneFOneB,
-    "Interleaved1F1B": lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=2),
-    "Eager1F1B": _gallery("eager_1f1b.py:Eager1F1B"),
-    "LoopedBFS": _gallery("looped_bfs.py:LoopedBFS"),
-    "ZeroBubbleH1": _gallery("zero_bubble.py:ZeroBubbleH1"),
-    "DualPipeV": _gallery("dualpipe_v.py:DualPipeV"),
-    "VHalf": _gallery("v_half.py:VHalf"),
-}
+SCHEDULES = EVERY_SCHEDULE
 
 
 def _build(schedule, runtime, layers=None):

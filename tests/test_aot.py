@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from every_schedule import EVERY_SCHEDULE
 from models import tiny_lm
 
 import jaxpipe as jp
@@ -26,7 +27,6 @@ from jaxpipe.aot import compile_report, target
 from jaxpipe.runtime.spmd import SpmdRuntime
 
 REPO = Path(__file__).resolve().parents[1]
-GALLERY = REPO / "schedules"
 HAVE = {"tpu": importlib.util.find_spec("libtpu") is not None,
         "gpu": importlib.util.find_spec("jax_plugins.xla_cuda12") is not None}
 TARGETS = {"tpu": "tpu:v5e:2x2", "gpu": "gpu:h200:4"}
@@ -170,20 +170,6 @@ def test_the_compile_command_sizes_the_gpt_example(capsys, tmp_path):
 # ---------------------------------------------------------------------- the program
 
 
-def _gallery(spec: str):
-    return jp.load_schedule(str(GALLERY / spec))
-
-
-SCHEDULES = {
-    "GPipe": jp.GPipe,
-    "1F1B": jp.OneFOneB,
-    "Interleaved1F1B": lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=2),
-    "Eager1F1B": _gallery("eager_1f1b.py:Eager1F1B"),
-    "LoopedBFS": _gallery("looped_bfs.py:LoopedBFS"),
-    "ZeroBubbleH1": _gallery("zero_bubble.py:ZeroBubbleH1"),
-    "DualPipeV": _gallery("dualpipe_v.py:DualPipeV"),
-    "VHalf": _gallery("v_half.py:VHalf"),
-}
 
 
 def _storage_shapes(pipe) -> set[str]:
@@ -204,12 +190,12 @@ def _compiled(platform: str, name: str):
     target: ``(pipe, hlo text, census)``, shared by the tests below."""
     from jaxpipe.runtime.spmd.program.hlo_census import census
 
-    pipe = _lm(platform, SCHEDULES[name](4, 8), runtime=SpmdRuntime(overlap=True))
+    pipe = _lm(platform, EVERY_SCHEDULE[name](4, 8), runtime=SpmdRuntime(overlap=True))
     hlo = pipe.lower("value_and_grad").compile(_target(platform).compiler_options()).as_text()
     return pipe, hlo, census(hlo)
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("name", sorted(EVERY_SCHEDULE))
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_the_accelerator_program_as_the_real_compilers_schedule_it(platform, name):
     """Every built-in and gallery schedule at p=4, overlap on, compiled by XLA:TPU and
