@@ -60,6 +60,7 @@ from jaxpipe.sharding import (
 from jaxpipe.stacks import Stack
 from jaxpipe.stages.stage_fn import StageFn
 from jaxpipe.trace import Traced, microbatch_like, trace_shard
+from jaxpipe.xla_flags import compiler_options
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -145,10 +146,13 @@ class Pipeline:
         self.executor: Executor = self.runtime.build(st.runtime_spec(
             self.traced, schedule, mesh, axis, self.mesh_axes, self.param_dims))
         self._param_paths = leaf_paths(self.traced.params_treedef)
-        self._vg = jax.jit(self._value_and_grad)
-        self._staged_vg = jax.jit(self._staged_value_and_grad)
-        self._loss_jit = jax.jit(self._loss)
-        self._staged_loss_jit = jax.jit(self._staged_loss)
+        # XLA options for the mesh's platform (GPU: the permutes' overlap), per compile
+        jit = functools.partial(jax.jit, compiler_options=compiler_options(
+            mesh.devices.flat[0].platform))
+        self._vg = jit(self._value_and_grad)
+        self._staged_vg = jit(self._staged_value_and_grad)
+        self._loss_jit = jit(self._loss)
+        self._staged_loss_jit = jit(self._staged_loss)
         check = self.executor.compiled_check()
         self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad", check)
         self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad",

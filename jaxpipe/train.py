@@ -153,7 +153,10 @@ class Trainer:
                                         microbatches(batch, key))
             return TrainState(params, opt, state.step + 1, state.trainer), metrics
 
-        self.step_fn = jax.jit(step_fn, donate_argnums=0)
+        from jaxpipe.xla_flags import compiler_options
+
+        self.step_fn = jax.jit(step_fn, donate_argnums=0, compiler_options=compiler_options(
+            executor.spec.mesh.devices.flat[0].platform))
         self._watch = CompileWatch(self.step_fn, "pipe.train_step", executor.compiled_check())
         self._abstract_opt = executor.opt_state_abstract(self._init_opt)
         shardings = jax.tree.map(lambda a: getattr(a, "sharding", None), self._abstract_opt)

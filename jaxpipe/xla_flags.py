@@ -46,7 +46,7 @@ import os
 from collections.abc import MutableMapping
 
 __all__ = ["COMPILER_OPTIONS", "RECOMMENDED", "apply", "attached_platform",
-           "cpu_unless_attached", "recommended"]
+           "compiler_options", "cpu_unless_attached", "recommended"]
 
 #: Per platform, XLA options the accelerator program is compiled with, per compile
 #: (``lowered.compile(COMPILER_OPTIONS["gpu"])``; see the module docstring).
@@ -59,6 +59,14 @@ COMPILER_OPTIONS: dict[str, dict[str, bool | int]] = {
     "tpu": {},
     "cpu": {},
 }
+
+
+def compiler_options(platform: str) -> dict[str, bool | int] | None:
+    """The per-compile options for programs on ``platform``'s devices (a mesh's
+    ``devices.flat[0].platform``), as ``jax.jit(..., compiler_options=)`` takes them;
+    ``None`` where there are none. jaxpipe's own jitted programs pass them, so a real or
+    a compile-only GPU mesh gets the overlap without ``XLA_FLAGS``."""
+    return dict(COMPILER_OPTIONS.get(platform, {})) or None
 
 
 def _flag(name: str, value: bool | int) -> str:

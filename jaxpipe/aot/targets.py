@@ -171,11 +171,11 @@ def default_compiler_options(platform: str) -> dict[str, Any]:
     """The XLA options jaxpipe compiles a pipeline with on ``platform``, per compile (so
     they need no ``XLA_FLAGS`` at start-up): on GPU the latency-hiding scheduler with both
     directions' permutes in flight and started before the tick's switch, so they overlap
-    its compute (:data:`jaxpipe.xla_flags.COMPILER_OPTIONS`); none on TPU, which
-    schedules so by default."""
-    from jaxpipe.xla_flags import COMPILER_OPTIONS
+    its compute (:func:`jaxpipe.xla_flags.compiler_options`, which the pipeline's own
+    jitted programs carry too); none on TPU, which schedules so by default."""
+    from jaxpipe.xla_flags import compiler_options
 
-    return dict(COMPILER_OPTIONS.get("gpu" if platform == "cuda" else platform, {}))
+    return compiler_options("gpu" if platform == "cuda" else platform) or {}
 
 
 _NAME = re.compile(r"^(tpu|gpu):([\w\-]+):(\d+(?:x\d+)*)$")
