@@ -40,7 +40,9 @@ class CompileReport:
       argument_bytes, output_bytes, temp_bytes, alias_bytes: ``memory_analysis()``
         of the compiled program (per device: the program is SPMD); ``None`` when the
         compiler refused the program (``error``).
-      predicted_bytes: the cutter's per-device prediction (the plan's, incl. batch).
+      predicted_bytes: the cutter's per-device prediction (the plan's, incl. batch), for
+        ``"train_step"`` (what the cutter models: parameters, gradients, optimizer state,
+        residuals); ``None`` for the other programs, which hold no optimizer state.
       lower_s, compile_s: seconds lowering and compiling took.
       census: the tick loop's census (``TickLoopCensus``), ``None`` where the program
         has no tick loop with a collective (one device).
@@ -57,7 +59,7 @@ class CompileReport:
     output_bytes: int | None
     temp_bytes: int | None
     alias_bytes: int | None
-    predicted_bytes: float
+    predicted_bytes: float | None
     lower_s: float
     compile_s: float
     census: Any = None
@@ -85,7 +87,7 @@ class CompileReport:
     @property
     def predicted_ratio(self) -> float | None:
         """The cutter's prediction over compiled arguments + temporaries."""
-        if self.argument_bytes is None:
+        if self.argument_bytes is None or self.predicted_bytes is None:
             return None
         return self.predicted_bytes / max(1, self.argument_bytes + self.temp_bytes)
 
@@ -104,14 +106,14 @@ class CompileReport:
         if self.error is not None:
             lines.append(f"  the compiler refused it: {self.error}")
         else:
-            lines += [
+            lines.append(
                 f"  per device: arguments {format_bytes(self.argument_bytes)}, temporaries "
                 f"{format_bytes(self.temp_bytes)}, outputs {format_bytes(self.output_bytes)}"
-                f", aliased {format_bytes(self.alias_bytes)}",
-                f"  total {format_bytes(self.total_bytes)}; the cutter predicted "
-                f"{format_bytes(self.predicted_bytes)} "
-                f"({self.predicted_ratio:.2f} x arguments + temporaries)",
-            ]
+                f", aliased {format_bytes(self.alias_bytes)}")
+            lines.append(f"  total {format_bytes(self.total_bytes)}" + (
+                "" if self.predicted_bytes is None else
+                f"; the cutter predicted {format_bytes(self.predicted_bytes)} "
+                f"({self.predicted_ratio:.2f} x arguments + temporaries)"))
         verdict = {True: "fits", False: "DOES NOT FIT", None: "fit unknown"}[self.fits]
         lines.append(f"  capacity {cap}: {verdict}")
         if self.census is not None:
@@ -188,6 +190,7 @@ def compile_report(pipe: Any, program: str = "train_step", *, optimizer: Any = N
         argument_bytes=field_("argument_size_in_bytes"),
         output_bytes=field_("output_size_in_bytes"),
         temp_bytes=field_("temp_size_in_bytes"), alias_bytes=field_("alias_size_in_bytes"),
-        predicted_bytes=float(pipe.plan.predicted_padded_bytes),
+        predicted_bytes=(float(pipe.plan.predicted_padded_bytes)
+                         if program == "train_step" else None),
         lower_s=t1 - t0, compile_s=t2 - t1, census=found, error=error)
 
