@@ -21,7 +21,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from jaxpipe.aot.targets import default_compiler_options
 from jaxpipe.avals import format_bytes
 from jaxpipe.device_memory import capacity
 
@@ -140,8 +139,8 @@ def compile_report(pipe: Any, program: str = "train_step", *, optimizer: Any = N
         accelerator).
       program: ``"train_step"`` (default; ``optimizer`` defaults to ``optax.adam``, the
         optimizer the cutter's memory model assumes), ``"value_and_grad"`` or ``"loss"``.
-      compiler_options: XLA options for this compile (default: the target's, e.g. the
-        latency-hiding scheduler on GPU; see ``Target.compiler_options``).
+      compiler_options: XLA options for this compile (default: those the pipeline's
+        programs carry for their platform, :func:`jaxpipe.xla_flags.compiler_options`).
       train_options: ``skip_nonfinite`` / ``clip_global_norm`` as ``pipe.init`` takes them.
 
     Example::
@@ -158,14 +157,12 @@ def compile_report(pipe: Any, program: str = "train_step", *, optimizer: Any = N
 
         optimizer = optax.adam(1e-3)
     device = pipe.mesh.devices.flat[0]
-    if compiler_options is None:
-        compiler_options = default_compiler_options(device.platform)
     t0 = time.perf_counter()
     lowered = pipe.lower(program, optimizer=optimizer, **train_options)
     t1 = time.perf_counter()
     memory, text, error = None, None, None
     try:
-        compiled = lowered.compile(compiler_options or None)
+        compiled = lowered.compile(compiler_options)
         memory, text = compiled.memory_analysis(), compiled.as_text()
     except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory refusal
         if not _OOM.search(str(e)):

@@ -33,7 +33,7 @@ import numpy as np
 from jaxpipe import device_memory
 from jaxpipe.errors import PipelineError
 
-__all__ = ["GPUS", "TPUS", "GpuSpec", "Target", "default_compiler_options", "target"]
+__all__ = ["GPUS", "TPUS", "GpuSpec", "Target", "target"]
 
 
 @dataclass(frozen=True)
@@ -158,24 +158,17 @@ class Target:
         return jax.sharding.Mesh(devices, axis_names, axis_types=axis_types)
 
     def compiler_options(self) -> dict[str, Any]:
-        """XLA options for compiling a pipeline for this target
-        (:func:`default_compiler_options`)."""
-        return default_compiler_options(self.platform)
+        """The XLA options a pipeline on this target compiles with
+        (:func:`jaxpipe.xla_flags.compiler_options`: on GPU the latency-hiding scheduler,
+        both permutes in flight and started before the tick's switch; none on TPU). The
+        pipeline's own programs carry them; pass them to compile anything else alike."""
+        from jaxpipe.xla_flags import compiler_options
+
+        return compiler_options(self.platform) or {}
 
     def describe(self) -> str:
         return (f"{self.name}: {self.num_devices} x {self.device_kind}, "
                 f"{self.memory / _GIB:.2f} GiB each")
-
-
-def default_compiler_options(platform: str) -> dict[str, Any]:
-    """The XLA options jaxpipe compiles a pipeline with on ``platform``, per compile (so
-    they need no ``XLA_FLAGS`` at start-up): on GPU the latency-hiding scheduler with both
-    directions' permutes in flight and started before the tick's switch, so they overlap
-    its compute (:func:`jaxpipe.xla_flags.compiler_options`, which the pipeline's own
-    jitted programs carry too); none on TPU, which schedules so by default."""
-    from jaxpipe.xla_flags import compiler_options
-
-    return compiler_options("gpu" if platform == "cuda" else platform) or {}
 
 
 _NAME = re.compile(r"^(tpu|gpu):([\w\-]+):(\d+(?:x\d+)*)$")

@@ -53,6 +53,7 @@ __all__ = ["AcceleratorFields", "AcceleratorTicks"]
 
 Bufs = dict[ValueClass, jax.Array]
 
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class AcceleratorFields:

@@ -41,9 +41,6 @@ from jaxpipe.sharding import MeshAxes, constrain, constrain_to, manual_spec
 
 __all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
 
-#: Platforms whose accelerator program reads whole buffers in its switch (no windows).
-_GPUS = ("gpu", "cuda", "rocm")
-
 #: ``epilogue(params_local, grads_local, loss, *extra_local)`` -> outputs of the program.
 Epilogue = Callable[..., object]
 
@@ -110,7 +107,8 @@ def build_step(
     if accelerator:  # a byte buffer would lose the sharding of automatic axes
         loop = AcceleratorTicks(bodies, L, lowering, axis, groups, outputs, forward_only,
                                 packed=set(axes.manual_axes) == set(mesh.axis_names),
-                                windows=mesh.devices.flat[0].platform not in _GPUS)
+                                # XLA:GPU keeps one layout a buffer: whole buffers
+                                windows=mesh.devices.flat[0].platform != "gpu")
     else:
         loop = CpuTicks(bodies, L, lowering, axis, groups, outputs, forward_only)
 
