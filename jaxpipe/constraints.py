@@ -23,6 +23,7 @@ from jax.extend.core import jaxpr_as_fun as _jax_jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpipe import gathers
 from jaxpipe.errors import PipelineError
 from jaxpipe.sharding import MeshAxes
 
@@ -178,17 +179,21 @@ def _ctx_on_context(ctx: Any, names: tuple, types: tuple) -> Any:
 
 # (closed jaxpr, context axis names and types) -> the jaxpr to run there; the closed
 # jaxpr is kept in the value so that its id is not reused while the entry lives.
-_CACHE: dict[tuple[int, tuple], tuple[ClosedJaxpr, ClosedJaxpr]] = {}
+_CACHE: dict[tuple[int, tuple, tuple, tuple], tuple[ClosedJaxpr, ClosedJaxpr]] = {}
 
 
 def _for_context(closed: ClosedJaxpr, names: tuple, types: tuple) -> ClosedJaxpr:
-    key = (id(closed), names, types)
+    key = (id(closed), names, types, tuple(jax.sharding.get_abstract_mesh().axis_sizes))
     hit = _CACHE.get(key)
     if hit is None or hit[0] is not closed:
         if len(_CACHE) > 4096:
             _CACHE.clear()
         jaxpr = _retarget(closed.jaxpr, names, types)
-        hit = (closed, closed if jaxpr is closed.jaxpr else ClosedJaxpr(jaxpr, closed.consts))
+        run = closed if jaxpr is closed.jaxpr else ClosedJaxpr(jaxpr, closed.consts)
+        if gathers.needed(jaxpr):
+            run = gathers.with_whole_operands(
+                run, [_retyped(a, names, types) for a in closed.in_avals])
+        hit = (closed, run)
         _CACHE[key] = hit
     return hit[1]
 

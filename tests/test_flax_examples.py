@@ -1,0 +1,124 @@
+"""flax's own models, as their authors wrote and shard them, pipelined exact and sharded.
+
+The files are pinned under ``tests/flax_examples`` (flax's licence; see its README). The
+only change a user makes is marking the blocks: ``modules.Block = jp.layer(modules.Block)``.
+
+- Gemma (nnx) with its ``ShardingConfig.fsdp_tp_sharding()`` (parameter metadata,
+  ``out_sharding=`` on activations, an ``nnx.Embed`` lookup under ``auto_axes``), built
+  under ``jax.set_mesh`` on a default ``jax.make_mesh`` (every axis Explicit): XLA aborted
+  the process partitioning its embedding's gather inside the program's switch until
+  :mod:`jaxpipe.gathers` (the reproducer: ``test_xla_gather_bug.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax_examples import gemma
+
+import jaxpipe as jp
+from jaxpipe.runtime.spmd import SpmdRuntime
+
+transformer, transformer_cfg, modules = gemma()
+modules.Block = jp.layer(modules.Block)
+
+VOCAB, SEQ, BATCH, M = 64, 8, 16, 4
+
+
+def _gemma(mesh: jax.sharding.Mesh):
+    """A 4-block Gemma with flax's FSDP x TP sharding config on ``mesh`` (tp if it has
+    the axis), its batch and its loss (flax's examples/gemma/train.py cross entropy)."""
+    tp = "tp" if "tp" in mesh.axis_names else None
+    cfg = transformer.TransformerConfig(
+        num_layers=4, num_embed=VOCAB, embed_dim=32, hidden_dim=64, num_heads=4,
+        head_dim=8, num_kv_heads=2, final_logit_softcap=None,
+        attention_types=[modules.AttentionType.GLOBAL] * 4, use_post_attn_norm=False,
+        use_post_ffw_norm=False,
+        shd_config=transformer_cfg.ShardingConfig.fsdp_tp_sharding(
+            tensor_parallel_axis_name=tp))
+    model = transformer.Transformer(cfg, rngs=nnx.Rngs(params=0))
+    tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, VOCAB)
+    batch = {"x": tokens, "y": jnp.roll(tokens, -1, axis=1)}
+
+    def loss_fn(model, mb):
+        positions = jnp.broadcast_to(jnp.arange(SEQ), mb["x"].shape)
+        mask = transformer.make_causal_attn_mask(jnp.ones_like(mb["x"], bool))
+        logits, _ = model(mb["x"], positions, None, mask)
+        return -jnp.sum(jax.nn.one_hot(mb["y"], VOCAB) * nnx.log_softmax(logits), -1).mean()
+
+    return model, batch, loss_fn
+
+
+def _rel(got, want) -> float:
+    """The gradients' relative error: ||got - want|| / ||want|| over every leaf."""
+    g = [np.asarray(x, np.float64) for x in jax.tree.leaves(got)]
+    w = [np.asarray(x, np.float64) for x in jax.tree.leaves(want)]
+    assert len(g) == len(w)
+    return float(np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(g, w, strict=True))
+                         / sum(np.sum(b ** 2) for b in w)))
+
+
+def _per_device_share(staged) -> float:
+    """The most bytes one device holds of the staged parameters, over their total."""
+    held: dict = {}
+    for leaf in jax.tree.leaves(staged):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values()) / sum(x.nbytes for x in jax.tree.leaves(staged))
+
+
+@functools.cache
+def _gemma_run(shape: tuple[int, ...], backend: str = "cpu"):
+    """Gemma pipelined with 1F1B on ``shape`` (pipe, fsdp[, tp]): the pipeline, its loss
+    and gradients, nnx.value_and_grad's on the same mesh, and the staged parameters."""
+    mesh = jax.make_mesh(shape, ("pipe", "fsdp", "tp")[:len(shape)])
+    with jax.set_mesh(mesh):
+        model, batch, loss_fn = _gemma(mesh)
+        pipe = jp.flax.pipeline(model, loss_fn, batch, mesh=mesh,
+                                schedule=jp.OneFOneB(shape[0], M),
+                                runtime=SpmdRuntime(backend=backend))
+        loss, grads = pipe.value_and_grad(model, batch)
+        ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(model, batch)
+        staged = pipe.shard(model)
+    return pipe, model, batch, (loss, grads), (ref_loss, nnx.to_pure_dict(ref_grads)), staged
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (4, 2)], ids=["pipe2_fsdp2_tp2", "pipe4_fsdp2"])
+def test_gemma_with_its_fsdp_tp_sharding_is_exact_and_sharded(shape):
+    """Loss and gradients equal nnx.value_and_grad's on the same mesh (rel <= 1e-5); the
+    gradients keep the parameters' sharded types; each device holds its pipe position's
+    share of its fsdp x tp shard of the staged weights (<= 0.275 of all)."""
+    pipe, _, _, (loss, grads), (ref_loss, ref_grads), staged = _gemma_run(shape)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert _rel(grads, ref_grads) <= 1e-5
+    w = jax.tree.leaves(grads["layers"][0]["attn"])[0]
+    assert set(jax.typeof(w).sharding.spec) - {None}, jax.typeof(w)
+    assert _per_device_share(staged) <= 0.275
+
+
+def test_gemma_trains_with_adamw():
+    """pipe.init + three AdamW train steps: the first step's loss is the model's, and the
+    loss goes down."""
+    pipe, model, batch, _, (ref_loss, _), _ = _gemma_run((2, 2, 2))
+    with jax.set_mesh(pipe.mesh):
+        state = pipe.init(model, optax.adamw(1e-2))
+        losses = []
+        for _ in range(3):
+            state, metrics = pipe.train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses[0], ref_loss, rtol=1e-6)
+    assert losses[2] < losses[1] < losses[0]
+
+
+def test_gemma_on_the_accelerator_program_is_exact():
+    """The accelerator program (``backend="gpu"``, compiled here by XLA:CPU) on
+    (pipe 2, fsdp 2, tp 2): the same loss and gradients."""
+    _, _, _, (loss, grads), (ref_loss, ref_grads), _ = _gemma_run((2, 2, 2), "gpu")
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert _rel(grads, ref_grads) <= 1e-5
