@@ -31,9 +31,10 @@ modules.Block = jp.layer(modules.Block)
 VOCAB, SEQ, BATCH, M = 64, 8, 16, 4
 
 
-def _gemma(mesh: jax.sharding.Mesh):
+def _gemma(mesh: jax.sharding.Mesh, abstract: bool = False):
     """A 4-block Gemma with flax's FSDP x TP sharding config on ``mesh`` (tp if it has
-    the axis), its batch and its loss (flax's examples/gemma/train.py cross entropy)."""
+    the axis), its batch and its loss (flax's examples/gemma/train.py cross entropy);
+    ``abstract``: shapes only (``nnx.eval_shape``), for a target's compile-only mesh."""
     tp = "tp" if "tp" in mesh.axis_names else None
     cfg = transformer.TransformerConfig(
         num_layers=4, num_embed=VOCAB, embed_dim=32, hidden_dim=64, num_heads=4,
@@ -42,9 +43,14 @@ def _gemma(mesh: jax.sharding.Mesh):
         use_post_ffw_norm=False,
         shd_config=transformer_cfg.ShardingConfig.fsdp_tp_sharding(
             tensor_parallel_axis_name=tp))
-    model = transformer.Transformer(cfg, rngs=nnx.Rngs(params=0))
-    tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, VOCAB)
-    batch = {"x": tokens, "y": jnp.roll(tokens, -1, axis=1)}
+    make = lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(params=0))
+    if abstract:
+        model = nnx.eval_shape(make)
+        batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32) for k in ("x", "y")}
+    else:
+        model = make()
+        tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, VOCAB)
+        batch = {"x": tokens, "y": jnp.roll(tokens, -1, axis=1)}
 
     def loss_fn(model, mb):
         positions = jnp.broadcast_to(jnp.arange(SEQ), mb["x"].shape)
@@ -122,3 +128,31 @@ def test_gemma_on_the_accelerator_program_is_exact():
     _, _, _, (loss, grads), (ref_loss, ref_grads), _ = _gemma_run((2, 2, 2), "gpu")
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert _rel(grads, ref_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_gemma_compiles_for_a_tpu_and_a_gpu_target(platform):
+    """Gemma (pipe 2, fsdp 2, tp 2) built from shapes on 8 compile-only TPU v5e / H100
+    devices: the accelerator program compiles with XLA's real compiler (its partitioner
+    aborted before :mod:`jaxpipe.gathers`); the tick loop holds one conditional, no
+    permute inside it, and the stages' FSDP/TP collectives, counted per tick."""
+    import importlib.util
+
+    from jaxpipe.aot import target
+    from jaxpipe.runtime.spmd.program.hlo_census import census
+
+    module = {"tpu": "libtpu", "gpu": "jax_plugins.xla_cuda12"}[platform]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"XLA's {platform.upper()} compiler is not installed: "
+                    "pip install -e '.[aot]'")
+    mesh = target({"tpu": "tpu:v5e:2x4", "gpu": "gpu:h100:8"}[platform]).mesh(
+        (2, 2, 2), ("pipe", "fsdp", "tp"))
+    with jax.set_mesh(mesh):
+        model, batch, loss_fn = _gemma(mesh, abstract=True)
+        pipe = jp.flax.pipeline(model, loss_fn, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                                runtime=SpmdRuntime(overlap=True))
+        found = census(pipe.lower("value_and_grad").compile().as_text())
+    assert found.trip_count == pipe.executor.lowering.num_ticks, found.summary()
+    assert found.conditionals == 1 and found.permutes_in_conditionals == 0, found.summary()
+    assert found.collectives >= found.collectives_in_conditionals > 0, found.summary()
+    assert {"all-gather", "all-reduce"} <= set(found.collective_ops), found.summary()
