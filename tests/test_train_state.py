@@ -103,28 +103,51 @@ def test_devices_that_update_alike_share_one_optimizer_branch(setup):
     _close(pipe.params(state), _plain_steps(loss_fn, params, batch, optax.adamw(1e-2), 1))
 
 
-@pytest.mark.parametrize(("backend", "has_aux"), [("cpu", True), ("gpu", False)])
-def test_evaluate_train_evaluate_in_a_training_loops_order(backend, has_aux):
-    """loss, loss again, init, train_step, loss(state), value_and_grad, loss(params): the
-    evaluation program built inside the first loss call's trace once leaked its tick tables
-    into later calls (UnexpectedTracerError); every value equals the reference's."""
+#: the orders a training loop calls a pipeline in: evaluate first, train first, or
+#: differentiate first, each then interleaving the others (the state's loss after training)
+ORDERS = {
+    "evaluate_first": ("loss", "loss", "init", "train", "loss_state", "vg_state", "loss"),
+    "train_first": ("init", "train", "loss_state", "loss", "vg", "train", "loss_state"),
+    "grad_first": ("vg", "loss", "init", "train", "vg_state", "loss_state", "loss"),
+}
+
+
+@pytest.mark.parametrize(("runtime", "has_aux", "order"), [
+    ("cpu", True, "evaluate_first"), ("cpu", False, "train_first"),
+    ("gpu", False, "evaluate_first"), ("gpu", True, "grad_first"),
+    ("reference", True, "train_first"), ("reference", False, "grad_first")])
+def test_evaluate_train_evaluate_in_a_training_loops_order(runtime, has_aux, order):
+    """loss, value_and_grad, init, train_step and loss(state) interleaved as a training
+    loop calls them, on every runtime, with and without aux: the evaluation program built
+    inside the first loss call's trace once leaked its tick tables into later calls
+    (UnexpectedTracerError); every value equals the reference's at that point of
+    training."""
+    from jaxpipe.runtime.reference import ReferenceRuntime
     from jaxpipe.runtime.spmd import SpmdRuntime
 
     loss_fn, params, batch = MODELS["mlp"](4, batch=8)
     fn = (lambda p, b: (loss_fn(p, b), {"l": loss_fn(p, b)})) if has_aux else loss_fn
     pipe = jp.pipeline(fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
                        schedule=jp.OneFOneB(2, M), cut="markers", has_aux=has_aux,
-                       runtime=SpmdRuntime(backend=backend))
+                       runtime=ReferenceRuntime() if runtime == "reference"
+                       else SpmdRuntime(backend=runtime))
     loss_only = (lambda out: out[0]) if has_aux else (lambda out: out)
-    want = reference(loss_fn, params, batch, M)[0]
-    for _ in range(2):
-        np.testing.assert_allclose(loss_only(pipe.loss(params, batch)), want, rtol=1e-5)
     tx = optax.sgd(0.1)
-    state, _ = pipe.train_step(pipe.init(params, tx), batch)
-    stepped = _plain_steps(loss_fn, params, batch, tx, 1)
-    after = reference(loss_fn, stepped, batch, M)[0]
-    np.testing.assert_allclose(loss_only(pipe.loss(state, batch)), after, rtol=1e-5)
-    value, grads = pipe.value_and_grad(pipe.params(state), batch)
-    np.testing.assert_allclose(loss_only(value), after, rtol=1e-5)
-    _close(grads, reference(loss_fn, stepped, batch, M)[1])
-    np.testing.assert_allclose(loss_only(pipe.loss(params, batch)), want, rtol=1e-5)
+    state, trained = None, 0
+    for op in ORDERS[order]:
+        now = _plain_steps(loss_fn, params, batch, tx, trained)
+        if op == "init":
+            state = pipe.init(params, tx)
+        elif op == "train":
+            state, _ = pipe.train_step(state, batch)
+            trained += 1
+        elif op in ("loss", "loss_state"):
+            at = state if op == "loss_state" else params
+            want = reference(loss_fn, now if op == "loss_state" else params, batch, M)[0]
+            np.testing.assert_allclose(loss_only(pipe.loss(at, batch)), want, rtol=1e-5)
+        else:  # vg of the user's params, or of the state's
+            at, ref_at = (pipe.params(state), now) if op == "vg_state" else (params, params)
+            value, grads = pipe.value_and_grad(at, batch)
+            want, want_grads = reference(loss_fn, ref_at, batch, M)
+            np.testing.assert_allclose(loss_only(value), want, rtol=1e-5)
+            _close(grads, want_grads)
