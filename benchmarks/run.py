@@ -46,7 +46,12 @@ def _preparse(argv: list[str]) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" not in flags:
         flags += f" --xla_force_host_platform_device_count={n}"
+    if "--quick" in argv and "xla_backend_optimization_level" not in flags:
+        # the smoke run's tiny programs spend their time in XLA:CPU's LLVM passes, not
+        # running (40% of its compile time); its figures mean nothing anyway
+        flags += " --xla_backend_optimization_level=0"
     if threads == "single" and "xla_cpu_multi_thread_eigen" not in flags:
+        # last: XLA stops reading XLA_FLAGS at the bare intra_op_parallelism_threads=1
         flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     os.environ["XLA_FLAGS"] = flags.strip()
     import importlib.util

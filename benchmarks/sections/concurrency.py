@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -218,7 +219,11 @@ KEEP_FREED_PAGES = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
 
 def _env(keep_freed_pages: bool = True, devices: int = 1) -> dict[str, str]:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {SINGLE_THREAD_FLAGS}"
+    # the parent's compile effort (the quick run's level 0) carries over; the bare
+    # intra_op_parallelism_threads=1 of SINGLE_THREAD_FLAGS ends what XLA reads
+    level = re.search(r"--xla_backend_optimization_level=\d+", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
+                        f"{level.group(0) + ' ' if level else ''}{SINGLE_THREAD_FLAGS}")
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(x for x in (env.get("PYTHONPATH"), str(REPO)) if x)
     for k in KEEP_FREED_PAGES:
