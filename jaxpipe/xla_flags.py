@@ -101,7 +101,10 @@ def apply(platform: str, env: MutableMapping[str, str] | None = None) -> str:
     have = env.get("XLA_FLAGS", "").split()
     names = {f.split("=", 1)[0] for f in have}
     added = [f for f in recommended(platform) if f.split("=", 1)[0] not in names]
-    env["XLA_FLAGS"] = " ".join([*have, *added])
+    # XLA stops reading at the first token without "--" (JAX's FAQ suggests a bare
+    # ``intra_op_parallelism_threads=1``): ours go before it, or XLA would ignore them
+    bare = next((i for i, f in enumerate(have) if not f.startswith("--")), len(have))
+    env["XLA_FLAGS"] = " ".join([*have[:bare], *added, *have[bare:]])
     return env["XLA_FLAGS"]
 
 

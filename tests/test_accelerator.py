@@ -173,5 +173,11 @@ def test_xla_flags_for_the_accelerator_program():
     assert sum(f.startswith("--xla_gpu_enable_latency_hiding_scheduler") for f in flags) == 1
     assert xla_flags.apply("gpu", env).split() == flags  # applying twice adds nothing
     assert xla_flags.apply("cpu", {}) == ""
+    # XLA stops reading at a bare token (JAX's FAQ: intra_op_parallelism_threads=1): ours
+    # go before it
+    bare = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+    flags = xla_flags.apply("gpu", bare).split()
+    assert flags[-1] == "intra_op_parallelism_threads=1" and len(flags) > 2
+    assert all(f.startswith("--") for f in flags[:-1])
     with pytest.raises(ValueError, match="unknown platform 'cuda'"):
         xla_flags.apply("cuda", {})
