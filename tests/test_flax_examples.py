@@ -8,6 +8,8 @@ only change a user makes is marking the blocks: ``modules.Block = jp.layer(modul
   under ``jax.set_mesh`` on a default ``jax.make_mesh`` (every axis Explicit): XLA aborted
   the process partitioning its embedding's gather inside the program's switch until
   :mod:`jaxpipe.gathers` (the reproducer: ``test_xla_gather_bug.py``).
+- lm1b (linen) with its logical axis rules: refused with the reason (a collective-permute
+  in a stage), the open part of the real-sharding issue.
 """
 
 from __future__ import annotations
@@ -158,3 +160,46 @@ def test_gemma_compiles_for_a_tpu_and_a_gpu_target(platform):
     assert found.conditionals == 1 and found.permutes_in_conditionals == 0, found.summary()
     assert found.collectives >= found.collectives_in_conditionals > 0, found.summary()
     assert {"all-gather", "all-reduce"} <= set(found.collective_ops), found.summary()
+
+
+def test_lm1b_with_its_logical_rules_is_refused_with_the_reason():
+    """flax's lm1b (linen) with its own logical axis rules (mlp, vocab, heads -> tensor,
+    embed -> fsdp), its parameters placed as its train.py places them: XLA partitions the
+    attention projections ('embed' on fsdp on both sides of the contraction) with a
+    collective-permute, which a stage under the program's per-device switch cannot run
+    (XLA:CPU waits for every device in it; only one pipe position runs the stage). The
+    pipeline says so, naming the op, instead of hanging: the open part of the
+    real-sharding issue (a stage's collectives out of the conditional)."""
+    import flax.linen as nn
+    from flax_examples import lm1b
+    from jax.sharding import Mesh
+
+    models = lm1b()
+    rules = [["mlp", "tensor"], ["vocab", "tensor"], ["embed", "fsdp"], ["heads", "tensor"]]
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("pipe", "fsdp", "tensor"))
+    cfg = models.TransformerConfig(
+        vocab_size=VOCAB, output_vocab_size=VOCAB, emb_dim=32, num_heads=4, num_layers=4,
+        qkv_dim=32, mlp_dim=64, max_len=SEQ, dropout_rate=0.0, attention_dropout_rate=0.0,
+        deterministic=True)
+    model = models.TransformerLM(cfg)
+    layer = jp.layer(models.EncoderDecoder1DBlock)
+    tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 1, VOCAB)
+    init = lambda: model.init(jax.random.key(0), tokens[:2])
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        shardings = nn.logical_to_mesh_sharding(
+            nn.get_partition_spec(jax.eval_shape(init)), mesh, rules)
+        variables = jax.jit(init, out_shardings=shardings)()
+
+    def loss_fn(module, v, b):
+        logits = module.apply(v, b["x"])
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(b["x"], VOCAB) * nn.log_softmax(logits), -1))
+
+    original, models.EncoderDecoder1DBlock = models.EncoderDecoder1DBlock, layer
+    try:
+        with nn.logical_axis_rules(rules):
+            pipe = jp.flax.pipeline_linen(model, variables, loss_fn, {"x": tokens}, mesh=mesh,
+                                          schedule=jp.OneFOneB(2, M))
+        with pytest.raises(jp.PipelineError, match="collective-permute.*dot_general"):
+            pipe.value_and_grad(variables["params"], {"x": tokens})
+    finally:
+        models.EncoderDecoder1DBlock = original
