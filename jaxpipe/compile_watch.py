@@ -9,11 +9,14 @@ whose signature differs in a :class:`RecompileWarning`.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from jaxpipe.build_times import BuildTimes
 
 __all__ = ["CompileWatch", "RecompileWarning"]
 
@@ -43,19 +46,29 @@ class CompileWatch:
     """
 
     def __init__(self, fn: Any, name: str,
-                 check: Callable[[Any, str], None] | None = None) -> None:
+                 check: Callable[[Any, str], None] | None = None,
+                 times: BuildTimes | None = None) -> None:
         self.fn = fn
         self.name = name
         #: ``check(compiled, name)`` runs once, on the program compiled for the first call
         #: (a runtime's refusal of a program it cannot run, before it runs)
         self.check = check
+        #: where the first call's lowering and compile seconds go (``pipe.plan`` shows them)
+        self.times = times
         self._first: list | None = None
         self._warned = False
 
     def __call__(self, *args: Any) -> Any:
-        if self._first is None and self.check is not None:
+        if self._first is None and (self.check is not None or self.times is not None):
             # jit reuses this compilation for the call below
-            self.check(self.fn.lower(*args).compile(), self.name)
+            t0 = time.perf_counter()
+            lowered = self.fn.lower(*args)
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+            if self.times is not None:
+                self.times.compiled(self.name, t1 - t0, time.perf_counter() - t1)
+            if self.check is not None:
+                self.check(compiled, self.name)
         before = self._cache_size()
         out = self.fn(*args)
         if self._first is None:

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpipe.avals import to_boundary
+from jaxpipe.build_times import BuildTimes
 from jaxpipe.compile_watch import CompileWatch
 from jaxpipe.constraints import without_constrained_batch_axes
 from jaxpipe.cut_and_split import cut_and_split
@@ -124,16 +125,19 @@ class Pipeline:
         self._batch_treedef = jax.tree.structure(batch)
         self._batch_dtypes = [a.dtype for a in jax.tree.leaves(mb)]
         self.key_dtype = jax.random.key(0).dtype if rng else None
-        self.traced = self._trace(mesh_axes, loss_fn, params, mb, objective)
+        self._times = BuildTimes()
+        with self._times.phase("trace"):
+            self.traced = self._trace(mesh_axes, loss_fn, params, mb, objective)
         # Batch axes the model's own sharding constraints name stay under JAX's sharding.
         kept = without_constrained_batch_axes(mesh_axes, self.traced.jaxpr,
                                               batch_axes is None and placed is None)
         if kept is not None:
-            self.traced = self._trace(kept, loss_fn, params, mb, objective)
+            with self._times.phase("trace"):
+                self.traced = self._trace(kept, loss_fn, params, mb, objective)
         self.objective: Objective = self.traced.objective
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
-        with trace_context(mesh, self.mesh_axes):
+        with trace_context(mesh, self.mesh_axes), self._times.phase("cut"):
             st = cut_and_split(self.traced, schedule, cut,
                                self.runtime.memory_model_for(mesh), mesh, self.param_dims,
                                share_cores=self.runtime.shares_cores(),
@@ -143,8 +147,9 @@ class Pipeline:
         self.cuts, self.cut_report = st.cuts, st.cut_report
         self.views: ParamViews = st.views
         self.stages: list[StageFn] = st.stages
-        self.executor: Executor = self.runtime.build(st.runtime_spec(
-            self.traced, schedule, mesh, axis, self.mesh_axes, self.param_dims))
+        with self._times.phase("schedule"):
+            self.executor: Executor = self.runtime.build(st.runtime_spec(
+                self.traced, schedule, mesh, axis, self.mesh_axes, self.param_dims))
         self._param_paths = leaf_paths(self.traced.params_treedef)
         # XLA options for the mesh's platform (GPU: the permutes' overlap), per compile
         jit = functools.partial(jax.jit, compiler_options=compiler_options(
@@ -154,11 +159,12 @@ class Pipeline:
         self._loss_jit = jit(self._loss)
         self._staged_loss_jit = jit(self._staged_loss)
         check = self.executor.compiled_check()
-        self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad", check)
+        self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad", check, self._times)
         self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad",
-                                             check)
-        self._loss_watch = CompileWatch(self._loss_jit, "pipe.loss", check)
-        self._staged_loss_watch = CompileWatch(self._staged_loss_jit, "pipe.loss", check)
+                                             check, self._times)
+        self._loss_watch = CompileWatch(self._loss_jit, "pipe.loss", check, self._times)
+        self._staged_loss_watch = CompileWatch(self._staged_loss_jit, "pipe.loss", check,
+                                               self._times)
         self._shard_jit = jax.jit(self.executor.shard)
         self._unshard_jit = jax.jit(self.executor.unshard)
         self._plan = None
@@ -485,7 +491,8 @@ class Pipeline:
         from jaxpipe.train_options import TrainOptions
 
         options = TrainOptions(skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
-        trainer = Trainer(self.executor, optimizer, options, self.microbatches)
+        trainer = Trainer(self.executor, optimizer, options, self.microbatches,
+                          self._times)
         state = TrainState(self.executor.staged_abstract(), trainer.abstract_opt_state(),
                            jax.ShapeDtypeStruct((), np.int32, sharding=placement.replicated),
                            trainer)
@@ -512,7 +519,8 @@ class Pipeline:
         from jaxpipe.train_options import TrainOptions
 
         options = TrainOptions(skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
-        trainer = Trainer(self.executor, optimizer, options, self.microbatches)
+        trainer = Trainer(self.executor, optimizer, options, self.microbatches,
+                          self._times)
         params = self._place_params(params, "pipe.init(params, ...)")
         # Replicated over the mesh, as train_step returns it (else the 2nd step recompiles).
         step = self.placement.put(np.zeros((), np.int32), self.placement.replicated, "step")
@@ -545,6 +553,13 @@ class Pipeline:
         return self._user_tree(self._unshard_jit(state.params))
 
     # ---------------------------------------------------------------- reports
+    @property
+    def build_times(self) -> BuildTimes:
+        """Seconds of each phase of building this pipeline (trace, cut, schedule) and of
+        each program's first call (building and lowering the program, XLA's compile),
+        filled in as they happen; ``pipe.plan`` prints them."""
+        return self._times
+
     @property
     def plan(self) -> Any:
         """Per-stage layers, FLOPs, bytes, in-flight counts and predicted memory/bubble."""

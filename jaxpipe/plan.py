@@ -43,6 +43,8 @@ class Plan:
     memory_budget: float | None = None  # the budget the cut was chosen under (bytes/device)
     budget_source: str | None = None  # where that budget came from
     lowered: str | None = None  # the runtime's timing report under the cost model (if any)
+    # seconds per build phase and per program's first compile, filled as they happen
+    build_times: Any = None
 
     @classmethod
     def build(cls, pipe) -> Plan:
@@ -87,7 +89,8 @@ class Plan:
                    batch_bytes, res.memory_budget, res.budget_source,
                    # the cutter simulated the schedule under these costs already
                    pipe.executor.timing_report(res.action_cost,
-                                               schedule_makespan=res.makespan))
+                                               schedule_makespan=res.makespan),
+                   pipe.build_times)
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
@@ -117,6 +120,8 @@ class Plan:
                          f"prediction, from {self.budget_source}")
         if self.lowered:
             lines.append(self.lowered)
+        if self.build_times is not None:
+            lines.append(str(self.build_times))
         lines.append("remat: recomputation policy per stage; recomp: recomputed FLOPs / stage "
                      "forward; memory: the stage's predicted bytes")
         return "\n".join(lines)

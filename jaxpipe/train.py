@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpipe.avals import is_differentiable
+from jaxpipe.build_times import BuildTimes
 from jaxpipe.compile_watch import CompileWatch
 from jaxpipe.optimizer_checks import check_optimizer, check_rows_separable, check_separable
 from jaxpipe.train_options import TrainOptions
@@ -138,7 +139,8 @@ class Trainer:
     """
 
     def __init__(self, executor: Executor, optimizer: optax.GradientTransformation,
-                 options: TrainOptions, microbatches: Callable[[Any, Any], list]) -> None:
+                 options: TrainOptions, microbatches: Callable[[Any, Any], list],
+                 times: BuildTimes | None = None) -> None:
         check_optimizer(optimizer)
         self.executor = executor
         self.optimizer = optimizer
@@ -157,7 +159,8 @@ class Trainer:
 
         self.step_fn = jax.jit(step_fn, donate_argnums=0, compiler_options=compiler_options(
             executor.spec.mesh.devices.flat[0].platform))
-        self._watch = CompileWatch(self.step_fn, "pipe.train_step", executor.compiled_check())
+        self._watch = CompileWatch(self.step_fn, "pipe.train_step", executor.compiled_check(),
+                                   times)
         self._abstract_opt = executor.opt_state_abstract(self._init_opt)
         shardings = jax.tree.map(lambda a: getattr(a, "sharding", None), self._abstract_opt)
         self._init_jit = jax.jit(self._init_opt, out_shardings=shardings)

@@ -34,3 +34,24 @@ def test_plan_table_lists_stages_devices_and_bubble():
     assert [r["residual_peak"] for r in plan.device_rows] == [4, 3, 2, 1]
     assert abs(sum(r["flops_share"] for r in plan.stage_rows) - 1.0) < 1e-9
     assert 0.0 < plan.bubble_fraction < 1.0
+
+
+def test_plan_says_where_the_first_call_went():
+    """pipe.plan reports the build's phases (trace, cut, schedule) as the pipeline is made,
+    and each program's first call (program build + lowering, XLA compile) once it ran."""
+    import optax
+
+    loss_fn, params, batch = tiny_lm(4)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=jp.OneFOneB(2, 4))
+    times = pipe.build_times
+    assert list(times.build) == ["trace", "cut", "schedule"]
+    assert all(s > 0 for s in times.build.values()) and not times.programs
+    before = str(pipe.plan)
+    assert "build: trace" in before and "first calls" not in before
+    pipe.value_and_grad(params, batch)
+    state, _ = pipe.train_step(pipe.init(params, optax.sgd(0.1)), batch)
+    pipe.value_and_grad(params, batch)  # a second call compiles nothing: nothing added
+    assert list(times.programs) == ["pipe.value_and_grad", "pipe.train_step"]
+    assert all(lo > 0 and co > 0 for lo, co in times.programs.values())
+    assert "pipe.train_step program + lower" in str(pipe.plan)  # the plan shows it live
