@@ -22,45 +22,18 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax_examples import gemma
+from flax_examples import gemma_setup
 
 import jaxpipe as jp
 from jaxpipe.runtime.spmd import SpmdRuntime
-
-transformer, transformer_cfg, modules = gemma()
-modules.Block = jp.layer(modules.Block)
 
 VOCAB, SEQ, BATCH, M = 64, 8, 16, 4
 
 
 def _gemma(mesh: jax.sharding.Mesh, abstract: bool = False):
-    """A 4-block Gemma with flax's FSDP x TP sharding config on ``mesh`` (tp if it has
-    the axis), its batch and its loss (flax's examples/gemma/train.py cross entropy);
-    ``abstract``: shapes only (``nnx.eval_shape``), for a target's compile-only mesh."""
-    tp = "tp" if "tp" in mesh.axis_names else None
-    cfg = transformer.TransformerConfig(
-        num_layers=4, num_embed=VOCAB, embed_dim=32, hidden_dim=64, num_heads=4,
-        head_dim=8, num_kv_heads=2, final_logit_softcap=None,
-        attention_types=[modules.AttentionType.GLOBAL] * 4, use_post_attn_norm=False,
-        use_post_ffw_norm=False,
-        shd_config=transformer_cfg.ShardingConfig.fsdp_tp_sharding(
-            tensor_parallel_axis_name=tp))
-    make = lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(params=0))
-    if abstract:
-        model = nnx.eval_shape(make)
-        batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32) for k in ("x", "y")}
-    else:
-        model = make()
-        tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, VOCAB)
-        batch = {"x": tokens, "y": jnp.roll(tokens, -1, axis=1)}
-
-    def loss_fn(model, mb):
-        positions = jnp.broadcast_to(jnp.arange(SEQ), mb["x"].shape)
-        mask = transformer.make_causal_attn_mask(jnp.ones_like(mb["x"], bool))
-        logits, _ = model(mb["x"], positions, None, mask)
-        return -jnp.sum(jax.nn.one_hot(mb["y"], VOCAB) * nnx.log_softmax(logits), -1).mean()
-
-    return model, batch, loss_fn
+    """A 4-block Gemma with flax's FSDP x TP sharding config on ``mesh``, its batch and
+    loss (``flax_examples.gemma_setup``: the blocks marked ``@jp.layer``)."""
+    return gemma_setup(mesh, vocab=VOCAB, seq=SEQ, batch=BATCH, abstract=abstract)
 
 
 def _rel(got, want) -> float:

@@ -39,7 +39,6 @@ FULL = dict(layers=8, embed=128, hidden=512, heads=4, head_dim=32, kv_heads=2, v
 
 def _gemma_row(size: dict[str, int], repeats: int) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
     import optax
     from flax import nnx
 
@@ -47,32 +46,12 @@ def _gemma_row(size: dict[str, int], repeats: int) -> dict[str, Any]:
     from benchmarks import common as C
 
     sys.path.insert(0, str(REPO / "tests" / "support"))
-    from flax_examples import gemma
+    from flax_examples import gemma_setup
 
-    transformer, transformer_cfg, modules = gemma()
-    if not getattr(modules.Block, "__jaxpipe_layer__", False):
-        modules.Block = jp.layer(modules.Block)
-        modules.Block.__jaxpipe_layer__ = True
     mesh = jax.make_mesh((2, 2, 2), ("pipe", "fsdp", "tp"), devices=jax.devices()[:8])
-    cfg = transformer.TransformerConfig(
-        num_layers=size["layers"], num_embed=size["vocab"], embed_dim=size["embed"],
-        hidden_dim=size["hidden"], num_heads=size["heads"], head_dim=size["head_dim"],
-        num_kv_heads=size["kv_heads"], final_logit_softcap=None,
-        attention_types=[modules.AttentionType.GLOBAL] * size["layers"],
-        use_post_attn_norm=False, use_post_ffw_norm=False,
-        shd_config=transformer_cfg.ShardingConfig.fsdp_tp_sharding())
-    seq, vocab = size["seq"], size["vocab"]
-
-    def loss_fn(model, mb):  # flax's examples/gemma/train.py cross entropy
-        positions = jnp.broadcast_to(jnp.arange(seq), mb["x"].shape)
-        mask = transformer.make_causal_attn_mask(jnp.ones_like(mb["x"], bool))
-        logits, _ = model(mb["x"], positions, None, mask)
-        return -jnp.sum(jax.nn.one_hot(mb["y"], vocab) * nnx.log_softmax(logits), -1).mean()
-
     with jax.set_mesh(mesh):
-        model = transformer.Transformer(cfg, rngs=nnx.Rngs(params=0))
-        tokens = jax.random.randint(jax.random.key(1), (size["batch"], seq), 0, vocab)
-        batch = {"x": tokens, "y": jnp.roll(tokens, -1, axis=1)}
+        model, batch, loss_fn = gemma_setup(
+            mesh, **{k: v for k, v in size.items() if k != "m"})
         pipe = jp.flax.pipeline(model, loss_fn, batch, mesh=mesh,
                                 schedule=jp.OneFOneB(2, size["m"]))
         state = pipe.init(model, optax.adamw(1e-3))

@@ -5,9 +5,13 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
+
+import jaxpipe as jp
 
 ROOT = Path(__file__).resolve().parent.parent / "flax_examples"
 
@@ -21,14 +25,60 @@ def _import_from(folder: Path, *names: str) -> list[types.ModuleType]:
 
 
 def gemma() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
-    """flax's Gemma: ``(transformer, transformer_cfg, modules)``, imported once."""
+    """flax's Gemma: ``(transformer, transformer_cfg, modules)``, imported once, its
+    ``modules.Block`` marked ``@jp.layer`` (the one change a user makes)."""
     try:
         import jaxtyping  # noqa: F401
     except ImportError:  # one annotation needs it; not a dependency of ours
         shim = types.ModuleType("jaxtyping")
         shim.Array = jax.Array
         sys.modules["jaxtyping"] = shim
-    return tuple(_import_from(ROOT / "gemma", "transformer", "transformer_cfg", "modules"))
+    transformer, cfg, modules = _import_from(ROOT / "gemma", "transformer", "transformer_cfg",
+                                             "modules")
+    if modules.Block not in _MARKED:
+        modules.Block = jp.layer(modules.Block)
+        _MARKED.add(modules.Block)
+    return transformer, cfg, modules
+
+
+_MARKED: set = set()
+
+
+def gemma_setup(mesh: jax.sharding.Mesh, *, layers: int = 4, embed: int = 32,
+                hidden: int = 64, heads: int = 4, head_dim: int = 8, kv_heads: int = 2,
+                vocab: int = 64, seq: int = 8, batch: int = 16, abstract: bool = False
+                ) -> tuple[Any, dict, Callable]:
+    """``(model, batch, loss_fn)``: a Gemma of this size with flax's FSDP x TP sharding
+    config on ``mesh`` ('tp' if it has the axis), built under ``jax.set_mesh(mesh)``
+    (the caller's), random tokens, and flax's examples/gemma/train.py cross entropy per
+    microbatch. ``abstract``: shapes only (``nnx.eval_shape``), for a compile-only mesh."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    transformer, transformer_cfg, modules = gemma()
+    cfg = transformer.TransformerConfig(
+        num_layers=layers, num_embed=vocab, embed_dim=embed, hidden_dim=hidden,
+        num_heads=heads, head_dim=head_dim, num_kv_heads=kv_heads, final_logit_softcap=None,
+        attention_types=[modules.AttentionType.GLOBAL] * layers, use_post_attn_norm=False,
+        use_post_ffw_norm=False,
+        shd_config=transformer_cfg.ShardingConfig.fsdp_tp_sharding(
+            tensor_parallel_axis_name="tp" if "tp" in mesh.axis_names else None))
+    make = lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(params=0))
+    if abstract:
+        model = nnx.eval_shape(make)
+        tokens = {k: jax.ShapeDtypeStruct((batch, seq), jnp.int32) for k in ("x", "y")}
+    else:
+        model = make()
+        x = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab)
+        tokens = {"x": x, "y": jnp.roll(x, -1, axis=1)}
+
+    def loss_fn(model, mb):
+        positions = jnp.broadcast_to(jnp.arange(seq), mb["x"].shape)
+        mask = transformer.make_causal_attn_mask(jnp.ones_like(mb["x"], bool))
+        logits, _ = model(mb["x"], positions, None, mask)
+        return -jnp.sum(jax.nn.one_hot(mb["y"], vocab) * nnx.log_softmax(logits), -1).mean()
+
+    return model, tokens, loss_fn
 
 
 def lm1b() -> types.ModuleType:
