@@ -13,7 +13,7 @@ them out of the batch axes the program splits by hand.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,19 +25,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe import gathers
 from jaxpipe.errors import PipelineError
+from jaxpipe.interpret import sub_jaxprs
 from jaxpipe.sharding import MeshAxes
 
 __all__ = ["constraint_axes", "entering", "for_context", "jaxpr_as_fun", "leaving",
            "without_constrained_batch_axes"]
-
-
-def _sub_jaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
-    for v in params.values():
-        for x in v if isinstance(v, tuple | list) else (v,):
-            if isinstance(x, ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, Jaxpr):
-                yield x
 
 
 def _spec_axes(spec: Any) -> set[str]:
@@ -51,7 +43,7 @@ def constraint_axes(jaxpr: Jaxpr) -> frozenset[str]:
         sharding = eqn.params.get("sharding") if eqn.primitive is sharding_constraint_p else None
         if isinstance(sharding, NamedSharding):
             out |= _spec_axes(sharding.spec)
-        for sub in _sub_jaxprs(eqn.params):
+        for sub in sub_jaxprs(eqn.params):
             out |= constraint_axes(sub)
     return frozenset(out)
 
@@ -177,13 +169,14 @@ def _ctx_on_context(ctx: Any, names: tuple, types: tuple) -> Any:
                              else tuple(sorted(ctx.xla_metadata.items())))
 
 
-# (closed jaxpr, context axis names and types) -> the jaxpr to run there; the closed
+# (closed jaxpr, context axis names, types and sizes) -> the jaxpr to run there; the closed
 # jaxpr is kept in the value so that its id is not reused while the entry lives.
 _CACHE: dict[tuple[int, tuple, tuple, tuple], tuple[ClosedJaxpr, ClosedJaxpr]] = {}
 
 
-def _for_context(closed: ClosedJaxpr, names: tuple, types: tuple) -> ClosedJaxpr:
-    key = (id(closed), names, types, tuple(jax.sharding.get_abstract_mesh().axis_sizes))
+def _for_context(closed: ClosedJaxpr, names: tuple, types: tuple, sizes: tuple
+                 ) -> ClosedJaxpr:
+    key = (id(closed), names, types, sizes)
     hit = _CACHE.get(key)
     if hit is None or hit[0] is not closed:
         if len(_CACHE) > 4096:
@@ -205,7 +198,8 @@ def for_context(closed: ClosedJaxpr) -> ClosedJaxpr:
     context = jax.sharding.get_abstract_mesh()
     if context.empty:
         return closed
-    return _for_context(closed, tuple(context.axis_names), tuple(context.axis_types))
+    return _for_context(closed, tuple(context.axis_names), tuple(context.axis_types),
+                        tuple(context.axis_sizes))
 
 
 def _into(x: Any, aval: Any, names: tuple, types: tuple) -> Any:

@@ -29,24 +29,13 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.interpret import eval_eqns, read
+from jaxpipe.interpret import eval_eqns, read, sub_jaxprs
 
 __all__ = ["needed", "with_whole_operands"]
 
 _GATHERS = frozenset({"gather"})
 _SCATTERS = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
                        "scatter-min", "scatter_min", "scatter-max", "scatter_max"})
-
-
-def _sub_jaxprs(params: dict[str, Any]) -> list[Jaxpr]:
-    out = []
-    for v in params.values():
-        for x in v if isinstance(v, tuple | list) else (v,):
-            if isinstance(x, ClosedJaxpr):
-                out.append(x.jaxpr)
-            elif isinstance(x, Jaxpr):
-                out.append(x)
-    return out
 
 
 _HOLDS: dict[int, tuple[Jaxpr, bool]] = {}
@@ -58,7 +47,7 @@ def _holds(jaxpr: Jaxpr) -> bool:
     if hit is not None and hit[0] is jaxpr:
         return hit[1]
     found = any(e.primitive.name in _GATHERS | _SCATTERS
-                or any(_holds(s) for s in _sub_jaxprs(e.params)) for e in jaxpr.eqns)
+                or any(_holds(s) for s in sub_jaxprs(e.params)) for e in jaxpr.eqns)
     if len(_HOLDS) > 4096:
         _HOLDS.clear()
     _HOLDS[id(jaxpr)] = (jaxpr, found)
@@ -116,8 +105,7 @@ def _override(eqn: Any, invals: list[Any]) -> list[Any] | None:
     name = eqn.primitive.name
     if name in _GATHERS | _SCATTERS:
         return _bind_whole(eqn, invals)
-    subs = _sub_jaxprs(eqn.params)
-    if not any(_holds(s) for s in subs):
+    if not any(_holds(s) for s in sub_jaxprs(eqn.params)):
         return None
     params = {k: _rewritten_value(v) for k, v in eqn.params.items()}
     with eqn.ctx.manager:

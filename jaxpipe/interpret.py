@@ -11,15 +11,26 @@ values they already have. :func:`eval_eqns` is that loop, written once::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 from jax.extend import core as jcore
 
-__all__ = ["eval_eqns", "read"]
+__all__ = ["eval_eqns", "read", "sub_jaxprs"]
 
 #: ``(equation, input values) -> output values``, or ``None`` to bind the primitive.
 Override = Callable[[Any, list[Any]], Sequence[Any] | None]
+
+
+def sub_jaxprs(params: dict[str, Any]) -> Iterator[jcore.Jaxpr]:
+    """The jaxprs an equation holds in its ``params`` (a ``jit``'s, a ``scan``'s body,
+    a ``cond``'s branches...), closed ones as their open jaxpr."""
+    for v in params.values():
+        for x in v if isinstance(v, tuple | list) else (v,):
+            if isinstance(x, jcore.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jcore.Jaxpr):
+                yield x
 
 
 def read(env: MutableMapping[Any, Any], atom: Any) -> Any:
