@@ -22,7 +22,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax_examples import gemma_setup
+from flax_examples import gemma_setup, staged_share
 
 import jaxpipe as jp
 from jaxpipe.runtime.spmd import SpmdRuntime
@@ -43,15 +43,6 @@ def _rel(got, want) -> float:
     assert len(g) == len(w)
     return float(np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(g, w, strict=True))
                          / sum(np.sum(b ** 2) for b in w)))
-
-
-def _per_device_share(staged) -> float:
-    """The most bytes one device holds of the staged parameters, over their total."""
-    held: dict = {}
-    for leaf in jax.tree.leaves(staged):
-        for shard in leaf.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
-    return max(held.values()) / sum(x.nbytes for x in jax.tree.leaves(staged))
 
 
 @functools.cache
@@ -82,7 +73,7 @@ def test_gemma_with_its_fsdp_tp_sharding_is_exact_and_sharded(shape):
     assert _rel(grads, ref_grads) <= 1e-5
     w = jax.tree.leaves(grads["layers"][0]["attn"])[0]
     assert set(jax.typeof(w).sharding.spec) - {None}, jax.typeof(w)
-    assert _per_device_share(staged) <= 0.275
+    assert staged_share(staged) <= 0.275
 
 
 def test_gemma_trains_with_adamw():

@@ -46,7 +46,7 @@ def _gemma_row(size: dict[str, int], repeats: int) -> dict[str, Any]:
     from benchmarks import common as C
 
     sys.path.insert(0, str(REPO / "tests" / "support"))
-    from flax_examples import gemma_setup
+    from flax_examples import gemma_setup, staged_share
 
     mesh = jax.make_mesh((2, 2, 2), ("pipe", "fsdp", "tp"), devices=jax.devices()[:8])
     with jax.set_mesh(mesh):
@@ -61,15 +61,11 @@ def _gemma_row(size: dict[str, int], repeats: int) -> dict[str, Any]:
         times = C.time_interleaved({"jaxpipe": (pipe.value_and_grad, (model, batch)),
                                     "plain": (plain, (model, batch))},
                                    warmup=1, repeats=repeats)
-    held: dict[Any, int] = {}
-    for leaf in jax.tree.leaves(staged):
-        for shard in leaf.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
     predicted = float(pipe.cut_report.peak_memory)
     return {"model": "gemma (nnx) fsdp_tp_sharding", "size": size, "compiled": stats,
             "predicted_bytes": predicted,
             "predicted_over_compiled": predicted / stats["total_bytes"],
-            "staged_share": max(held.values()) / sum(x.nbytes for x in jax.tree.leaves(staged)),
+            "staged_share": staged_share(staged),
             "jaxpipe": times["jaxpipe"], "plain": times["plain"],
             "step_ratio_cpu": times["jaxpipe"]["cpu_median_s"] / times["plain"]["cpu_median_s"]}
 

@@ -89,3 +89,12 @@ def lm1b() -> types.ModuleType:
         sys.modules["lm1b_models"] = module
         spec.loader.exec_module(module)
     return sys.modules["lm1b_models"]
+
+
+def staged_share(staged: Any) -> float:
+    """The most bytes one device holds of staged parameters (``pipe.shard(model)``), over
+    their total: 1 / (pipe x the axes that split every weight) at best."""
+    from benchmarks.common import load_example
+
+    held = load_example("gpt").param_bytes_per_device(staged)
+    return held / sum(x.nbytes for x in jax.tree.leaves(staged))
