@@ -133,7 +133,9 @@ class Branches:
         """The branch running ``kind`` (one of ``lowering.PROGRAM_KINDS``) for ``body``.
 
         ``variant``: ``"gated"``, one branch for every member, each member's prologue
-        and epilogue run gated by the running stage (the CPU program); or one member's
+        and epilogue run gated by the running stage (the CPU program); ``"masked"``, the
+        same with every part run unconditionally and counted only on its own stage
+        (the lanes program, :mod:`.lane_ticks`); or one member's
         (:meth:`variants`): its stage, whose parts run unconditionally, or ``None``, the
         core alone (the accelerator program, whose one conditional picks the variant)."""
         if kind == "FB":
@@ -142,9 +144,9 @@ class Branches:
         st = body.fn
         io = _DirectIO(self, body)
         keep = not self.forward_only
-        if variant == "gated":
+        if variant in ("gated", "masked"):
             ends = Ends(L, self._end_members(kind, body), self.outputs, self.groups,
-                        store_residuals=keep)
+                        gate=True if variant == "gated" else "mask", store_residuals=keep)
         else:
             ends = Ends(L, [x for x in self._end_members(kind, body) if x.index == variant],
                         self.outputs, self.groups, gate=False, store_residuals=keep)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
+
 from jaxpipe.constraints import jaxpr_as_fun
 from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
 from jaxpipe.runtime.spmd.program.bodies import Body
@@ -21,7 +23,7 @@ from jaxpipe.runtime.spmd.program.gated import gated
 from jaxpipe.runtime.spmd.program.layout import StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
-from jaxpipe.runtime.spmd.program.writes import reading
+from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, reading
 from jaxpipe.stages.stage_fn import StageFn
 
 __all__ = ["Ends", "Fixed", "gated_stages"]
@@ -109,18 +111,41 @@ class _Part(Fixed):
         return self._write(row, store, self.hand, values)
 
 
+def _masked(pred: Any, fn: Callable, part: _Part, state: tuple, *args: Any) -> tuple:
+    """``fn(part, state, *args)`` run unconditionally, counting where ``pred``: deferred
+    writes recorded under it, values (lists of arrays, the loss) selected by it."""
+    def enter(x):
+        return x.with_mask(pred if x.mask is None else x.mask & pred)
+
+    new = fn(part, tuple(enter(x) if isinstance(x, DeferredStore | DeferredGrads) else x
+                         for x in state), *args)
+    out = []
+    for old, x in zip(state, new, strict=True):
+        if isinstance(old, DeferredStore | DeferredGrads):
+            out.append(x.with_mask(old.mask))
+        elif isinstance(old, list):
+            out.append([jnp.where(pred, a, b) for a, b in zip(x, old, strict=True)])
+        else:
+            out.append(jnp.where(pred, x, old))
+    return tuple(out)
+
+
 class Ends:
     """The prologues and epilogues of a body's members (none: every step is the core).
 
     Each method runs every member's part gated by ``row.at_stage`` and returns what the
     core reads next (or the updated buffers). With ``gate=False`` (one member, in a
     branch that runs for that member alone: the accelerator program) the parts run
-    unconditionally. ``outputs``: where the epilogue's loss and other outputs go;
+    unconditionally. With ``gate="mask"`` every part runs on every step, and what it
+    returns and writes counts only where ``row.at_stage`` says it is its stage's (the
+    lanes program, :mod:`.lane_ticks`: nothing runs under a conditional, and a device
+    waits for the slowest anyway; the writes must be deferred ones). ``outputs``: where
+    the epilogue's loss and other outputs go;
     ``store_residuals=False``: a forward-only program, which keeps none.
     """
 
     def __init__(self, L: StageLayouts, members: Sequence[StageFn], outputs: LossOutputs,
-                 groups: Groups, gate: bool = True, store_residuals: bool = True) -> None:
+                 groups: Groups, gate: bool | str = True, store_residuals: bool = True) -> None:
         self.pre: list[_Part] = []
         self.post: list[_Part] = []
         self.outputs = outputs
@@ -144,6 +169,9 @@ class Ends:
         for part in parts:
             if not self.gate:  # the branch runs for this member only
                 state = fn(part, state, *args)
+                continue
+            if self.gate == "mask":
+                state = _masked(row.at_stage[part.stage] != 0, fn, part, state, *args)
                 continue
             state = gated(row.at_stage[part.stage],
                           lambda st, *a, part=part: fn(part, st, *a), state, *args)

@@ -34,18 +34,22 @@ __all__ = ["DeferredGrads", "DeferredStore", "Ports", "add_grad", "get_rows", "p
 class DeferredStore(Mapping):
     """A device's storage read-only (``store[c]``, as the dict the CPU program passes),
     with the rows a branch writes recorded in :attr:`writes`, in order:
-    ``(class, base, offset, rows)``, the rows going to ``base + offset``.
+    ``(class, base, offset, rows, mask)``, the rows going to ``base + offset`` where
+    ``mask`` (a traced predicate, ``None``: always) holds.
 
     ``windows``: instead of whole buffers, per (pool, class), the rows the step may read
-    and where its part starts in them (:mod:`.windows`); read through :func:`reading`."""
+    and where its part starts in them (:mod:`.windows`); read through :func:`reading`.
+    ``mask``: what the writes recorded from now on are made under (:meth:`masked`: a part
+    that runs on every device but counts only on its own stage's, :mod:`.stage_ends`)."""
 
     def __init__(self, arrays: Mapping[Hashable, jax.Array],
-                 writes: tuple[tuple[Hashable, Any, int, jax.Array], ...] = (),
-                 windows: Mapping[tuple[Any, Hashable], tuple[jax.Array, Any]] | None = None
-                 ) -> None:
+                 writes: tuple[tuple[Hashable, Any, int, jax.Array, Any], ...] = (),
+                 windows: Mapping[tuple[Any, Hashable], tuple[jax.Array, Any]] | None = None,
+                 mask: Any = None) -> None:
         self.arrays = dict(arrays)
         self.writes = writes
         self.windows = windows
+        self.mask = mask
 
     def __getitem__(self, c: Hashable) -> jax.Array:
         return self.arrays[c]
@@ -57,8 +61,12 @@ class DeferredStore(Mapping):
         return len(self.arrays)
 
     def put(self, c: Hashable, base: Any, offset: int, rows: jax.Array) -> DeferredStore:
-        return DeferredStore(self.arrays, (*self.writes, (c, base, offset, rows)),
-                             self.windows)
+        return DeferredStore(self.arrays, (*self.writes, (c, base, offset, rows, self.mask)),
+                             self.windows, self.mask)
+
+    def with_mask(self, mask: Any) -> DeferredStore:
+        """The same records, later writes made under ``mask`` (``None``: always)."""
+        return DeferredStore(self.arrays, self.writes, self.windows, mask)
 
 
 def reading(store: Mapping[Hashable, jax.Array], pool: Any, bases: Mapping[Hashable, Any]
@@ -69,21 +77,28 @@ def reading(store: Mapping[Hashable, jax.Array], pool: Any, bases: Mapping[Hasha
     if not isinstance(store, DeferredStore) or store.windows is None:
         return store, dict(bases)
     mine = {c: store.windows[pool, c] for c in bases if (pool, c) in store.windows}
-    return (DeferredStore({c: w for c, (w, _) in mine.items()}, store.writes),
+    return (DeferredStore({c: w for c, (w, _) in mine.items()}, store.writes,
+                          mask=store.mask),
             {c: at for c, (_, at) in mine.items()})
 
 
 class DeferredGrads(list):
     """A device's gradient list read-only, with the gradients a branch adds recorded in
-    :attr:`adds`: ``(position, row or None, value)``."""
+    :attr:`adds`: ``(position, row or None, value, mask)`` (``mask`` as
+    :class:`DeferredStore`'s)."""
 
     def __init__(self, grads: Sequence[jax.Array | None],
-                 adds: list[tuple[int, Any, jax.Array]] | None = None) -> None:
+                 adds: list[tuple[int, Any, jax.Array, Any]] | None = None,
+                 mask: Any = None) -> None:
         super().__init__(grads)
         self.adds = list(adds or [])
+        self.mask = mask
 
     def copy(self) -> DeferredGrads:
-        return DeferredGrads(self, self.adds)
+        return DeferredGrads(self, self.adds, self.mask)
+
+    def with_mask(self, mask: Any) -> DeferredGrads:
+        return DeferredGrads(self, self.adds, mask)
 
 
 def get_rows(bufs: Mapping[Hashable, jax.Array], c: Hashable, base: Any, offset: int,
@@ -115,7 +130,7 @@ def add_grad(gbuf: list, pos: int, ct: jax.Array, row: Any = None) -> None:
     """Add ``ct`` into gradient ``pos`` (its row ``row`` when it is a stacked group), in
     place in the list, or recorded (a :class:`DeferredGrads`)."""
     if isinstance(gbuf, DeferredGrads):
-        gbuf.adds.append((pos, row, ct))
+        gbuf.adds.append((pos, row, ct, gbuf.mask))
         return
     gbuf[pos] = _added(gbuf[pos], ct, row)
 
@@ -201,32 +216,37 @@ class Ports:
     def signature(store: DeferredStore, gbuf: DeferredGrads) -> list[_Port]:
         """The ports a branch's records need, in record order."""
         out = [_Port("rows", c, tuple(rows.shape), jnp.dtype(rows.dtype),
-                     spec=_typed_spec(rows)) for c, _, _, rows in store.writes]
-        for pos, row, ct in gbuf.adds:
+                     spec=_typed_spec(rows)) for c, _, _, rows, _ in store.writes]
+        for pos, row, ct, _ in gbuf.adds:
             static = isinstance(row, int)
             out.append(_Port("grad", pos, tuple(ct.shape), jnp.dtype(gbuf[pos].dtype),
                              row if static else None, dynamic=row is not None and not static,
                              spec=_typed_spec(ct)))
         return out
 
-    def outputs(self, store: DeferredStore, gbuf: DeferredGrads) -> list:
+    def outputs(self, store: DeferredStore, gbuf: DeferredGrads, active: Any = None) -> list:
         """A branch's records as one entry per port: ``(rows, start, valid)`` or
-        ``(value, row, valid)``."""
+        ``(value, row, valid)``; ``active`` (a traced predicate): make none of them
+        where it is false (a step run on every device, idle on some)."""
         records = list(zip(self.signature(store, gbuf),
-                           [(base + offset, rows) for _, base, offset, rows in store.writes]
-                           + [(row, ct) for _, row, ct in gbuf.adds], strict=True))
+                           [(base + offset, rows, m) for _, base, offset, rows, m in store.writes]
+                           + [(row, ct, m) for _, row, ct, m in gbuf.adds], strict=True))
         out = []
         for port in self.ports:
             k = next((i for i, (p, _) in enumerate(records) if p == port), None)
             if k is None:
                 out.append(self._empty(port))
                 continue
-            _, (where, value) = records.pop(k)
+            _, (where, value, mask) = records.pop(k)
+            valid = jnp.int32(1)
+            for m in (mask, active):
+                if m is not None:
+                    valid = valid * jnp.asarray(m).astype(jnp.int32)
             if port.kind == "rows":
-                out.append((value.astype(port.dtype), jnp.int32(where), jnp.int32(1)))
+                out.append((value.astype(port.dtype), jnp.int32(where), valid))
             else:
                 out.append((value.astype(port.dtype),
-                            jnp.int32(where if port.dynamic else 0), jnp.int32(1)))
+                            jnp.int32(where if port.dynamic else 0), valid))
         assert not records, records  # every record has a port (the union covers it)
         return out
 
