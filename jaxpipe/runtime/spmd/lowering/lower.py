@@ -51,7 +51,7 @@ from jaxpipe.schedule import Action, Schedule
 from jaxpipe.schedule.graph import KB, paused_gc
 from jaxpipe.schedule.simulate import resolve_costs
 
-__all__ = ["lower", "lower_accelerator"]
+__all__ = ["lower", "lower_accelerator", "lowering_of"]
 
 
 def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
@@ -145,6 +145,16 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
         fused = _placed(run, split, iw_same_tick, True, counts, costs, refine, exchange)
         if fusing_saves_memory(alloc, fused[2], fused[0], counts):
             ticks, messages, alloc = fused
+    return lowering_of(schedule, ticks, messages, alloc, counts, body_of_stage, max_patterns,
+                       split, exchange)
+
+
+def lowering_of(schedule: Schedule, ticks: Ticks, messages: Messages, alloc: Allocation,
+                counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
+                body_of_stage: Sequence[int], max_patterns: int, split: frozenset,
+                exchange: Exchange) -> Lowering:
+    """The :class:`Lowering` of placed ticks, their messages and buffers (step 5)."""
+    S, D = schedule.num_stages, schedule.num_devices
     remote = messages.src != messages.dst
     offsets = tuple(sorted({int(x) for x in (messages.dst - messages.src)[remote] % D}))
     src, dst = messages.src[remote], messages.dst[remote]
