@@ -13,7 +13,8 @@ not show, compared by value where the object's type defines value equality and b
 identity otherwise:
 
 - every equation parameter, at every depth (a ``custom_jvp``'s rule, a sharding, a
-  dtype), sub-jaxprs walked the same way;
+  dtype), sub-jaxprs walked the same way; a rule JAX wraps anew at every call (the
+  memoized thunk of ``custom_jvp_call``) by the rule it wraps (:func:`_rule_key`);
 - constants, and array literals (printed as ``[...]``), by identity;
 - every equation's context (``eqn.ctx``: compute type, PRNG partitioning, XLA metadata;
   interned, so equal contexts are one object).
@@ -37,8 +38,48 @@ from jaxpipe.markers import boundary_p
 __all__ = ["fragment_key", "same_function", "unprinted"]
 
 
+#: Modules of JAX's own wrapping machinery: a function of theirs is keyed by its code and
+#: what its closure wraps, not by identity (every traced call makes new ones).
+_WRAPPERS = ("jax._src.interpreters.partial_eval", "jax._src.linear_util",
+             "jax._src.custom_derivatives", "jax._src.api_util")
+
+
+def _rule_key(fn: Any, depth: int = 0) -> Hashable:
+    """A key for a rule JAX wraps anew at every call (a ``custom_jvp_call``'s
+    ``jvp_jaxpr_fun``: a memoized thunk around the rule): the rule functions and objects
+    it reaches, by identity, through JAX's own wrappers (their code, their transforms'
+    names, their closures; memo tables, stores, traces and sentinels are left out). Two
+    calls of one ``custom_jvp`` function key alike; two different rules never do."""
+    if depth > 12:
+        return id(fn)
+    if hasattr(fn, "transforms") and hasattr(fn, "f") and hasattr(fn, "call_wrapped"):
+        names = tuple(getattr(t[0], "__qualname__", repr(t[0])) for t in fn.transforms)
+        return ("wrapped", names, _rule_key(fn.f, depth + 1))
+    if getattr(fn, "__module__", None) in _WRAPPERS and hasattr(fn, "__code__"):
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:  # not filled yet
+                continue
+            if isinstance(v, dict) or type(v) is object or type(v).__name__.endswith(
+                    ("Trace", "Store")) or (isinstance(v, list) and all(
+                        x is None or type(x).__name__.endswith("Store") for x in v)):
+                continue  # memo tables, sentinels, traces, stores: not the rule
+            cells.append(tuple(_rule_key(x, depth + 1) for x in v)
+                         if isinstance(v, (tuple, list)) else _rule_key(v, depth + 1))
+        return ("code", fn.__code__, tuple(cells))
+    try:
+        hash(fn)
+    except TypeError:
+        return id(fn)
+    return fn if isinstance(fn, (int, float, str, bool, type(None))) else id(fn)
+
+
 def _param(value: Any, out: list) -> None:
-    if isinstance(value, jcore.ClosedJaxpr):
+    if hasattr(value, "transforms") and hasattr(value, "call_wrapped"):
+        out.append(_rule_key(value))
+    elif isinstance(value, jcore.ClosedJaxpr):
         out.extend(id(c) for c in value.consts)
         _eqns(value.jaxpr.eqns, out)
     elif isinstance(value, jcore.Jaxpr):
