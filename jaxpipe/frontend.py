@@ -141,7 +141,7 @@ class Pipeline:
             st = cut_and_split(self.traced, schedule, cut,
                                self.runtime.memory_model_for(mesh), mesh, self.param_dims,
                                share_cores=self.runtime.shares_cores(),
-                               split_backward=self.runtime.splits_backward(mesh))
+                               split_backward=self.runtime.splits_backward(mesh, self.mesh_axes))
         self.stacks: tuple[Stack, ...] = st.stacks
         self.cut_traced: Traced = st.cut_traced
         self.cuts, self.cut_report = st.cuts, st.cut_report

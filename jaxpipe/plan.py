@@ -45,6 +45,7 @@ class Plan:
     lowered: str | None = None  # the runtime's timing report under the cost model (if any)
     # seconds per build phase and per program's first compile, filled as they happen
     build_times: Any = None
+    program: str | None = None  # the runtime's program, and where the stages' compute sits
 
     @classmethod
     def build(cls, pipe) -> Plan:
@@ -90,7 +91,7 @@ class Plan:
                    # the cutter simulated the schedule under these costs already
                    pipe.executor.timing_report(res.action_cost,
                                                schedule_makespan=res.makespan),
-                   pipe.build_times)
+                   pipe.build_times, pipe.executor.program_report())
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
@@ -118,6 +119,8 @@ class Plan:
         else:
             lines.append(f"memory budget: {_fmt(self.memory_budget)} per device for the cutter's "
                          f"prediction, from {self.budget_source}")
+        if self.program:
+            lines.append(self.program)
         if self.lowered:
             lines.append(self.lowered)
         if self.build_times is not None:

@@ -240,6 +240,10 @@ class Executor(abc.ABC):
         (the cutter does), so the schedule is not simulated again."""
         return None
 
+    def program_report(self) -> str | None:
+        """One line on the program this executor runs (``None``: nothing to say)."""
+        return None
+
     def compiled_check(self) -> Callable[[Any, str], None] | None:
         """``check(compiled, what)``, run on each entry point's first compiled program
         before it runs; it raises ``PipelineError`` for a program this runtime cannot run
@@ -281,7 +285,7 @@ class Runtime(abc.ABC):
         core once. Default: no, every stage runs whole."""
         return False
 
-    def splits_backward(self, mesh: Mesh | None = None) -> bool:
+    def splits_backward(self, mesh: Mesh | None = None, mesh_axes: Any = None) -> bool:
         """Whether this runtime runs backwards as I then W (then the hand-off between
         them is stored too, and splitting a stage into parts must not enlarge it)."""
         return False

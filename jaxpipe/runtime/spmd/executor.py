@@ -11,6 +11,7 @@ The :class:`SpmdExecutor` it returns keeps parameters in slots, one array
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from typing import Any, ClassVar
@@ -25,6 +26,7 @@ from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.runtime.memory import ACCELERATOR_MEMORY, SPMD_MEMORY, MemoryModel
 from jaxpipe.runtime.spmd.lowering import Lowering, lower, lower_accelerator
+from jaxpipe.runtime.spmd.lowering.lanes import lanes_makespan, lanes_refusal, lower_lanes
 from jaxpipe.runtime.spmd.lowering.sync import sync_report
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
 from jaxpipe.runtime.spmd.program.build import (
@@ -44,6 +46,7 @@ from jaxpipe.runtime.spmd.program.param_moves import (
     to_slots,
 )
 from jaxpipe.schedule.forward import ForwardOnly
+from jaxpipe.schedule.simulate import resolve_costs
 from jaxpipe.sharding import manual_spec, to_spec
 from jaxpipe.train import StageOptimizer
 from jaxpipe.train_options import TrainOptions
@@ -101,6 +104,16 @@ class SpmdRuntime(Runtime):
       refine: evaluations of the local search over ticks under the sync model
         (:mod:`.lowering.refine`). ``"auto"``: :data:`REFINE_EVALS` where devices run
         concurrently (the accelerator program, or several processes), else none.
+      lanes: build the lanes program (:mod:`.program.lane_ticks`) on any backend: where
+        every stage is one shared body, each tick runs its forward then its backward on
+        every device with no conditional around them, so the collectives XLA puts inside
+        a stage (FSDP all-gathers, tensor-parallel reductions, resharding permutes) run
+        unconditionally. Needs F and B actions (no split backward) and each direction
+        of messages used by one kind (not V placements). A schedule whose device order
+        waits for each backward (1F1B) idles more ticks than as one action a tick, a
+        GPipe-like order none; ``pipe.plan`` shows the lowering. ``"auto"`` (default):
+        where a stage holds such collectives (parameters sharded over a mesh axis other
+        than pipe) and the schedule allows it; ``True`` raises where it does not.
     """
 
     name: ClassVar[str] = "spmd"
@@ -108,12 +121,13 @@ class SpmdRuntime(Runtime):
     def __init__(self, *, backend: str = "auto", overlap: bool | str = "auto",
                  share_bodies: bool = True, split_backward: bool | str = "auto",
                  iw_same_tick: bool | str = "auto", fuse_fb: bool | str = "auto",
-                 refine: int | str = "auto") -> None:
+                 refine: int | str = "auto", lanes: bool | str = "auto") -> None:
         if backend not in BACKENDS:
             raise PipelineError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, "
                                 f"got {backend!r}.")
         for name, value in (("overlap", overlap), ("split_backward", split_backward),
-                            ("iw_same_tick", iw_same_tick), ("fuse_fb", fuse_fb)):
+                            ("iw_same_tick", iw_same_tick), ("fuse_fb", fuse_fb),
+                            ("lanes", lanes)):
             if value not in (True, False, "auto"):
                 raise PipelineError(f"{name} must be True, False or 'auto', got {value!r}.")
         if refine != "auto" and (isinstance(refine, bool) or not isinstance(refine, int)
@@ -129,6 +143,7 @@ class SpmdRuntime(Runtime):
         self.share_bodies = bool(share_bodies)
         self.split_backward = split_backward
         self.iw_same_tick = iw_same_tick
+        self.lanes = lanes
 
     @property
     def memory_model(self) -> MemoryModel:
@@ -165,22 +180,33 @@ class SpmdRuntime(Runtime):
             return bool(self.iw_same_tick)
         return not (self.accelerated(mesh) or _concurrent(mesh))
 
-    def resolve_split(self, mesh: Any = None) -> bool:
+    def resolve_split(self, mesh: Any = None, mesh_axes: Any = None) -> bool:
         if self.split_backward != "auto":
             return bool(self.split_backward)
-        return self.accelerated(mesh)
+        return self.accelerated(mesh) and not self.wants_lanes(mesh, mesh_axes)
+
+    def wants_lanes(self, mesh: Any = None, mesh_axes: Any = None) -> bool:
+        """Whether the lanes program is wanted (``lanes=True``, or ``"auto"`` where a
+        mesh axis left to JAX's sharding inside the stages has more than one device);
+        the schedule may still refuse it (:func:`.lowering.lanes.lanes_refusal`)."""
+        if self.lanes != "auto":
+            return bool(self.lanes)
+        if mesh is None or mesh_axes is None:
+            return False
+        return any(mesh.shape[a] > 1 for a in mesh.axis_names
+                   if a not in mesh_axes.manual_axes)
 
     def shares_cores(self) -> bool:
         return self.share_bodies
 
-    def splits_backward(self, mesh: Any = None) -> bool:
-        return self.resolve_split(mesh)
+    def splits_backward(self, mesh: Any = None, mesh_axes: Any = None) -> bool:
+        return self.resolve_split(mesh, mesh_axes)
 
     def __repr__(self) -> str:
         return (f"SpmdRuntime(backend={self.backend!r}, overlap={self.overlap!r}, "
                 f"share_bodies={self.share_bodies}, "
                 f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick!r}, "
-                f"fuse_fb={self.fuse_fb!r}, refine={self.refine!r})")
+                f"fuse_fb={self.fuse_fb!r}, refine={self.refine!r}, lanes={self.lanes!r})")
 
 
 class _InitOptState:
@@ -219,13 +245,15 @@ class SpmdExecutor(Executor):
         mesh = spec.mesh
         self.backend = runtime.resolve_backend(mesh)
         self.accelerated = self.backend != "cpu"
-        options = dict(split_backward=runtime.resolve_split(mesh),
+        options = dict(split_backward=runtime.resolve_split(mesh, spec.mesh_axes),
                        iw_same_tick=runtime.resolve_iw_same_tick(mesh),
                        fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
                        refine=runtime.resolve_refine(mesh))
         if self.accelerated and runtime.iw_same_tick is True:  # "auto" on a GPU/TPU mesh
             raise _packed_w_error(self.backend)
         self._runtime, self._options = runtime, options
+        self.lanes_refused: str | None = None  # why a wanted lanes program is not built
+        self.lanes = self._resolve_lanes(runtime)
         self.lowering: Lowering = self._lower(sched, self.layouts.pool_counts())
         holds = slot_inputs(spec, self.layouts.slots)
         self.groups = Groups(
@@ -235,14 +263,33 @@ class SpmdExecutor(Executor):
         self._build = functools.partial(build_step, self.bodies, self.layouts, self.lowering,
                                         spec.mesh, spec.mesh_axes, len(spec.microbatch_avals),
                                         groups=self.groups, accelerator=self.accelerated,
-                                        objective=spec.objective)
+                                        objective=spec.objective, lanes=self.lanes)
         self._step = self._build()
         # value_and_grad moves parameters in and gradients out by group (.param_groups)
         self._step_grouped = self._build(grouped=True)
 
+    def _resolve_lanes(self, runtime: SpmdRuntime) -> bool:
+        """Whether the lanes program runs (``SpmdRuntime(lanes=...)``; where it is wanted,
+        ``split_backward="auto"`` split no backward already)."""
+        spec = self.spec
+        if not runtime.wants_lanes(spec.mesh, spec.mesh_axes):
+            return False
+        why = self.lanes_refused = lanes_refusal(spec.schedule, self.body_of_stage,
+                                                 self._options["split_backward"])
+        if why is not None:
+            if runtime.lanes is True:
+                raise PipelineError(
+                    f"SpmdRuntime(lanes=True) cannot run this pipeline: {why}. Use "
+                    "lanes='auto' or False, or a schedule and cut whose stages share one "
+                    "body (repeated @jp.layer blocks, cut=\"markers\").")
+            return False
+        return True
+
     def _lower(self, schedule: Any, pool_counts: Any) -> Lowering:
         """The lowering of ``schedule`` for this executor's program."""
         runtime, options = self._runtime, self._options
+        if self.lanes:
+            return lower_lanes(schedule, pool_counts, self.body_of_stage)
         if not self.accelerated:
             return lower(schedule, pool_counts, self.body_of_stage, **options)
         overlap = (runtime.overlap if self.spec.action_cost is not None
@@ -264,7 +311,8 @@ class SpmdExecutor(Executor):
                                   self.forward_lowering, self.spec.mesh,
                                   self.spec.mesh_axes, len(self.spec.microbatch_avals),
                                   groups=self.groups, accelerator=self.accelerated,
-                                  objective=self.spec.objective, forward_only=True)
+                                  objective=self.spec.objective, forward_only=True,
+                                  lanes=self.lanes)
         return build(), build(grouped=True)
 
     def _shard_map(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
@@ -438,8 +486,8 @@ class SpmdExecutor(Executor):
         """On the CPU backend with parameters sharded over automatic axes: refuse a program
         in which XLA moved data inside a stage with a collective-permute (see
         :func:`.program.build.check_stage_collectives`)."""
-        if not self.spec.param_axes or _platform(self.spec.mesh) != "cpu":
-            return None
+        if not self.spec.param_axes or _platform(self.spec.mesh) != "cpu" or self.lanes:
+            return None  # (the lanes program runs every stage collective unconditionally)
         return check_stage_collectives
 
     # -- reports --------------------------------------------------------------------
@@ -476,7 +524,28 @@ class SpmdExecutor(Executor):
         :mod:`.lowering.sync`), e.g. ``lowered efficiency 0.982 (...)``."""
         report = sync_report(self.spec.schedule, self.lowering, cost,
                              async_makespan=schedule_makespan)
+        if self.lanes:  # every lane of a tick's segment runs on every device
+            lanes = lanes_makespan(self.lowering, resolve_costs(cost))
+            report = dataclasses.replace(report, lowered_makespan=lanes,
+                                         efficiency=report.async_makespan / lanes)
         return "lowered program: " + report.summary()
+
+    def program_report(self) -> str:
+        """Which program runs and where the stages' compute sits, e.g. ``program: lanes
+        (1 shared body, forward then backward lane every tick, no stage compute or
+        collective under a conditional; 6 ticks in 3 segments)``."""
+        low = self.lowering
+        bodies = f"{len(self.bodies)} bod{'y' if len(self.bodies) == 1 else 'ies'}"
+        if self.lanes:
+            segs = self._step.tick_loop.segments
+            return (f"program: lanes ({bodies}, a forward and a backward lane every tick, "
+                    f"no stage compute or collective under a conditional; {low.num_ticks} "
+                    f"ticks in {len(segs)} segments)")
+        where = ("one switch a tick holds every stage's compute and its collectives"
+                 if self.accelerated else "every stage in a gated loop, its collectives "
+                 "under it")
+        why = f"; lanes not used: {self.lanes_refused}" if self.lanes_refused else ""
+        return (f"program: {self.backend} ({bodies}, {low.num_ticks} ticks, {where}{why})")
 
     def fingerprint(self) -> dict[str, str]:
         digest = hashlib.sha256(self.lowering.table.digest_bytes()).hexdigest()[:16]

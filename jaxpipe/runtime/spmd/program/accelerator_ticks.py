@@ -49,7 +49,7 @@ from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.windows import Windows
 from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, Ports
 
-__all__ = ["AcceleratorFields", "AcceleratorTicks"]
+__all__ = ["AcceleratorFields", "AcceleratorTicks", "pack", "unpack"]
 
 Bufs = dict[ValueClass, jax.Array]
 
@@ -142,21 +142,10 @@ class AcceleratorTicks:
         return store, inbox, pending
 
     def _pack(self, msg: Bufs) -> Any:
-        """A message as what a permutation moves: one byte buffer, or the unit itself."""
-        if not self.packed:
-            return msg
-        return jnp.concatenate([_bytes(msg[c]).reshape(-1) for c in self.unit])
+        return pack(msg, self.unit, self.packed)
 
     def _unpack(self, payload: Any) -> Bufs:
-        if not self.packed:
-            return payload
-        out, at = {}, 0
-        for c, n in self.unit.items():
-            shape = (n, *c.row_shape)
-            size = int(np.prod(shape)) * np.dtype(c.dtype).itemsize
-            out[c] = _from_bytes(payload[at:at + size], shape, c.dtype)
-            at += size
-        return out
+        return unpack(payload, self.unit, self.packed)
 
     def _write_unit(self, buf: Bufs, msg: Bufs, slot: Any) -> Bufs:
         return {c: lax.dynamic_update_slice_in_dim(buf[c], msg[c], slot * n, 0,
@@ -228,6 +217,27 @@ class AcceleratorTicks:
         for j, got in enumerate(arrived):
             inbox = self._write_unit(inbox, self._unpack(got), at.recv_slot[j])
         return (store, inbox, payload if self.overlap else ()), gbuf, loss + dloss
+
+
+def pack(msg: Bufs, unit: dict, packed: bool) -> Any:
+    """A message as what a permutation moves: one byte buffer (``packed``), or the unit
+    itself."""
+    if not packed:
+        return msg
+    return jnp.concatenate([_bytes(msg[c]).reshape(-1) for c in unit])
+
+
+def unpack(payload: Any, unit: dict, packed: bool) -> Bufs:
+    """:func:`pack` undone."""
+    if not packed:
+        return payload
+    out, at = {}, 0
+    for c, n in unit.items():
+        shape = (n, *c.row_shape)
+        size = int(np.prod(shape)) * np.dtype(c.dtype).itemsize
+        out[c] = _from_bytes(payload[at:at + size], shape, c.dtype)
+        at += size
+    return out
 
 
 def _bytes(x: jax.Array) -> jax.Array:

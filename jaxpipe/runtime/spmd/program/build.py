@@ -17,6 +17,7 @@ and gradients over the batch axes, and runs the optimizer epilogue if there is o
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from jaxpipe.runtime.spmd.lowering.types import Lowering
 from jaxpipe.runtime.spmd.program.accelerator_ticks import AcceleratorTicks
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.cpu_ticks import CpuTicks
+from jaxpipe.runtime.spmd.program.lane_ticks import LaneTicks
 from jaxpipe.runtime.spmd.program.layout import StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
@@ -61,6 +63,7 @@ def build_step(
     accelerator: bool = False,
     objective: Objective = MEAN,
     forward_only: bool = False,
+    lanes: bool = False,
 ) -> Callable:
     """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss, aux)`` as a shard_map'ed
     function.
@@ -96,7 +99,8 @@ def build_step(
 
     ``accelerator``: build the straight-line tick loop for GPUs and TPUs
     (:mod:`.accelerator_ticks`; the lowering must exchange every tick); else the CPU's
-    (:mod:`.cpu_ticks`).
+    (:mod:`.cpu_ticks`). ``lanes``: the lanes program instead, on any backend (one shared
+    body run unconditionally, :mod:`.lane_ticks`; a lanes lowering).
     """
     axis = axes.axis
     manual_batch = axes.manual_batch_axes
@@ -104,7 +108,10 @@ def build_step(
     groups = groups if groups is not None else Groups(bodies, L.slots.classes)
     last = next(st for b in bodies for st in b.members if st.is_last)
     outputs = LossOutputs(last.out_avals, objective, lowering.num_microbatches)
-    if accelerator:  # a byte buffer would lose the sharding of automatic axes
+    if lanes:
+        loop = LaneTicks(bodies, L, lowering, axis, groups, outputs, forward_only,
+                         packed=set(axes.manual_axes) == set(mesh.axis_names))
+    elif accelerator:  # a byte buffer would lose the sharding of automatic axes
         loop = AcceleratorTicks(bodies, L, lowering, axis, groups, outputs, forward_only,
                                 packed=set(axes.manual_axes) == set(mesh.axis_names),
                                 # XLA:GPU keeps one layout a buffer: whole buffers
@@ -122,17 +129,26 @@ def build_step(
             batch = [constrain(x, ((), axes.auto_batch_axes)) for x in batch]
         fields = jax.tree.map(lambda x: x[:, 0], fields)  # this device's column
 
-        def step(carry, fields):
+        def step(carry, fields, lanes=None):
             state, gbuf, loss = carry
+            if lanes is not None:  # each lane picks its own microbatch
+                return loop.step(state, gbuf, loss, fields, pbuf, batch, lanes), None
             row = fields[0]
             mbd = [lax.dynamic_index_in_dim(x, row.microbatch, 0, keepdims=False,
                                             allow_negative_indices=False)
                    for x in batch]
             return loop.step(state, gbuf, loss, fields, pbuf, mbd), None
 
-        init = (loop.init(), [] if forward_only else groups.zero_grads(),
-                jnp.zeros((), jnp.float32))
-        ((store, *_), gbuf, loss), _ = lax.scan(step, init, fields)
+        carry = (loop.init(), [] if forward_only else groups.zero_grads(),
+                 jnp.zeros((), jnp.float32))
+        if lanes:
+            for seg in loop.segments:
+                carry, _ = lax.scan(functools.partial(step, lanes=seg.lanes), carry,
+                                    jax.tree.map(lambda x, seg=seg: x[seg.start:seg.stop],
+                                                 fields))
+        else:
+            carry, _ = lax.scan(step, carry, fields)
+        (store, *_), gbuf, loss = carry
         # Manual batch axes reduce explicitly; over the automatic ones the stages saw
         # the whole microbatch and XLA already reduced.
         loss, gbuf, aux = outputs.finish(store, loss, gbuf, axis, manual_batch)

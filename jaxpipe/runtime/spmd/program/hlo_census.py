@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from jaxpipe.runtime.spmd.program.hlo_text import PERMUTE, Instr, Module
 
-__all__ = ["PermuteWindow", "TickLoopCensus", "census"]
+__all__ = ["PermuteWindow", "TickLoopCensus", "census", "loop_conditionals"]
 
 _ARRAY = re.compile(r"^\(?(\w+\[[\d,]*\])")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
@@ -189,6 +189,16 @@ def census(hlo: str) -> TickLoopCensus:
         copies_in_conditionals=n["copies", True],
         relayout_copies=n["relayouts"],
         async_copied=tuple(sorted(async_copied)))
+
+
+def loop_conditionals(hlo: str) -> tuple[int, int]:
+    """``(while loops, conditionals inside any of them)`` in the optimized HLO text
+    ``hlo``: the lanes program scans its ticks in several loops (its segments), and none
+    of them may hold a conditional."""
+    m = Module(hlo)
+    loops = [i for body in m.comps.values() for i in body if i.op == "while"]
+    inside = m.reach([c for i in loops for c in m.called(i)])
+    return len(loops), sum(i.op == "conditional" for c in inside for i in m.comps[c])
 
 
 def _window(m: Module, comp: str, start: Instr) -> PermuteWindow:
