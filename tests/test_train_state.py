@@ -115,7 +115,8 @@ ORDERS = {
 @pytest.mark.parametrize(("runtime", "has_aux", "order"), [
     ("cpu", True, "evaluate_first"), ("cpu", False, "train_first"),
     ("gpu", False, "evaluate_first"), ("gpu", True, "grad_first"),
-    ("reference", True, "train_first"), ("reference", False, "grad_first")])
+    ("reference", True, "train_first"), ("reference", False, "grad_first"),
+    ("lanes", True, "evaluate_first"), ("lanes", False, "train_first")])
 def test_evaluate_train_evaluate_in_a_training_loops_order(runtime, has_aux, order):
     """loss, value_and_grad, init, train_step and loss(state) interleaved as a training
     loop calls them, on every runtime, with and without aux: the evaluation program built
@@ -125,11 +126,19 @@ def test_evaluate_train_evaluate_in_a_training_loops_order(runtime, has_aux, ord
     from jaxpipe.runtime.reference import ReferenceRuntime
     from jaxpipe.runtime.spmd import SpmdRuntime
 
-    loss_fn, params, batch = MODELS["mlp"](4, batch=8)
-    fn = (lambda p, b: (loss_fn(p, b), {"l": loss_fn(p, b)})) if has_aux else loss_fn
+    # the lanes program needs stages of one body: two tiny_lm blocks a stage
+    loss_fn, params, batch = (MODELS["tiny_lm"](4, batch=8) if runtime == "lanes"
+                              else MODELS["mlp"](4, batch=8))
+    def with_aux(p, b):
+        value = loss_fn(p, b)
+        return value, {"l": value}
+
+    fn = with_aux if has_aux else loss_fn
     pipe = jp.pipeline(fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
-                       schedule=jp.OneFOneB(2, M), cut="markers", has_aux=has_aux,
+                       schedule=jp.OneFOneB(2, M), cut="auto" if runtime == "lanes"
+                       else "markers", has_aux=has_aux,
                        runtime=ReferenceRuntime() if runtime == "reference"
+                       else SpmdRuntime(lanes=True) if runtime == "lanes"
                        else SpmdRuntime(backend=runtime))
     loss_only = (lambda out: out[0]) if has_aux else (lambda out: out)
     tx = optax.sgd(0.1)

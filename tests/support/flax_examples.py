@@ -82,13 +82,60 @@ def gemma_setup(mesh: jax.sharding.Mesh, *, layers: int = 4, embed: int = 32,
 
 
 def lm1b() -> types.ModuleType:
-    """flax's lm1b ``models`` module, imported once (as ``lm1b_models``)."""
+    """flax's lm1b ``models`` module, imported once (as ``lm1b_models``), its
+    ``EncoderDecoder1DBlock`` marked ``@jp.layer`` (the one change a user makes)."""
     if "lm1b_models" not in sys.modules:
         spec = importlib.util.spec_from_file_location("lm1b_models", ROOT / "lm1b" / "models.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules["lm1b_models"] = module
         spec.loader.exec_module(module)
+        module.EncoderDecoder1DBlock = jp.layer(module.EncoderDecoder1DBlock)
     return sys.modules["lm1b_models"]
+
+
+#: lm1b's logical axis rules, as its train.py gives them for FSDP x tensor parallelism.
+LM1B_RULES = (("mlp", "tensor"), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"))
+
+
+def lm1b_setup(mesh: jax.sharding.Mesh, *, layers: int = 4, vocab: int = 64, seq: int = 8,
+               batch: int = 16, abstract: bool = False) -> tuple[Any, Any, Callable, dict]:
+    """``(model, variables, loss_fn, batch)``: an lm1b ``TransformerLM`` of this size, its
+    variables placed as its train.py places them (``nn.logical_to_mesh_sharding`` of its
+    rules, :data:`LM1B_RULES`, on ``mesh``), random tokens, and a next-token cross
+    entropy per microbatch. ``abstract``: shapes with their shardings only, for a
+    compile-only mesh. Build the pipeline under ``nn.logical_axis_rules(LM1B_RULES)``."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    models = lm1b()
+    cfg = models.TransformerConfig(
+        vocab_size=vocab, output_vocab_size=vocab, emb_dim=32, num_heads=4,
+        num_layers=layers, qkv_dim=32, mlp_dim=64, max_len=seq, dropout_rate=0.0,
+        attention_dropout_rate=0.0, deterministic=True)
+    model = models.TransformerLM(cfg)
+    rules = [list(r) for r in LM1B_RULES]
+    init = lambda: model.init(jax.random.key(0), jnp.ones((2, seq), jnp.int32))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        shapes = jax.eval_shape(init)
+        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(shapes), mesh, rules)
+        if abstract:
+            def placed(box, s):  # the logical metadata kept, its value a placed shape
+                a = box.value if isinstance(box, nn.meta.AxisMetadata) else box
+                sds = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                return box.replace(value=sds) if isinstance(box, nn.meta.AxisMetadata) else sds
+
+            variables = jax.tree.map(placed, shapes, shardings,
+                                     is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+            tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+        else:
+            variables = jax.jit(init, out_shardings=shardings)()
+            tokens = jax.random.randint(jax.random.key(1), (batch, seq), 1, vocab)
+
+    def loss_fn(module, v, b):
+        logits = module.apply(v, b["x"])
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(b["x"], vocab) * nn.log_softmax(logits), -1))
+
+    return model, variables, loss_fn, {"x": tokens}
 
 
 def staged_share(staged: Any) -> float:
