@@ -113,7 +113,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 def _print_lowered(schedule, args: argparse.Namespace):
     """The SPMD lowering of ``schedule``: which actions share a tick, and its efficiency."""
-    from jaxpipe.runtime.spmd.executor import REFINE_EVALS
+    from jaxpipe.runtime.spmd.backends import REFINE_EVALS
     from jaxpipe.runtime.spmd.lowering import lower, lower_accelerator
     from jaxpipe.runtime.spmd.lowering.sync import lowered_timeline, sync_report, tick_table
     from jaxpipe.schedule.simulate import resolve_costs

@@ -500,7 +500,7 @@ def test_accelerator_lowered_efficiency_every_schedule():
     asynchronous makespan: at least 0.97 for every built-in and gallery schedule, p in
     {2, 4, 8}, m in {p, 2p, 4p}, costs F=1, B=2, I=W=1. Forcing the overlap on is never
     chosen at no transfer cost unless it runs as fast."""
-    from jaxpipe.runtime.spmd.executor import REFINE_EVALS
+    from jaxpipe.runtime.spmd.backends import REFINE_EVALS
     from jaxpipe.runtime.spmd.lowering import lower_accelerator
     from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan
     from jaxpipe.schedule.simulate import resolve_costs

@@ -75,7 +75,7 @@ def gpt_costs(schedule: Any, layers: int) -> Callable[[Any], float]:
 def section_lowering(ps: tuple[int, ...] = (2, 4, 8), layers: int = 16,
                      gpt: bool = True) -> dict[str, Any]:
     """Lowered efficiency for every schedule, p in ``ps``, m in {p, 2p, 4p}."""
-    from jaxpipe.runtime.spmd.executor import REFINE_EVALS
+    from jaxpipe.runtime.spmd.backends import REFINE_EVALS
     from jaxpipe.runtime.spmd.lowering import lower, lower_accelerator
     from jaxpipe.runtime.spmd.lowering.sync import sync_report
     from jaxpipe.schedule.simulate import resolve_costs

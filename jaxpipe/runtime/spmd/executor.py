@@ -11,9 +11,7 @@ The :class:`SpmdExecutor` it returns keeps parameters in slots, one array
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
 from typing import Any, ClassVar
 
 import jax
@@ -25,9 +23,16 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.runtime.memory import ACCELERATOR_MEMORY, SPMD_MEMORY, MemoryModel
+from jaxpipe.runtime.spmd.backends import (
+    BACKENDS,
+    REFINE_EVALS,
+    concurrent,
+    exchange_flops,
+    packed_w_error,
+    platform_of,
+)
 from jaxpipe.runtime.spmd.lowering import Lowering, lower, lower_accelerator
-from jaxpipe.runtime.spmd.lowering.lanes import lanes_makespan, lanes_refusal, lower_lanes
-from jaxpipe.runtime.spmd.lowering.sync import sync_report
+from jaxpipe.runtime.spmd.lowering.lanes import lanes_refusal, lower_lanes
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
 from jaxpipe.runtime.spmd.program.build import (
     build_step,
@@ -45,8 +50,8 @@ from jaxpipe.runtime.spmd.program.param_moves import (
     slot_inputs,
     to_slots,
 )
+from jaxpipe.runtime.spmd.reports import ExecutorReports
 from jaxpipe.schedule.forward import ForwardOnly
-from jaxpipe.schedule.simulate import resolve_costs
 from jaxpipe.sharding import manual_spec, to_spec
 from jaxpipe.train import StageOptimizer
 from jaxpipe.train_options import TrainOptions
@@ -135,7 +140,7 @@ class SpmdRuntime(Runtime):
             raise PipelineError(
                 f"refine must be 'auto' or a number of evaluations >= 0, got {refine!r}.")
         if backend in ("gpu", "tpu") and iw_same_tick is True:
-            raise _packed_w_error(backend)
+            raise packed_w_error(backend)
         self.backend = backend
         self.overlap = overlap
         self.refine = refine
@@ -161,7 +166,7 @@ class SpmdRuntime(Runtime):
         """The program built for ``mesh`` (``backend="auto"``: its devices' platform)."""
         if self.backend != "auto":
             return self.backend
-        platform = _platform(mesh)
+        platform = platform_of(mesh)
         return "cpu" if platform == "cpu" else ("tpu" if platform == "tpu" else "gpu")
 
     def accelerated(self, mesh: Any = None) -> bool:
@@ -172,13 +177,13 @@ class SpmdRuntime(Runtime):
         """Local-search evaluations the lowering runs (``refine="auto"`` resolved)."""
         if self.refine != "auto":
             return self.refine
-        return REFINE_EVALS if self.accelerated(mesh) or _concurrent(mesh) else 0
+        return REFINE_EVALS if self.accelerated(mesh) or concurrent(mesh) else 0
 
     def resolve_iw_same_tick(self, mesh: Any = None) -> bool:
         """Whether a W runs in its own I's tick (``iw_same_tick="auto"`` resolved)."""
         if self.iw_same_tick != "auto":
             return bool(self.iw_same_tick)
-        return not (self.accelerated(mesh) or _concurrent(mesh))
+        return not (self.accelerated(mesh) or concurrent(mesh))
 
     def resolve_split(self, mesh: Any = None, mesh_axes: Any = None) -> bool:
         if self.split_backward != "auto":
@@ -220,7 +225,7 @@ class _InitOptState:
         return self.fn(param_leaves)
 
 
-class SpmdExecutor(Executor):
+class SpmdExecutor(ExecutorReports, Executor):
     """A pipeline's SPMD program, its lowered tables and its slot buffers.
 
     The staged layout of parameters (and of optimizer state) is a list of slots, each
@@ -250,7 +255,7 @@ class SpmdExecutor(Executor):
                        fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
                        refine=runtime.resolve_refine(mesh))
         if self.accelerated and runtime.iw_same_tick is True:  # "auto" on a GPU/TPU mesh
-            raise _packed_w_error(self.backend)
+            raise packed_w_error(self.backend)
         self._runtime, self._options = runtime, options
         self.lanes_refused: str | None = None  # why a wanted lanes program is not built
         self.lanes = self._resolve_lanes(runtime)
@@ -267,6 +272,8 @@ class SpmdExecutor(Executor):
         self._step = self._build()
         # value_and_grad moves parameters in and gradients out by group (.param_groups)
         self._step_grouped = self._build(grouped=True)
+        #: what the value-and-grad programs run, for reports (grouped first)
+        self.tick_loops = (self._step_grouped.tick_loop, self._step.tick_loop)
 
     def _resolve_lanes(self, runtime: SpmdRuntime) -> bool:
         """Whether the lanes program runs (``SpmdRuntime(lanes=...)``; where it is wanted,
@@ -486,114 +493,6 @@ class SpmdExecutor(Executor):
         """On the CPU backend with parameters sharded over automatic axes: refuse a program
         in which XLA moved data inside a stage with a collective-permute (see
         :func:`.program.build.check_stage_collectives`)."""
-        if not self.spec.param_axes or _platform(self.spec.mesh) != "cpu" or self.lanes:
+        if not self.spec.param_axes or platform_of(self.spec.mesh) != "cpu" or self.lanes:
             return None  # (the lanes program runs every stage collective unconditionally)
         return check_stage_collectives
-
-    # -- reports --------------------------------------------------------------------
-    def switch_bytes(self) -> dict[str, int] | None:
-        """In the accelerator program, the bytes every tick returns from its switch and
-        writes into the buffers: stored rows (``"rows"``) and gradients (``"grad"``;
-        a port a step does not use is left uninitialised and masked out after the switch:
-        the price of keeping the buffers out of the conditional). Known once a
-        value-and-grad step was traced; ``None`` before, and in the CPU program."""
-        for step in (self._step_grouped, self._step):
-            ports = step.tick_loop.ports
-            if ports is not None:
-                return {"rows": ports.nbytes("rows"), "grad": ports.nbytes("grad")}
-        return None
-
-    def memory_report(self) -> dict[str, Any]:
-        low, lay = self.lowering, self.layouts
-        store_bytes = sum(c.nbytes * n for c, n in low.slots.items())
-        msg = lay.unit_bytes() * (low.num_inbox + 1 + sum(max(k, 1) for k in low.units))
-        return {
-            # parameters and gradients: each device's shards
-            "buffer_bytes": 2 * sum(c.nbytes // self.spec.shards(c.dims)
-                                    for c in lay.slots.classes) + store_bytes + msg,
-            "device_rows": [
-                {"residual_peak": low.residual_peak[d],
-                 "residual_bytes": sum(c.nbytes * n
-                                       for c, n in low.slots_per_device[d].items())}
-                for d in range(low.num_devices)],
-            "stage_residual_bytes": [p.nbytes() for p in lay.residuals],
-        }
-
-    def timing_report(self, cost: Any, *, schedule_makespan: float | None = None) -> str:
-        """The lowered program against the schedule under the sync model (see
-        :mod:`.lowering.sync`), e.g. ``lowered efficiency 0.982 (...)``."""
-        report = sync_report(self.spec.schedule, self.lowering, cost,
-                             async_makespan=schedule_makespan)
-        if self.lanes:  # every lane of a tick's segment runs on every device
-            lanes = lanes_makespan(self.lowering, resolve_costs(cost))
-            report = dataclasses.replace(report, lowered_makespan=lanes,
-                                         efficiency=report.async_makespan / lanes)
-        return "lowered program: " + report.summary()
-
-    def program_report(self) -> str:
-        """Which program runs and where the stages' compute sits, e.g. ``program: lanes
-        (1 shared body, forward then backward lane every tick, no stage compute or
-        collective under a conditional; 6 ticks in 3 segments)``."""
-        low = self.lowering
-        bodies = f"{len(self.bodies)} bod{'y' if len(self.bodies) == 1 else 'ies'}"
-        if self.lanes:
-            segs = self._step.tick_loop.segments
-            return (f"program: lanes ({bodies}, a forward and a backward lane every tick, "
-                    f"no stage compute or collective under a conditional; {low.num_ticks} "
-                    f"ticks in {len(segs)} segments)")
-        where = ("one switch a tick holds every stage's compute and its collectives"
-                 if self.accelerated else "every stage in a gated loop, its collectives "
-                 "under it")
-        why = f"; lanes not used: {self.lanes_refused}" if self.lanes_refused else ""
-        return (f"program: {self.backend} ({bodies}, {low.num_ticks} ticks, {where}{why})")
-
-    def fingerprint(self) -> dict[str, str]:
-        digest = hashlib.sha256(self.lowering.table.digest_bytes()).hexdigest()[:16]
-        return {"table_sha256": digest, "num_steps": str(self.lowering.num_steps),
-                "bodies": str(len(self.bodies))}
-
-
-#: The programs :class:`SpmdRuntime` builds.
-BACKENDS = ("auto", "cpu", "gpu", "tpu")
-
-#: Nominal FLOPs a device computes in the time its link to a neighbour moves one byte,
-#: and in the fixed time of one permutation (launch, handshake): what
-#: ``SpmdRuntime(overlap="auto")`` prices an exchange at against the cutter's FLOP
-#: costs. GPU: H100/H200-class, ~4e14 FLOP/s sustained, ~4e11 B/s NVLink a direction,
-#: ~10 us a permutation; TPU: v5-class, ~2e14 FLOP/s, ~1e11 B/s ICI, ~10 us. Estimates,
-#: not measurements: pass ``overlap=True`` / ``False`` where a measurement says
-#: otherwise.
-LINK_FLOPS_PER_BYTE = {"gpu": 1.0e3, "tpu": 2.0e3}
-EXCHANGE_LATENCY_FLOPS = {"gpu": 4.0e9, "tpu": 2.0e9}
-
-
-def exchange_flops(backend: str, message_bytes: int) -> float:
-    """One permutation of a ``message_bytes`` message, in FLOPs of compute time."""
-    return message_bytes * LINK_FLOPS_PER_BYTE[backend] + EXCHANGE_LATENCY_FLOPS[backend]
-
-
-#: Local-search evaluations over the ticks where devices run concurrently
-#: (:mod:`.lowering.refine`): 0.3-0.7 s of lowering at p=8, m=16-32, at most ~0.8 s at p=64.
-REFINE_EVALS = 1200
-
-
-def _packed_w_error(backend: str) -> PipelineError:
-    return PipelineError(
-        "iw_same_tick=True runs a W as a second step in its I's tick; the accelerator "
-        f"program (backend={backend!r}) runs one step per tick. Use iw_same_tick=False or "
-        "'auto', or backend='cpu'.")
-
-
-def _platform(mesh: Any = None) -> str:
-    """The platform of ``mesh``'s devices (a compile-only TPU or GPU mesh included: the
-    program is built for the devices it will run on, not for this process's backend)."""
-    if mesh is not None:
-        return mesh.devices.flat[0].platform
-    return jax.default_backend()
-
-
-def _concurrent(mesh: Any = None) -> bool:
-    """Whether the pipeline's devices run at the same time (an accelerator, or several
-    processes); virtual CPU devices in one process take turns, and there the grouping of
-    actions into ticks costs nothing."""
-    return _platform(mesh) != "cpu" or jax.process_count() > 1
