@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src.pjit import sharding_constraint_p
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.extend.core import jaxpr_as_fun as _jax_jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -26,7 +25,11 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe import gathers
 from jaxpipe.errors import PipelineError
 from jaxpipe.interpret import sub_jaxprs
+from jaxpipe.jax_compat import sharding_constraint_p
 from jaxpipe.sharding import MeshAxes
+
+#: the primitive of jax.lax.with_sharding_constraint (private in JAX)
+_CONSTRAINT = sharding_constraint_p()
 
 __all__ = ["constraint_axes", "entering", "for_context", "jaxpr_as_fun", "leaving",
            "without_constrained_batch_axes"]
@@ -40,7 +43,7 @@ def constraint_axes(jaxpr: Jaxpr) -> frozenset[str]:
     """The mesh axes named by the sharding constraints of ``jaxpr`` (and its sub-jaxprs)."""
     out: set[str] = set()
     for eqn in jaxpr.eqns:
-        sharding = eqn.params.get("sharding") if eqn.primitive is sharding_constraint_p else None
+        sharding = eqn.params.get("sharding") if eqn.primitive is _CONSTRAINT else None
         if isinstance(sharding, NamedSharding):
             out |= _spec_axes(sharding.spec)
         for sub in sub_jaxprs(eqn.params):

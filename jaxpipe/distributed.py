@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from jaxpipe.errors import PipelineError
+from jaxpipe.jax_compat import cluster_environments, distributed_client
 
 __all__ = [
     "ENV_COORDINATOR",
@@ -152,25 +153,14 @@ def initialize(
 
 
 def _already_initialized() -> bool:
-    try:
-        from jax._src import distributed as _dist
-
-        return _dist.global_state.client is not None
-    except (ImportError, AttributeError):  # private API moved: assume not initialized
-        return False
+    return distributed_client() is not None  # (private API moved: None, not initialized)
 
 
 def _cluster_detected() -> bool:
     """True if one of JAX's cluster environments (SLURM, MPI, k8s, TPU) is present."""
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         return True
-    try:
-        from jax._src import clusters
-
-        return any(env.is_env_present() for env in clusters.ClusterEnv._cluster_types
-                   if env.opt_in_only_method is False)
-    except (ImportError, AttributeError):
-        return False
+    return any(env.is_env_present() for env in cluster_environments())
 
 
 # ------------------------------------------------------------------------- inputs

@@ -18,6 +18,7 @@ import optax
 
 from jaxpipe.avals import is_differentiable
 from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.jax_compat import dce_jaxpr
 
 if TYPE_CHECKING:
     from jaxpipe.runtime.base import RuntimeSpec
@@ -27,13 +28,13 @@ __all__ = ["check_optimizer", "check_rows_separable", "check_separable"]
 
 def _output_inputs(closed: Any) -> list[list[int]]:
     """For every output of ``closed``, the inputs it reads (dead-code elimination per output)."""
-    from jax._src.interpreters import partial_eval as pe  # no public per-output DCE
+    dce = dce_jaxpr()  # no public per-output DCE
 
     jaxpr = closed.jaxpr
     n = len(jaxpr.outvars)
     out = []
     for j in range(n):
-        _, used = pe.dce_jaxpr(jaxpr, [i == j for i in range(n)], instantiate=False)
+        _, used = dce(jaxpr, [i == j for i in range(n)], instantiate=False)
         out.append([i for i, u in enumerate(used) if u])
     return out
 

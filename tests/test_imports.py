@@ -119,3 +119,31 @@ sys.exit(1 if bad else 0)
     run = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True,
                          cwd=PACKAGE.parent, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_private_jax_is_read_in_one_module_only():
+    """``jax._src`` is imported by ``jaxpipe/jax_compat.py`` alone: a JAX upgrade that
+    moves a private object breaks one guarded accessor, with an error naming it."""
+    offenders = []
+    for name, path in _modules().items():
+        if name == "jaxpipe.jax_compat":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{name}: {m}" for m in mods if m.startswith("jax._src")]
+    assert not offenders, offenders
+
+
+def test_a_moved_private_jax_object_names_itself_and_the_supported_versions(monkeypatch):
+    import jax._src.pjit
+    import pytest
+
+    import jaxpipe as jp
+    from jaxpipe import jax_compat
+
+    prim = jax_compat.sharding_constraint_p()
+    assert prim.name == "sharding_constraint"
+    monkeypatch.delattr(jax._src.pjit, "sharding_constraint_p")
+    with pytest.raises(jp.PipelineError, match=r"sharding_constraint_p.*supports JAX >= 0\.10"):
+        jax_compat.sharding_constraint_p()

@@ -106,8 +106,12 @@ def assert_matches(result, expected, rtol=1e-5):
     import numpy as np
 
     (l1, g1), (l2, g2) = result, expected
-    np.testing.assert_allclose(l1, l2, rtol=rtol, atol=1e-7)
-    assert jax.tree.structure(g1) == jax.tree.structure(g2)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+    np.testing.assert_allclose(l1, l2, rtol=rtol, atol=1e-7, err_msg="the loss differs")
+    assert jax.tree.structure(g1) == jax.tree.structure(g2), (
+        f"gradient structures differ: {jax.tree.structure(g1)} vs {jax.tree.structure(g2)}")
+    got = jax.tree_util.tree_leaves_with_path(g1)
+    for (path, a), b in zip(got, jax.tree.leaves(g2), strict=True):
         scale = float(jnp.max(jnp.abs(b))) + 1e-12
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
+        np.testing.assert_allclose(
+            a, b, rtol=rtol, atol=rtol * scale,
+            err_msg=f"gradient of {jax.tree_util.keystr(path)} (max |grad| {scale:.3g})")

@@ -1,0 +1,69 @@
+"""The few private JAX objects jaxpipe reads, each behind one guarded accessor.
+
+JAX has no public name for them (the sharding-constraint primitive, per-output dead-code
+elimination of a jaxpr, the distributed client's state, its cluster environments). A JAX
+upgrade may move one; then the accessor fails with an error that names it and the JAX
+versions jaxpipe supports, instead of an ``ImportError`` deep in a trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from jaxpipe.errors import PipelineError
+
+__all__ = ["SUPPORTED_JAX", "cluster_environments", "dce_jaxpr", "distributed_client",
+           "sharding_constraint_p"]
+
+#: The JAX versions jaxpipe is built and tested against.
+SUPPORTED_JAX = ">= 0.10, < 0.11"
+
+
+def _moved(what: str, err: Exception) -> PipelineError:
+    import jax
+
+    return PipelineError(
+        f"jaxpipe reads JAX's private {what}, which this JAX ({jax.__version__}) does not "
+        f"have ({type(err).__name__}: {err}). jaxpipe supports JAX {SUPPORTED_JAX}: install "
+        "one of those (pip install 'jax>=0.10,<0.11'), or report the new location.")
+
+
+def sharding_constraint_p() -> Any:
+    """The primitive of ``jax.lax.with_sharding_constraint``."""
+    try:
+        from jax._src.pjit import sharding_constraint_p as prim
+    except ImportError as err:
+        raise _moved("jax._src.pjit.sharding_constraint_p", err) from None
+    return prim
+
+
+def dce_jaxpr() -> Callable[..., Any]:
+    """``partial_eval.dce_jaxpr(jaxpr, used_outputs, instantiate=...)``."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        return pe.dce_jaxpr
+    except (ImportError, AttributeError) as err:
+        raise _moved("jax._src.interpreters.partial_eval.dce_jaxpr", err) from None
+
+
+def distributed_client() -> Any:
+    """The client of ``jax.distributed`` (``None``: not initialized, or not found)."""
+    try:
+        from jax._src import distributed
+    except ImportError:
+        return None
+    return getattr(getattr(distributed, "global_state", None), "client", None)
+
+
+def cluster_environments() -> list[Any]:
+    """JAX's cluster environments that detect themselves (SLURM, MPI, k8s, TPU); empty
+    when JAX keeps them elsewhere."""
+    try:
+        from jax._src import clusters
+
+        return [env for env in clusters.ClusterEnv._cluster_types
+                if env.opt_in_only_method is False]
+    except (ImportError, AttributeError):
+        return []
