@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import os
 
+#: Single-threaded XLA:CPU, as JAX's FAQ gives it. XLA stops reading ``XLA_FLAGS`` at the
+#: bare ``intra_op_parallelism_threads=1``: this string goes last (:func:`with_flags`).
+SINGLE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def with_flags(*flags: str) -> str:
+    """``XLA_FLAGS`` of ``flags`` then :data:`SINGLE_THREAD_FLAGS` (last, see there)."""
+    return " ".join([*(f for f in flags if f), SINGLE_THREAD_FLAGS])
+
 
 def single_core_cpu(devices: int) -> None:
     """``devices`` virtual CPU devices and single-threaded XLA, the process pinned to one
@@ -13,7 +22,7 @@ def single_core_cpu(devices: int) -> None:
     if "device_count" not in flags:
         flags += f" --xla_force_host_platform_device_count={devices}"
     if "multi_thread_eigen" not in flags:
-        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        flags += " " + SINGLE_THREAD_FLAGS
     os.environ["XLA_FLAGS"] = flags.strip()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})

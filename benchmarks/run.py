@@ -51,8 +51,12 @@ def _preparse(argv: list[str]) -> None:
         # running (40% of its compile time); its figures mean nothing anyway
         flags += " --xla_backend_optimization_level=0"
     if threads == "single" and "xla_cpu_multi_thread_eigen" not in flags:
-        # last: XLA stops reading XLA_FLAGS at the bare intra_op_parallelism_threads=1
-        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if repo not in sys.path:
+            sys.path.insert(0, repo)
+        from benchmarks.cpu_setup import with_flags  # (imports no jax)
+
+        flags = with_flags(flags)  # last (see there)
     os.environ["XLA_FLAGS"] = flags.strip()
     import importlib.util
 

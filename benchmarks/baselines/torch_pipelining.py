@@ -147,11 +147,13 @@ def _free_port() -> int:
 
 
 def _spawn(framework: str, python: str, a: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import with_flags  # (imports no jax)
+
     port = _free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1 "
-                         "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+               XLA_FLAGS=with_flags("--xla_force_host_platform_device_count=1"))
     outs = [Path(a.workdir) / f"{framework}{r}.json" for r in range(2)]
     procs = [subprocess.Popen(
         [python, __file__, "--role", framework, "--rank", str(r), "--port", str(port),

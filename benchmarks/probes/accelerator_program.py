@@ -29,9 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args(argv)
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={a.p} "
-                          "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
     sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import with_flags  # (imports no jax)
+
+    os.environ.setdefault("XLA_FLAGS", with_flags(f"--xla_force_host_platform_device_count={a.p}"))
     import jax
     import numpy as np
 

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PLACEMENTS = ("pinned", "unpinned", "compute-pinned")
 
@@ -30,8 +31,10 @@ PLACEMENTS = ("pinned", "unpinned", "compute-pinned")
 def _worker(a: argparse.Namespace) -> None:
     if a.placement == "pinned":
         os.sched_setaffinity(0, {a.rank % os.cpu_count()})
-    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=1 "
-                               "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.cpu_setup import with_flags  # (imports no jax)
+
+    os.environ["XLA_FLAGS"] = with_flags("--xla_force_host_platform_device_count=1")
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import jax.numpy as jnp

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-SINGLE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def _pin(core: int | None) -> int | None:
@@ -218,12 +217,15 @@ KEEP_FREED_PAGES = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
 
 
 def _env(keep_freed_pages: bool = True, devices: int = 1) -> dict[str, str]:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import with_flags
+
     env = dict(os.environ)
-    # the parent's compile effort (the quick run's level 0) carries over; the bare
-    # intra_op_parallelism_threads=1 of SINGLE_THREAD_FLAGS ends what XLA reads
+    # the parent's compile effort (the quick run's level 0) carries over
     level = re.search(r"--xla_backend_optimization_level=\d+", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
-                        f"{level.group(0) + ' ' if level else ''}{SINGLE_THREAD_FLAGS}")
+    env["XLA_FLAGS"] = with_flags(f"--xla_force_host_platform_device_count={devices}",
+                                  level.group(0) if level else "")
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(x for x in (env.get("PYTHONPATH"), str(REPO)) if x)
     for k in KEEP_FREED_PAGES:
