@@ -30,6 +30,7 @@ _EXPORTS = {
     "Interleaved1F1B": "jaxpipe.schedule",
     "Timeline": "jaxpipe.schedule",
     "load_schedule": "jaxpipe.schedule",
+    "Auto": "jaxpipe.auto",
     "pipeline": "jaxpipe.frontend",
     "Pipeline": "jaxpipe.frontend",
     "PipelineError": "jaxpipe.errors",

@@ -31,7 +31,7 @@ from jaxpipe.stages import split
 from jaxpipe.stages.stage_fn import StageFn, param_owners
 from jaxpipe.trace import Traced
 
-__all__ = ["StagedLoss", "cut_and_split"]
+__all__ = ["StagedLoss", "cut_and_split", "cut_only"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,29 @@ class StagedLoss:
         )
 
 
+def _cut_view(traced: Traced, mesh: Mesh, param_dims: Sequence[Dims]) -> tuple:
+    """``(stacks, per-layer view or None, the loss the cutter sees, per parameter input of
+    it the devices of one pipe position its sharding splits it over)``."""
+    stacks = tuple(find_stacks(traced.jaxpr))
+    layers = per_layer(traced, stacks) if stacks else None
+    cut_traced = layers.traced if layers else traced
+    leaf_of = ([v.leaf for v in layers.views.views] if layers
+               else range(traced.num_params))
+    shards = [math.prod(mesh.shape[a] for d in param_dims[leaf] for a in d) if param_dims
+              else 1 for leaf in leaf_of]
+    return stacks, layers, cut_traced, shards
+
+
+def cut_only(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
+             mesh: Mesh, param_dims: Sequence[Dims]) -> Any:
+    """The cutter's report (:class:`jaxpipe.cut.CutResult`) of ``traced`` under
+    ``schedule``, without splitting it into stages: what choosing among schedules costs
+    (:mod:`jaxpipe.auto`)."""
+    _, _, cut_traced, shards = _cut_view(traced, mesh, param_dims)
+    return resolve_cuts(cut_traced, schedule, cut, memory_model, tuple(mesh.devices.flat),
+                        shards)[1]
+
+
 def cut_and_split(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
                   mesh: Mesh, param_dims: Sequence[Dims], *, share_cores: bool = False,
                   split_backward: bool = False) -> StagedLoss:
@@ -94,12 +117,7 @@ def cut_and_split(traced: Traced, schedule: Schedule, cut: Any, memory_model: Me
     :meth:`~jaxpipe.runtime.Runtime.splits_backward` say (see :func:`jaxpipe.stages.split`).
     """
     param_avals = [v.aval for v in traced.jaxpr.invars[: traced.num_params]]
-    stacks = tuple(find_stacks(traced.jaxpr))
-    layers = per_layer(traced, stacks) if stacks else None
-    cut_traced = layers.traced if layers else traced
-    leaf_of = [v.leaf for v in layers.views.views] if layers else range(len(param_avals))
-    shards = [math.prod(mesh.shape[a] for d in param_dims[leaf] for a in d) if param_dims
-              else 1 for leaf in leaf_of]
+    stacks, layers, cut_traced, shards = _cut_view(traced, mesh, param_dims)
     cuts, report = resolve_cuts(cut_traced, schedule, cut, memory_model,
                                 tuple(mesh.devices.flat), shards)
     if layers is not None:

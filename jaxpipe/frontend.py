@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpipe.auto import AutoChoice, choose, placeholder, resolve_auto
 from jaxpipe.avals import to_boundary
 from jaxpipe.build_times import BuildTimes
 from jaxpipe.compile_watch import CompileWatch
 from jaxpipe.constraints import without_constrained_batch_axes
-from jaxpipe.cut_and_split import cut_and_split
+from jaxpipe.cut_and_split import cut_and_split, cut_only
 from jaxpipe.errors import PipelineTypeError
 from jaxpipe.input_placement import Placement, live_state
 from jaxpipe.inputs import (
@@ -102,6 +103,9 @@ class Pipeline:
                  runtime: str | Runtime = "spmd", rng: bool = False,
                  batch_axes: Any = None, param_specs: Any = None, has_aux: bool = False,
                  reduction: str = "mean") -> None:
+        auto = resolve_auto(schedule)
+        if auto is not None:  # traced with m of the choice; the family chosen after the trace
+            schedule = placeholder(auto, mesh, axis, batch)
         check_pipeline_args(loss_fn, schedule, axis, rng)
         objective = check_objective(has_aux, reduction)
         self.runtime: Runtime = resolve(runtime)
@@ -137,6 +141,17 @@ class Pipeline:
         self.objective: Objective = self.traced.objective
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
+        #: what schedule="auto" chose and why (None: the schedule was given)
+        self.auto_choice: AutoChoice | None = None
+        if auto is not None:
+            with trace_context(mesh, self.mesh_axes), self._times.phase("cut"):
+                memory = self.runtime.memory_model_for(mesh)
+                self.auto_choice = choose(
+                    auto, schedule.num_devices, schedule.num_microbatches,
+                    lambda s: cut_only(self.traced, s, cut, memory, mesh, self.param_dims),
+                    lambda s, r: self.runtime.predicted_time(s, r.action_cost, mesh,
+                                                             self.mesh_axes))
+            self.schedule = schedule = self.auto_choice.schedule
         with trace_context(mesh, self.mesh_axes), self._times.phase("cut"):
             st = cut_and_split(self.traced, schedule, cut,
                                self.runtime.memory_model_for(mesh), mesh, self.param_dims,

@@ -46,6 +46,7 @@ class Plan:
     # seconds per build phase and per program's first compile, filled as they happen
     build_times: Any = None
     program: str | None = None  # the runtime's program, and where the stages' compute sits
+    auto: Any = None  # what schedule="auto" chose among (jaxpipe.auto.AutoChoice)
 
     @classmethod
     def build(cls, pipe) -> Plan:
@@ -91,7 +92,7 @@ class Plan:
                    # the cutter simulated the schedule under these costs already
                    pipe.executor.timing_report(res.action_cost,
                                                schedule_makespan=res.makespan),
-                   pipe.build_times, pipe.executor.program_report())
+                   pipe.build_times, pipe.executor.program_report(), pipe.auto_choice)
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
@@ -119,6 +120,8 @@ class Plan:
         else:
             lines.append(f"memory budget: {_fmt(self.memory_budget)} per device for the cutter's "
                          f"prediction, from {self.budget_source}")
+        if self.auto is not None:
+            lines.append(str(self.auto))
         if self.program:
             lines.append(self.program)
         if self.lowered:

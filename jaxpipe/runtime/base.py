@@ -285,6 +285,13 @@ class Runtime(abc.ABC):
         core once. Default: no, every stage runs whole."""
         return False
 
+    def predicted_time(self, schedule: Any, action_cost: Callable[[Any], float] | None,
+                       mesh: Mesh | None = None, mesh_axes: Any = None) -> float | None:
+        """This runtime's time for ``schedule`` under per-action ``action_cost``, before
+        anything is built (``schedule="auto"`` ranks by it); ``None``: the schedule's own
+        simulated makespan is the best guess."""
+        return None
+
     def splits_backward(self, mesh: Mesh | None = None, mesh_axes: Any = None) -> bool:
         """Whether this runtime runs backwards as I then W (then the hand-off between
         them is stored too, and splitting a stage into parts must not enlarge it)."""

@@ -14,7 +14,8 @@ import jax
 from jaxpipe.errors import PipelineError
 
 __all__ = ["BACKENDS", "EXCHANGE_LATENCY_FLOPS", "LINK_FLOPS_PER_BYTE", "REFINE_EVALS",
-           "concurrent", "exchange_flops", "packed_w_error", "platform_of"]
+           "TICK_OVERHEAD_FLOPS", "concurrent", "exchange_flops", "packed_w_error",
+           "platform_of"]
 
 #: The programs :class:`SpmdRuntime` builds.
 BACKENDS = ("auto", "cpu", "gpu", "tpu")
@@ -33,6 +34,14 @@ EXCHANGE_LATENCY_FLOPS = {"gpu": 4.0e9, "tpu": 2.0e9}
 def exchange_flops(backend: str, message_bytes: int) -> float:
     """One permutation of a ``message_bytes`` message, in FLOPs of compute time."""
     return message_bytes * LINK_FLOPS_PER_BYTE[backend] + EXCHANGE_LATENCY_FLOPS[backend]
+
+
+#: The fixed time of one tick of the program, in FLOPs of compute time, that
+#: ``schedule="auto"`` adds per tick when it ranks schedules (:mod:`.predict`): CPU,
+#: ~100 us a tick (a collective between virtual devices ~75 us, the loop's dispatch) at
+#: ~2e10 FLOP/s of one core; GPU and TPU, the latency of a permutation
+#: (:data:`EXCHANGE_LATENCY_FLOPS`). Estimates, not calibrated on your machine.
+TICK_OVERHEAD_FLOPS = {"cpu": 2.0e6, "gpu": 4.0e9, "tpu": 2.0e9}
 
 
 #: Local-search evaluations over the ticks where devices run concurrently

@@ -33,6 +33,7 @@ from jaxpipe.runtime.spmd.backends import (
 )
 from jaxpipe.runtime.spmd.lowering import Lowering, lower, lower_accelerator
 from jaxpipe.runtime.spmd.lowering.lanes import lanes_refusal, lower_lanes
+from jaxpipe.runtime.spmd.predict import predicted_time
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
 from jaxpipe.runtime.spmd.program.build import (
     build_step,
@@ -206,6 +207,13 @@ class SpmdRuntime(Runtime):
 
     def splits_backward(self, mesh: Any = None, mesh_axes: Any = None) -> bool:
         return self.resolve_split(mesh, mesh_axes)
+
+    def predicted_time(self, schedule: Any, action_cost: Any, mesh: Any = None,
+                       mesh_axes: Any = None) -> float:
+        """The lowered program's time plus a fixed cost a tick (:mod:`.predict`)."""
+        return predicted_time(schedule, action_cost, self.resolve_backend(mesh),
+                              self.wants_lanes(mesh, mesh_axes),
+                              self.resolve_split(mesh, mesh_axes), self.resolve_refine(mesh))[0]
 
     def __repr__(self) -> str:
         return (f"SpmdRuntime(backend={self.backend!r}, overlap={self.overlap!r}, "

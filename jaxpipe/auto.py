@@ -1,0 +1,248 @@
+"""``schedule="auto"``: choose the schedule family and its virtual stages with the cut.
+
+A user of :func:`jaxpipe.pipeline` would otherwise pick GPipe, 1F1B or interleaved 1F1B
+and its number of chunks by trial and error. :class:`Auto` lists the candidates the
+mesh's pipe size and the model allow, cuts the model for each with the memory-aware
+cutter (which chooses recomputation under the memory budget: ``jp.Cut(memory_budget=)``,
+or the device's memory), and takes the fastest whose predicted per-device memory fits
+(``objective="memory"``: the smallest). A candidate's time is the runtime's program
+for it, lowered and simulated with the stages' costs, plus a fixed cost a tick
+(``Runtime.predicted_time``; the SPMD runtime's, :mod:`jaxpipe.runtime.spmd.predict`,
+uses per-backend estimates, not yet calibrated on the user's machine).
+
+``pipe.plan`` lists every candidate: family, chunks, microbatches, predicted time and
+memory, and why each one not chosen was not (slower, more memory, does not fit, cannot
+run). The choice is deterministic: ties go to the earlier candidate in :data:`FAMILIES`
+order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from jaxpipe.errors import PipelineError
+from jaxpipe.schedule import GPipe, Interleaved1F1B, OneFOneB, Schedule
+
+__all__ = ["FAMILIES", "Auto", "AutoChoice", "Candidate", "choose", "placeholder",
+           "resolve_auto"]
+
+#: The built-in families :class:`Auto` chooses among by default, in tie-break order:
+#: name -> ``(schedule class, chunk counts it tries)``.
+FAMILIES: dict[str, tuple[type[Schedule], tuple[int, ...]]] = {
+    "1f1b": (OneFOneB, (1,)),
+    "gpipe": (GPipe, (1,)),
+    "interleaved": (Interleaved1F1B, (2, 4)),
+}
+
+_OBJECTIVES = ("time", "memory")
+
+
+@dataclass(frozen=True)
+class Auto:
+    """``jp.pipeline(..., schedule=jp.Auto(...))``: let jaxpipe choose the schedule.
+
+    Args:
+      num_devices: the pipe size ``p``; ``None`` (default): the mesh's pipe axis (given,
+        it must equal it).
+      microbatches: the number of microbatches ``m`` (the batch splits into ``m`` along
+        axis 0). ``None``: the largest divisor of the batch that is at most ``4 * p``
+        (``p`` the mesh's pipe size): more microbatches shrink the bubble, and the
+        per-microbatch work stays large enough to use a device.
+      families: which of :data:`FAMILIES` to try (names), and any schedule classes of
+        your own, constructed as ``cls(p, m)``.
+      objective: ``"time"`` (the fastest that fits) or ``"memory"`` (the smallest peak).
+
+    ``schedule="auto"`` is ``Auto()``. Example::
+
+        pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule="auto")
+        print(pipe.plan)      # the candidates, their predicted time and memory, the choice
+        pipe.schedule         # the chosen schedule
+    """
+
+    num_devices: int | None = None
+    microbatches: int | None = None
+    families: tuple[str | type[Schedule], ...] = tuple(FAMILIES)
+    objective: str = "time"
+
+    def __post_init__(self) -> None:
+        if self.objective not in _OBJECTIVES:
+            raise PipelineError(f"Auto(objective=...) must be one of {_OBJECTIVES}, got "
+                                f"{self.objective!r}.")
+        if not self.families:
+            raise PipelineError("Auto(families=...) is empty; name at least one of "
+                                f"{sorted(FAMILIES)} or pass a Schedule subclass.")
+        for f in self.families:
+            if isinstance(f, str) and f not in FAMILIES:
+                raise PipelineError(f"Auto(families=...) names {f!r}, which is not one of "
+                                    f"{sorted(FAMILIES)}; pass a Schedule subclass for your "
+                                    "own family.")
+            if not isinstance(f, str) and not (isinstance(f, type)
+                                               and issubclass(f, Schedule)):
+                raise PipelineError(f"Auto(families=...) holds {f!r}: give family names or "
+                                    "Schedule subclasses constructible as cls(p, m).")
+        if self.microbatches is not None and (isinstance(self.microbatches, bool) or
+                                              not isinstance(self.microbatches, int)
+                                              or self.microbatches < 1):
+            raise PipelineError(f"Auto(microbatches=...) must be a positive int or None, got "
+                                f"{self.microbatches!r}.")
+
+    def num_microbatches(self, num_devices: int, batch_size: int) -> int:
+        """``m`` for a pipe of ``num_devices`` and a batch of ``batch_size`` rows."""
+        if self.microbatches is not None:
+            if batch_size % self.microbatches:
+                raise PipelineError(
+                    f"Auto(microbatches={self.microbatches}) does not divide the batch's "
+                    f"{batch_size} rows; pass a divisor of {batch_size}.")
+            return self.microbatches
+        return max(d for d in range(1, min(batch_size, 4 * num_devices) + 1)
+                   if batch_size % d == 0)
+
+    def candidates(self, num_devices: int, num_microbatches: int, max_stages: int
+                   ) -> list[tuple[str, int, Schedule | str]]:
+        """``(family, chunks, schedule or why it cannot be built)`` of every candidate;
+        ``max_stages``: the most stages the model can be cut into."""
+        out: list[tuple[str, int, Schedule | str]] = []
+        for f in self.families:
+            name, (cls, chunks) = ((f, FAMILIES[f]) if isinstance(f, str)
+                                   else (f.__name__, (f, (1,))))
+            for v in chunks:
+                if num_devices * v > max_stages:
+                    out.append((name, v, f"needs {num_devices * v} stages; the model has "
+                                         f"{max_stages} cuttable segments"))
+                    continue
+                try:
+                    sched = cls(num_devices, num_microbatches, v) if v > 1 else cls(
+                        num_devices, num_microbatches)
+                    sched.validate()
+                except Exception as err:  # a family's own rule (e.g. m a multiple of p)
+                    out.append((name, v, f"cannot be built: {err}"))
+                    continue
+                out.append((name, v, sched))
+        return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule :class:`Auto` considered (a row of ``pipe.plan``'s table)."""
+
+    family: str
+    chunks: int
+    microbatches: int
+    time: float | None  # predicted step time (the cut's simulated makespan)
+    memory: float | None  # predicted peak bytes per device
+    verdict: str  # "chosen", or why not
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What :func:`choose` decided: the schedule, and every candidate with its verdict."""
+
+    schedule: Schedule
+    candidates: tuple[Candidate, ...]
+    objective: str
+    time_unit: str
+
+    def __str__(self) -> str:
+        lines = [f"schedule chosen by Auto (objective '{self.objective}'):",
+                 f"{'family':>12} {'v':>2} {'m':>4} {'time':>10} {'memory':>10}  verdict"]
+        for c in self.candidates:
+            t = "-" if c.time is None else f"{c.time:.4g}"
+            mem = "-" if c.memory is None else f"{c.memory / 2**20:.2f} MiB"
+            lines.append(f"{c.family:>12} {c.chunks:>2} {c.microbatches:>4} {t:>10} "
+                         f"{mem:>10}  {c.verdict}")
+        lines.append(f"(time: the runtime's program simulated with the stages' costs and a "
+                     f"fixed cost a tick, in {self.time_unit}; memory: the cutter's "
+                     "prediction per device)")
+        return "\n".join(lines)
+
+
+def choose(auto: Auto, num_devices: int, num_microbatches: int,
+           cut_report: Callable[[Schedule], Any],
+           time_of: Callable[[Schedule, Any], float | None] = lambda s, r: None,
+           max_stages: int = 1 << 30) -> AutoChoice:
+    """Cut for every candidate (``cut_report(schedule)``: the cutter's report, raising
+    ``PipelineError`` where the model cannot be cut for it or does not fit) and take the
+    best that fits. ``time_of(schedule, report)``: the runtime's predicted time
+    (``Runtime.predicted_time``); ``None``: the report's simulated makespan."""
+    rows: list[tuple[str, int, Schedule | None, float | None, float | None, str]] = []
+    unit = "flops"
+    for name, v, sched in auto.candidates(num_devices, num_microbatches, max_stages):
+        if isinstance(sched, str):
+            rows.append((name, v, None, None, None, sched))
+            continue
+        try:
+            report = cut_report(sched)
+        except PipelineError as err:
+            rows.append((name, v, None, None, None, f"does not fit or cut: {_first(err)}"))
+            continue
+        unit = report.time_unit
+        memory = float(report.peak_memory)
+        budget = report.memory_budget
+        if budget is not None and memory > budget:
+            rows.append((name, v, None, float(report.makespan), memory,
+                         f"does not fit: {memory / 2**20:.2f} MiB > budget "
+                         f"{budget / 2**20:.2f} MiB"))
+            continue
+        time = time_of(sched, report)
+        rows.append((name, v, sched, float(report.makespan if time is None else time),
+                     memory, ""))
+    fitting = [r for r in rows if r[2] is not None]
+    if not fitting:
+        why = "; ".join(f"{r[0]} v={r[1]}: {r[5]}" for r in rows)
+        raise PipelineError(f"schedule='auto' found no candidate that can run: {why}. "
+                            "Give a memory budget that fits (jp.Cut(memory_budget=...)), "
+                            "fewer microbatches, or a schedule.")
+
+    def key(r: tuple) -> tuple:
+        return (r[3], r[4]) if auto.objective == "time" else (r[4], r[3])
+
+    best = min(fitting, key=key)  # (min keeps the first of equals: FAMILIES order)
+    candidates = []
+    for r in rows:
+        verdict = r[5]
+        if r is best:
+            verdict = "chosen"
+        elif r[2] is not None:
+            verdict = ("slower" if auto.objective == "time" and r[3] > best[3]
+                       else "more memory" if r[4] > best[4]
+                       else "slower" if r[3] > best[3] else "equal; an earlier family won")
+        candidates.append(Candidate(r[0], r[1], num_microbatches, r[3], r[4], verdict))
+    return AutoChoice(best[2], tuple(candidates), auto.objective, unit)
+
+
+def _first(err: Exception) -> str:
+    text = str(err).split(". ")[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def placeholder(auto: Auto, mesh: Any, axis: str, batch: Any) -> Schedule:
+    """The schedule a pipeline checks its arguments and traces with before it chooses:
+    1F1B over the mesh's pipe size and :meth:`Auto.num_microbatches` (the choice keeps
+    ``m``; only the family and chunks change)."""
+    import jax
+
+    if not hasattr(mesh, "axis_names") or axis not in mesh.axis_names:
+        raise PipelineError(f"schedule='auto' takes the pipe size from the mesh's '{axis}' "
+                            f"axis; the mesh has {tuple(getattr(mesh, 'axis_names', ()))}. "
+                            f"Build it with jax.make_mesh((p,), ('{axis}',)) or pass axis=.")
+    leaves = jax.tree.leaves(batch)
+    if not leaves or not getattr(leaves[0], "shape", ()):
+        raise PipelineError("schedule='auto' splits the batch along axis 0; give a batch "
+                            "of arrays with a leading batch axis.")
+    p = int(mesh.shape[axis])
+    if auto.num_devices is not None and auto.num_devices != p:
+        raise PipelineError(f"Auto(num_devices={auto.num_devices}) but the mesh's '{axis}' "
+                            f"axis has {p} devices; drop num_devices or match the mesh.")
+    return OneFOneB(p, auto.num_microbatches(p, int(leaves[0].shape[0])))
+
+
+def resolve_auto(schedule: Any) -> Auto | None:
+    """The :class:`Auto` that ``schedule`` asks for (``"auto"`` or an instance), else
+    ``None``."""
+    if isinstance(schedule, Auto):
+        return schedule
+    if isinstance(schedule, str) and schedule == "auto":
+        return Auto()
+    return None

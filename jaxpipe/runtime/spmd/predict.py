@@ -1,0 +1,44 @@
+"""How long the SPMD runtime's program takes for a schedule, before anything is built.
+
+What ``schedule="auto"`` (:mod:`jaxpipe.auto`) ranks candidates by: the schedule lowered
+the way the runtime would lower it (numpy only; no buffers are sized), its time under
+the stages' costs in the program's sync model (devices meet at the end of every tick;
+the lanes program runs every lane of a tick on every device), plus a fixed overhead per
+tick (:data:`~.backends.TICK_OVERHEAD_FLOPS`: dispatch, the exchange's latency).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxpipe.runtime.spmd.backends import TICK_OVERHEAD_FLOPS, exchange_flops
+from jaxpipe.runtime.spmd.lowering import lower, lower_accelerator
+from jaxpipe.runtime.spmd.lowering.lanes import lanes_makespan, lanes_refusal, lower_lanes
+from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan
+from jaxpipe.schedule import Action, Schedule
+from jaxpipe.schedule.simulate import resolve_costs
+
+__all__ = ["predicted_time"]
+
+
+def predicted_time(schedule: Schedule, action_cost: Callable[[Action], float] | None,
+                   backend: str, lanes: bool, split_backward: bool, refine: int,
+                   message_bytes: int = 0) -> tuple[float, int]:
+    """``(time, ticks)`` of the program for ``schedule`` (in the units of
+    ``action_cost``, FLOPs from the cutter): ``lanes`` where the lanes program would run
+    (and can), else the ``backend``'s program, split backwards and ``refine`` as the
+    runtime would lower them."""
+    cost = resolve_costs(action_cost)
+    S = schedule.num_stages
+    if lanes and lanes_refusal(schedule, [0] * S, split_backward) is None:
+        low = lower_lanes(schedule, {})
+        time = lanes_makespan(low, cost)
+    elif backend == "cpu":
+        low = lower(schedule, {}, split_backward=split_backward, costs=action_cost,
+                    refine=refine)
+        time = lowered_makespan(low, cost)
+    else:
+        low = lower_accelerator(schedule, {}, split_backward=split_backward,
+                                costs=action_cost, refine=refine, overlap=False)
+        time = lowered_makespan(low, cost, exchange_flops(backend, message_bytes))
+    return time + low.num_ticks * TICK_OVERHEAD_FLOPS[backend], low.num_ticks
