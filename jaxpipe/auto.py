@@ -133,6 +133,7 @@ class Candidate:
     time: float | None  # predicted step time (the cut's simulated makespan)
     memory: float | None  # predicted peak bytes per device
     verdict: str  # "chosen", or why not
+    schedule: Schedule | None = None  # the candidate (None where it could not be built)
 
 
 @dataclass(frozen=True)
@@ -166,28 +167,30 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
     ``PipelineError`` where the model cannot be cut for it or does not fit) and take the
     best that fits. ``time_of(schedule, report)``: the runtime's predicted time
     (``Runtime.predicted_time``); ``None``: the report's simulated makespan."""
-    rows: list[tuple[str, int, Schedule | None, float | None, float | None, str]] = []
+    rows: list[tuple[str, int, Schedule | None, float | None, float | None, str,
+                     Schedule | None]] = []
     unit = "flops"
     for name, v, sched in auto.candidates(num_devices, num_microbatches, max_stages):
         if isinstance(sched, str):
-            rows.append((name, v, None, None, None, sched))
+            rows.append((name, v, None, None, None, sched, None))
             continue
         try:
             report = cut_report(sched)
         except PipelineError as err:
-            rows.append((name, v, None, None, None, f"does not fit or cut: {_first(err)}"))
+            rows.append((name, v, None, None, None, f"does not fit or cut: {_first(err)}",
+                         sched))
             continue
         unit = report.time_unit
         memory = float(report.peak_memory)
         budget = report.memory_budget
-        if budget is not None and memory > budget:
-            rows.append((name, v, None, float(report.makespan), memory,
-                         f"does not fit: {memory / 2**20:.2f} MiB > budget "
-                         f"{budget / 2**20:.2f} MiB"))
-            continue
         time = time_of(sched, report)
-        rows.append((name, v, sched, float(report.makespan if time is None else time),
-                     memory, ""))
+        time = float(report.makespan if time is None else time)
+        if budget is not None and memory > budget:
+            rows.append((name, v, None, time, memory,
+                         f"does not fit: {memory / 2**20:.2f} MiB > budget "
+                         f"{budget / 2**20:.2f} MiB", sched))
+            continue
+        rows.append((name, v, sched, time, memory, "", sched))
     fitting = [r for r in rows if r[2] is not None]
     if not fitting:
         why = "; ".join(f"{r[0]} v={r[1]}: {r[5]}" for r in rows)
@@ -208,7 +211,7 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
             verdict = ("slower" if auto.objective == "time" and r[3] > best[3]
                        else "more memory" if r[4] > best[4]
                        else "slower" if r[3] > best[3] else "equal; an earlier family won")
-        candidates.append(Candidate(r[0], r[1], num_microbatches, r[3], r[4], verdict))
+        candidates.append(Candidate(r[0], r[1], num_microbatches, r[3], r[4], verdict, r[6]))
     return AutoChoice(best[2], tuple(candidates), auto.objective, unit)
 
 

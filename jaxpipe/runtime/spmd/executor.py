@@ -213,7 +213,8 @@ class SpmdRuntime(Runtime):
         """The lowered program's time plus a fixed cost a tick (:mod:`.predict`)."""
         return predicted_time(schedule, action_cost, self.resolve_backend(mesh),
                               self.wants_lanes(mesh, mesh_axes),
-                              self.resolve_split(mesh, mesh_axes), self.resolve_refine(mesh))[0]
+                              self.resolve_split(mesh, mesh_axes), self.resolve_refine(mesh),
+                              concurrent(mesh))[0]
 
     def __repr__(self) -> str:
         return (f"SpmdRuntime(backend={self.backend!r}, overlap={self.overlap!r}, "

@@ -23,16 +23,24 @@ __all__ = ["predicted_time"]
 
 def predicted_time(schedule: Schedule, action_cost: Callable[[Action], float] | None,
                    backend: str, lanes: bool, split_backward: bool, refine: int,
-                   message_bytes: int = 0) -> tuple[float, int]:
+                   concurrent: bool = True, message_bytes: int = 0) -> tuple[float, int]:
     """``(time, ticks)`` of the program for ``schedule`` (in the units of
     ``action_cost``, FLOPs from the cutter): ``lanes`` where the lanes program would run
     (and can), else the ``backend``'s program, split backwards and ``refine`` as the
-    runtime would lower them."""
+    runtime would lower them. ``concurrent=False`` (virtual CPU devices of one process,
+    which take turns): the devices' work adds up, so the time is all the work the
+    program computes (an idle lane's too), not its makespan."""
     cost = resolve_costs(action_cost)
     S = schedule.num_stages
     if lanes and lanes_refusal(schedule, [0] * S, split_backward) is None:
         low = lower_lanes(schedule, {})
         time = lanes_makespan(low, cost)
+        if not concurrent:  # every device computes every lane of a tick
+            time *= schedule.num_devices
+    elif not concurrent:
+        low = lower(schedule, {}, split_backward=split_backward, costs=action_cost,
+                    refine=refine)
+        time = sum(cost(a) for a in schedule.graph().actions)
     elif backend == "cpu":
         low = lower(schedule, {}, split_backward=split_backward, costs=action_cost,
                     refine=refine)

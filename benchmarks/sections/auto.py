@@ -1,0 +1,165 @@
+"""schedule="auto" against measurement: does it pick the fastest candidate?
+
+    python benchmarks/sections/auto.py    # prints the rankings, writes results/auto/
+
+4 virtual CPU devices in one process, single-threaded XLA, pinned to one core (devices
+take turns, so a step's time is all the work the program does plus its per-tick cost),
+three models:
+
+- an MLP stack (16 tanh layers of width 512, batch 256);
+- the GPT-like model of benchmarks/common.py (8 blocks, width 128, seq 32, vocab 256);
+- the same with a heavy head (vocab 8192: the last stage's matmul and softmax dominate).
+
+For each, every candidate ``jp.Auto()`` ranks (1F1B, GPipe, interleaved 1F1B with 2 and
+4 chunks, m = 16) is built and its ``value_and_grad`` timed (round-robin medians). Per
+model: the predicted and measured times, Spearman's rank correlation between them, and
+the auto choice's measured time over the best measured. The quick run (the test suite's
+smoke run) records the section as skipped: ``tests/test_auto.py`` checks the choice.
+Not measured here yet: 2 processes (concurrent devices), and TPU/GPU targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+ORDER = 135
+FIELDS = ("devices", "rows")
+DEVICES = 4
+MICROBATCHES = 16
+
+
+def _models() -> list[tuple[str, Any, Any, Any]]:
+    import jax
+    import jax.numpy as jnp
+
+    import jaxpipe as jp
+    from benchmarks import common as C
+
+    width, layers = 512, 16
+    keys = jax.random.split(jax.random.key(0), layers + 2)
+    mlp_params = [jax.random.normal(k, (width, width)) / width ** 0.5 for k in keys[:layers]]
+    mlp_batch = {"x": jax.random.normal(keys[-2], (256, width)),
+                 "y": jax.random.normal(keys[-1], (256, width))}
+
+    def mlp_loss(params, batch):
+        h = batch["x"]
+        for w in params:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    out = [("mlp 16x512", mlp_loss, mlp_params, mlp_batch)]
+    for name, vocab in (("gpt 8 blocks", 256), ("gpt heavy head (vocab 8192)", 8192)):
+        cfg = C.GPTConfig(vocab=vocab, d_model=128, n_layers=8, seq=32)
+        out.append((name, C.gpt_loss(cfg), C.init_params(cfg, jax.random.key(1)),
+                    C.make_gpt_batch(cfg, 64)))
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (ties share their mean rank); 1.0 for fewer than 2."""
+    import numpy as np
+
+    def ranks(x: list[float]) -> np.ndarray:
+        x = np.asarray(x, np.float64)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=np.float64)
+        for v in np.unique(x):  # ties: their mean rank
+            r[x == v] = r[x == v].mean()
+        return r
+
+    if len(a) < 2:
+        return 1.0
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return 1.0 if (ra == rb).all() else 0.0
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _model_row(name: str, loss_fn: Any, params: Any, batch: Any, repeats: int
+               ) -> dict[str, Any]:
+    import jax
+
+    import jaxpipe as jp
+    from benchmarks import common as C
+
+    mesh = jax.make_mesh((DEVICES,), ("pipe",), devices=jax.devices()[:DEVICES])
+    auto = jp.pipeline(loss_fn, params, batch, mesh=mesh,
+                       schedule=jp.Auto(microbatches=MICROBATCHES))
+    runs, predicted, verdict = {}, {}, {}
+    for c in auto.auto_choice.candidates:
+        if c.schedule is None or c.time is None:
+            continue
+        key = f"{c.family} v={c.chunks}"
+        pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=c.schedule)
+        runs[key] = (pipe.value_and_grad, (params, batch))
+        predicted[key], verdict[key] = c.time, c.verdict
+    times = C.time_interleaved(runs, warmup=1, repeats=repeats)
+    measured = {k: times[k]["median_s"] for k in runs}
+    keys = list(runs)
+    chosen = next(k for k in keys if verdict[k] == "chosen")
+    best = min(keys, key=measured.__getitem__)
+    return {"model": name, "microbatches": MICROBATCHES,
+            "candidates": [{"candidate": k, "predicted": predicted[k],
+                            "measured_s": measured[k], "verdict": verdict[k]} for k in keys],
+            "spearman": spearman([predicted[k] for k in keys], [measured[k] for k in keys]),
+            "chosen": chosen, "best_measured": best,
+            "chosen_over_best": measured[chosen] / measured[best],
+            "best_in_predicted_top3": best in sorted(keys, key=predicted.__getitem__)[:3]}
+
+
+def measure(quick: bool = False) -> dict[str, Any]:
+    import jax
+
+    res: dict[str, Any] = {"devices": DEVICES, "rows": []}
+    if quick:
+        res["skipped"] = "full run only (the choice's checks: tests/test_auto.py)"
+        return res
+    if len(jax.devices()) < DEVICES:
+        res["skipped"] = f"needs {DEVICES} devices, have {len(jax.devices())}"
+        return res
+    for name, loss_fn, params, batch in _models():
+        res["rows"].append(_model_row(name, loss_fn, params, batch, repeats=5))
+    return res
+
+
+def run(r: Any) -> dict[str, Any]:
+    return measure(r.s.quick)
+
+
+def summary(res: dict[str, Any]) -> str:
+    if not res["rows"]:
+        return f"**schedule='auto'**: {res.get('skipped', 'no rows')}"
+    return "\n".join(
+        f"**auto on {r['model']}** (p={res['devices']}, m={r['microbatches']}): chose "
+        f"{r['chosen']}, measured best {r['best_measured']}, chosen / best "
+        f"{r['chosen_over_best']:.3f}, Spearman {r['spearman']:.2f}" for r in res["rows"])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from benchmarks.common import write_json
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "auto"))
+    args = ap.parse_args(argv)
+    res = measure()
+    for r in res["rows"]:
+        for c in r["candidates"]:
+            print(f"  {r['model']:>28} {c['candidate']:>16}  predicted {c['predicted']:.4g}"
+                  f"  measured {c['measured_s'] * 1e3:8.2f} ms  {c['verdict']}")
+    print(summary(res))
+    write_json(args.out, "auto.json", res)
+    return res
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import single_core_cpu
+
+    single_core_cpu(devices=DEVICES)
+    main()
