@@ -18,6 +18,7 @@ from fractions import Fraction
 from typing import NoReturn
 
 from jaxpipe.aot.command import add_compile_parser
+from jaxpipe.calibrate import add_calibrate_parser
 
 
 class CLIError(Exception):
@@ -206,8 +207,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 #: Subcommand registry: each adds one parser to the ``subparsers`` action.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_simulate_parser,
-                                                                   add_compile_parser]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_simulate_parser, add_compile_parser, add_calibrate_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -85,3 +85,29 @@ def test_a_family_of_your_own_is_a_candidate():
     names = [(c.family, c.microbatches) for c in pipe.auto_choice.candidates]
     assert names == [("gpipe", 4), ("Eager1F1B", 4)]
     assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_calibration_fits_the_rate_and_tick_cost_and_auto_reads_it(tmp_path, monkeypatch,
+                                                                    capsys):
+    """``jaxpipe calibrate`` times two pipelines, fits time = work / rate + ticks * cost
+    and keeps it; the per-tick cost schedule='auto' adds is then the measured one. The
+    fit recovers known constants exactly and refuses measurements that give none."""
+    from jaxpipe.cli import main
+    from jaxpipe.runtime.spmd import calibrate as cal
+    from jaxpipe.runtime.spmd.backends import TICK_OVERHEAD_FLOPS
+
+    exact = cal.fit("k", [(1e-3 * 10 + 5e6 / 1e9, 5e6, 10), (1e-3 * 20 + 8e9 / 1e9, 8e9, 20)])
+    assert abs(exact.flops_per_s - 1e9) < 1 and abs(exact.tick_overhead_s - 1e-3) < 1e-12
+    with pytest.raises(jp.PipelineError, match="no positive rate"):
+        cal.fit("k", [(1.0, 1e9, 10), (0.5, 2e9, 10)])
+
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("JAXPIPE_CALIBRATION", str(path))
+    assert cal.tick_overhead_flops("cpu", False) == TICK_OVERHEAD_FLOPS["cpu"]
+    assert main(["calibrate", "--devices", "2", "--repeats", "2"]) == 0
+    assert "FLOP/s" in capsys.readouterr().out
+    (kept,) = cal.load().values()
+    assert kept.key.startswith("cpu:") and kept.key.endswith(":turns")
+    assert kept.flops_per_s > 0 and kept.tick_overhead_s > 0 and len(kept.samples) == 2
+    assert cal.tick_overhead_flops("cpu", False) == kept.tick_overhead_flops
+    assert main(["calibrate", "--devices", "0"]) == 2

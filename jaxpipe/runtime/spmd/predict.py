@@ -4,32 +4,45 @@ What ``schedule="auto"`` (:mod:`jaxpipe.auto`) ranks candidates by: the schedule
 the way the runtime would lower it (numpy only; no buffers are sized), its time under
 the stages' costs in the program's sync model (devices meet at the end of every tick;
 the lanes program runs every lane of a tick on every device), plus a fixed overhead per
-tick (:data:`~.backends.TICK_OVERHEAD_FLOPS`: dispatch, the exchange's latency).
+tick (dispatch, the exchange's latency: measured by ``jaxpipe calibrate``,
+:mod:`.calibrate`, or :data:`~.backends.TICK_OVERHEAD_FLOPS`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from jaxpipe.runtime.spmd.backends import TICK_OVERHEAD_FLOPS, exchange_flops
+from jaxpipe.runtime.spmd.backends import exchange_flops
+from jaxpipe.runtime.spmd.calibrate import tick_overhead_flops
 from jaxpipe.runtime.spmd.lowering import lower, lower_accelerator
 from jaxpipe.runtime.spmd.lowering.lanes import lanes_makespan, lanes_refusal, lower_lanes
 from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan
 from jaxpipe.schedule import Action, Schedule
 from jaxpipe.schedule.simulate import resolve_costs
 
-__all__ = ["predicted_time"]
+__all__ = ["predicted_time", "program_work"]
 
 
 def predicted_time(schedule: Schedule, action_cost: Callable[[Action], float] | None,
                    backend: str, lanes: bool, split_backward: bool, refine: int,
                    concurrent: bool = True, message_bytes: int = 0) -> tuple[float, int]:
-    """``(time, ticks)`` of the program for ``schedule`` (in the units of
-    ``action_cost``, FLOPs from the cutter): ``lanes`` where the lanes program would run
-    (and can), else the ``backend``'s program, split backwards and ``refine`` as the
-    runtime would lower them. ``concurrent=False`` (virtual CPU devices of one process,
-    which take turns): the devices' work adds up, so the time is all the work the
-    program computes (an idle lane's too), not its makespan."""
+    """``(time, ticks)``: :func:`program_work` plus the fixed cost of every tick, in
+    FLOPs of compute time (calibrated on this machine where ``jaxpipe calibrate`` ran,
+    :mod:`.calibrate`; else :data:`~.backends.TICK_OVERHEAD_FLOPS`)."""
+    work, ticks = program_work(schedule, action_cost, backend, lanes, split_backward, refine,
+                               concurrent, message_bytes)
+    return work + ticks * tick_overhead_flops(backend, concurrent), ticks
+
+
+def program_work(schedule: Schedule, action_cost: Callable[[Action], float] | None,
+                 backend: str, lanes: bool, split_backward: bool, refine: int,
+                 concurrent: bool = True, message_bytes: int = 0) -> tuple[float, int]:
+    """``(time without the per-tick cost, ticks)`` of the program for ``schedule`` (in
+    the units of ``action_cost``, FLOPs from the cutter): ``lanes`` where the lanes
+    program would run (and can), else the ``backend``'s program, split backwards and
+    ``refine`` as the runtime would lower them. ``concurrent=False`` (virtual CPU devices
+    of one process, which take turns): the devices' work adds up, so the time is all the
+    work the program computes (an idle lane's too), not its makespan."""
     cost = resolve_costs(action_cost)
     S = schedule.num_stages
     if lanes and lanes_refusal(schedule, [0] * S, split_backward) is None:
@@ -49,4 +62,4 @@ def predicted_time(schedule: Schedule, action_cost: Callable[[Action], float] | 
         low = lower_accelerator(schedule, {}, split_backward=split_backward,
                                 costs=action_cost, refine=refine, overlap=False)
         time = lowered_makespan(low, cost, exchange_flops(backend, message_bytes))
-    return time + low.num_ticks * TICK_OVERHEAD_FLOPS[backend], low.num_ticks
+    return time, low.num_ticks

@@ -1,0 +1,115 @@
+"""The SPMD program's fixed cost a tick, as measured on this machine, stored and reused.
+
+``schedule="auto"`` ranks schedules by their work plus a fixed cost per tick
+(:mod:`.predict`). ``jaxpipe calibrate`` (:mod:`jaxpipe.calibrate`) times two small
+pipelines whose work and ticks are known and solves ``time = work / rate + ticks * cost``
+for the rate (FLOP/s) and the cost a tick (s); :func:`fit` does the solving and
+:func:`save` keeps the result in a JSON file (``$JAXPIPE_CALIBRATION``, default
+``~/.cache/jaxpipe/calibration.json``) under this machine's backend, device kind and
+whether its devices run together. :func:`tick_overhead_flops` reads it back, falling
+back to :data:`~.backends.TICK_OVERHEAD_FLOPS` where nothing was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxpipe.errors import PipelineError
+from jaxpipe.runtime.spmd.backends import TICK_OVERHEAD_FLOPS
+
+__all__ = ["Calibration", "calibration_path", "fit", "load", "save", "tick_overhead_flops"]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One machine's measured constants (see the module docstring).
+
+    Attributes:
+      key: what it was measured for: ``"<backend>:<device kind>:<together|turns>"``.
+      flops_per_s: the rate the cutter's FLOPs ran at.
+      tick_overhead_s: the fixed time of one tick.
+      samples: the measurements it was fitted to: ``(seconds, work FLOPs, ticks)`` each.
+    """
+
+    key: str
+    flops_per_s: float
+    tick_overhead_s: float
+    samples: tuple[tuple[float, float, int], ...]
+
+    @property
+    def tick_overhead_flops(self) -> float:
+        """The cost of a tick in FLOPs of compute time (what :mod:`.predict` adds)."""
+        return self.tick_overhead_s * self.flops_per_s
+
+
+def machine_key(backend: str, device_kind: str, concurrent: bool) -> str:
+    return f"{backend}:{device_kind}:{'together' if concurrent else 'turns'}"
+
+
+def calibration_path() -> Path:
+    """Where calibrations are kept (``$JAXPIPE_CALIBRATION`` or the user's cache)."""
+    env = os.environ.get("JAXPIPE_CALIBRATION")
+    return Path(env) if env else Path.home() / ".cache" / "jaxpipe" / "calibration.json"
+
+
+def fit(key: str, samples: list[tuple[float, float, int]]) -> Calibration:
+    """Least squares of ``seconds = work / rate + ticks * cost`` over ``samples``; raises
+    ``PipelineError`` where they do not give a positive rate and cost (too noisy, or too
+    alike: measure a small and a large model)."""
+    if len(samples) < 2:
+        raise PipelineError("calibration needs at least two measurements (a small and a "
+                            "large model)")
+    t = np.array([s[0] for s in samples], np.float64)
+    a = np.array([[s[1], s[2]] for s in samples], np.float64)
+    (inv_rate, cost), *_ = np.linalg.lstsq(a, t, rcond=None)
+    if not (inv_rate > 0 and cost > 0):
+        raise PipelineError(
+            f"the measurements give no positive rate and tick cost (1/rate {inv_rate:.3g} "
+            f"s/FLOP, tick {cost:.3g} s): the machine was too noisy or the models too "
+            "alike; run jaxpipe calibrate again on an idle machine")
+    return Calibration(key, float(1 / inv_rate), float(cost),
+                       tuple((float(x), float(w), int(n)) for x, w, n in samples))
+
+
+def load(path: Path | None = None) -> dict[str, Calibration]:
+    """Every calibration kept at ``path`` (default :func:`calibration_path`)."""
+    path = path or calibration_path()
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        raise PipelineError(f"cannot read the calibration file {path} ({err}); delete it "
+                            "or run jaxpipe calibrate again") from None
+    return {k: Calibration(k, v["flops_per_s"], v["tick_overhead_s"],
+                           tuple(tuple(s) for s in v.get("samples", ())))
+            for k, v in raw.items()}
+
+
+def save(cal: Calibration, path: Path | None = None) -> Path:
+    """Keep ``cal`` at ``path`` (replacing an older one of the same key)."""
+    path = path or calibration_path()
+    kept = load(path)
+    kept[cal.key] = cal
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({k: {f: v for f, v in asdict(c).items() if f != "key"}
+                                for k, c in kept.items()}, indent=2))
+    return path
+
+
+def tick_overhead_flops(backend: str, concurrent: bool, device_kind: str | None = None
+                        ) -> float:
+    """The cost of a tick in FLOPs: the calibration of this backend (and device kind, if
+    given; where several were measured, the first) if one is kept, else the default."""
+    prefix = f"{backend}:"
+    suffix = f":{'together' if concurrent else 'turns'}"
+    for key, cal in load().items():
+        if key.startswith(prefix) and key.endswith(suffix) and (
+                device_kind is None or key == machine_key(backend, device_kind, concurrent)):
+            return cal.tick_overhead_flops
+    return TICK_OVERHEAD_FLOPS[backend]
