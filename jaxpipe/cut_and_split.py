@@ -97,29 +97,32 @@ def _cut_view(traced: Traced, mesh: Mesh, param_dims: Sequence[Dims]) -> tuple:
 
 
 def cut_only(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
-             mesh: Mesh, param_dims: Sequence[Dims]) -> Any:
+             mesh: Mesh, param_dims: Sequence[Dims], in_flight: Sequence[int] | None = None
+             ) -> Any:
     """The cutter's report (:class:`jaxpipe.cut.CutResult`) of ``traced`` under
     ``schedule``, without splitting it into stages: what choosing among schedules costs
     (:mod:`jaxpipe.auto`)."""
     _, _, cut_traced, shards = _cut_view(traced, mesh, param_dims)
     return resolve_cuts(cut_traced, schedule, cut, memory_model, tuple(mesh.devices.flat),
-                        shards)[1]
+                        shards, in_flight)[1]
 
 
 def cut_and_split(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
                   mesh: Mesh, param_dims: Sequence[Dims], *, share_cores: bool = False,
-                  split_backward: bool = False) -> StagedLoss:
+                  split_backward: bool = False, in_flight: Sequence[int] | None = None
+                  ) -> StagedLoss:
     """Cut ``traced`` for ``schedule`` (:func:`~jaxpipe.cut.resolve.resolve_cuts`), then split it.
 
     ``param_dims``: per parameter leaf, its sharding over the non-pipe axes; a stage's
     rows of a stacked leaf must split over them too. ``share_cores`` /
     ``split_backward``: as the runtime's :meth:`~jaxpipe.runtime.Runtime.shares_cores` and
-    :meth:`~jaxpipe.runtime.Runtime.splits_backward` say (see :func:`jaxpipe.stages.split`).
+    :meth:`~jaxpipe.runtime.Runtime.splits_backward` say (see :func:`jaxpipe.stages.split`);
+    ``in_flight``: as its :meth:`~jaxpipe.runtime.Runtime.in_flight` says.
     """
     param_avals = [v.aval for v in traced.jaxpr.invars[: traced.num_params]]
     stacks, layers, cut_traced, shards = _cut_view(traced, mesh, param_dims)
     cuts, report = resolve_cuts(cut_traced, schedule, cut, memory_model,
-                                tuple(mesh.devices.flat), shards)
+                                tuple(mesh.devices.flat), shards, in_flight)
     if layers is not None:
         staged, stage_cuts = for_stages(traced, stacks, layers, cuts)
         stage_traced, views = staged.traced, staged.views

@@ -148,7 +148,8 @@ class Pipeline:
                 memory = self.runtime.memory_model_for(mesh)
                 self.auto_choice = choose(
                     auto, schedule.num_devices, schedule.num_microbatches,
-                    lambda s: cut_only(self.traced, s, cut, memory, mesh, self.param_dims),
+                    lambda s: cut_only(self.traced, s, cut, memory, mesh, self.param_dims,
+                                       self.runtime.in_flight(s, mesh, self.mesh_axes)),
                     lambda s, r: self.runtime.predicted_time(s, r.action_cost, mesh,
                                                              self.mesh_axes))
             self.schedule = schedule = self.auto_choice.schedule
@@ -156,7 +157,8 @@ class Pipeline:
             st = cut_and_split(self.traced, schedule, cut,
                                self.runtime.memory_model_for(mesh), mesh, self.param_dims,
                                share_cores=self.runtime.shares_cores(),
-                               split_backward=self.runtime.splits_backward(mesh, self.mesh_axes))
+                               split_backward=self.runtime.splits_backward(mesh, self.mesh_axes),
+                               in_flight=self.runtime.in_flight(schedule, mesh, self.mesh_axes))
         self.stacks: tuple[Stack, ...] = st.stacks
         self.cut_traced: Traced = st.cut_traced
         self.cuts, self.cut_report = st.cuts, st.cut_report

@@ -146,3 +146,5 @@ def test_lanes_are_exact_and_hold_no_conditional(name, backend):
     assert loops >= sum(s.stop - s.start > 1 for s in segs)  # (one tick: inlined)
     assert conditionals == 0
     assert census(text).permutes >= 1
+    if pipe.schedule.stages_per_device == 1:  # the cutter budgeted the lanes' own peaks
+        assert list(pipe.cut_report.in_flight) == list(pipe.executor.lowering.residual_peak)

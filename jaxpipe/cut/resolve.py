@@ -41,13 +41,15 @@ def even_cuts(n_seg: int, num_stages: int) -> list[int]:
 
 
 def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
-                 devices: tuple = (), param_shards: Sequence[int] = ()
-                 ) -> tuple[list[int], Any]:
+                 devices: tuple = (), param_shards: Sequence[int] = (),
+                 in_flight: Sequence[int] | None = None) -> tuple[list[int], Any]:
     """Marker positions after which a new stage starts, plus the cutter's report.
 
     ``cut="auto"`` budgets the memory ``devices`` report (``jaxpipe.cut.auto_cut``).
     ``param_shards``: per parameter input of ``traced``, the devices of one pipe
     position its sharding splits it over; the cutter counts the bytes one device holds.
+    ``in_flight``: per stage, the live residual sets the runtime's program holds at its
+    peak where that is not the schedule's own (``Runtime.in_flight``).
     """
     shards = dict(enumerate(param_shards))
 
@@ -80,8 +82,9 @@ def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Mem
         # Per-stage peak in-flight microbatches follow from each device's action order
         # alone: read them off the schedule's cached graph instead of having the cutter
         # simulate for them (it simulates once, with the chosen stage costs).
-        peaks = schedule.graph().stage_peak_in_flight
-        in_flight = [peaks[s] for s in range(S)]
+        if in_flight is None:
+            peaks = schedule.graph().stage_peak_in_flight
+            in_flight = [peaks[s] for s in range(S)]
         costs = costed(policies[:1])
         if len(policies) > 1 and cut.remat == "auto" and cut.memory_budget is not None:
             # Recomputation only adds time: when placement alone reaches the fastest

@@ -285,6 +285,13 @@ class Runtime(abc.ABC):
         core once. Default: no, every stage runs whole."""
         return False
 
+    def in_flight(self, schedule: Any, mesh: Mesh | None = None, mesh_axes: Any = None
+                  ) -> list[int] | None:
+        """Per stage, the live residual sets this runtime's program holds at its peak for
+        ``schedule``, where that differs from the schedule's own (the cutter budgets
+        them); ``None``: the schedule's."""
+        return None
+
     def predicted_time(self, schedule: Any, action_cost: Callable[[Any], float] | None,
                        mesh: Mesh | None = None, mesh_axes: Any = None) -> float | None:
         """This runtime's time for ``schedule`` under per-action ``action_cost``, before

@@ -32,7 +32,7 @@ from jaxpipe.runtime.spmd.backends import (
     platform_of,
 )
 from jaxpipe.runtime.spmd.lowering import Lowering, lower, lower_accelerator
-from jaxpipe.runtime.spmd.lowering.lanes import lanes_refusal, lower_lanes
+from jaxpipe.runtime.spmd.lowering.lanes import lanes_in_flight, lanes_refusal, lower_lanes
 from jaxpipe.runtime.spmd.predict import predicted_time
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
 from jaxpipe.runtime.spmd.program.build import (
@@ -207,6 +207,14 @@ class SpmdRuntime(Runtime):
 
     def splits_backward(self, mesh: Any = None, mesh_axes: Any = None) -> bool:
         return self.resolve_split(mesh, mesh_axes)
+
+    def in_flight(self, schedule: Any, mesh: Any = None, mesh_axes: Any = None
+                  ) -> list[int] | None:
+        """The lanes program's peaks where it will run (a forward runs before its tick's
+        backward: one more set on 1F1B's first devices); else the schedule's."""
+        if not self.wants_lanes(mesh, mesh_axes):
+            return None
+        return lanes_in_flight(schedule, self.resolve_split(mesh, mesh_axes))
 
     def predicted_time(self, schedule: Any, action_cost: Any, mesh: Any = None,
                        mesh_axes: Any = None) -> float:

@@ -33,7 +33,8 @@ from jaxpipe.runtime.spmd.lowering.types import ACCELERATOR_EXCHANGE, Lowering, 
 from jaxpipe.schedule import Action, Schedule
 from jaxpipe.schedule.graph import KB, KF, paused_gc
 
-__all__ = ["assign_lanes", "lane_offsets", "lanes_makespan", "lanes_refusal", "lower_lanes"]
+__all__ = ["assign_lanes", "lane_offsets", "lanes_in_flight", "lanes_makespan",
+           "lanes_refusal", "lower_lanes"]
 
 #: Lane of each action kind the lanes program runs (F, B).
 F_LANE, B_LANE = 0, 1
@@ -160,3 +161,21 @@ def lanes_makespan(lowering: Lowering, cost: Callable[[Action], float]) -> float
         total += (u - t) * sum(lane_cost[k] for k in mine)
         t = u
     return total
+
+
+def lanes_in_flight(schedule: Schedule, split_backward: bool = False) -> list[int] | None:
+    """Per stage, the most microbatches whose forward ran and whose backward has not, in
+    the lanes' steps (a forward before its tick's backward); ``None`` where the schedule
+    cannot run as lanes (its stages' bodies aside)."""
+    if lanes_refusal(schedule, [0] * schedule.num_stages, split_backward) is not None:
+        return None
+    ticks = assign_lanes(schedule)
+    g = ticks.graph
+    order = np.argsort(ticks.step, kind="stable")
+    live = np.zeros(schedule.num_stages, np.int64)
+    peak = np.zeros(schedule.num_stages, np.int64)
+    for i in order:
+        s = g.stages[i]
+        live[s] += 1 if g.kinds[i] == KF else -1
+        peak[s] = max(peak[s], live[s])
+    return [int(x) for x in peak]
