@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from jaxpipe.cut import CutError
 from jaxpipe.errors import PipelineError
 from jaxpipe.schedule import GPipe, Interleaved1F1B, OneFOneB, Schedule
 
@@ -176,7 +177,7 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
             continue
         try:
             report = cut_report(sched)
-        except PipelineError as err:
+        except (PipelineError, CutError) as err:
             rows.append((name, v, None, None, None, f"does not fit or cut: {_first(err)}",
                          sched))
             continue

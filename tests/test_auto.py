@@ -111,3 +111,18 @@ def test_calibration_fits_the_rate_and_tick_cost_and_auto_reads_it(tmp_path, mon
     assert kept.flops_per_s > 0 and kept.tick_overhead_s > 0 and len(kept.samples) == 2
     assert cal.tick_overhead_flops("cpu", False) == kept.tick_overhead_flops
     assert main(["calibrate", "--devices", "0"]) == 2
+
+
+def test_a_budget_only_recomputation_meets_gets_it_and_one_none_meets_is_refused():
+    """Just under the smallest peak without recomputation, the chosen candidate fits by
+    recomputing; under what any candidate can reach, the error lists every candidate
+    and why."""
+    free = _pipe("auto")[0].auto_choice
+    low = min(c.memory for c in free.candidates if c.memory is not None)
+    pipe = _pipe("auto", cut=jp.Cut(memory_budget=low * 0.9))[0]
+    chosen = next(c for c in pipe.auto_choice.candidates if c.verdict == "chosen")
+    assert chosen.memory <= low * 0.9
+    assert any(st.remat.value != "none" for st in pipe.stages)
+    with pytest.raises(jp.PipelineError, match=r"no candidate that can run: 1f1b v=1: does "
+                                                r"not fit.*gpipe v=1"):
+        _pipe("auto", cut=jp.Cut(memory_budget=low * 0.5))
