@@ -84,7 +84,21 @@ def test_params_from_a_pipeline_on_other_devices(pipe):
     state, _ = other.train_step(state, _batch())
     here = pipe.init(other.params(state), optax.sgd(0.1))
     state_here, metrics = pipe.train_step(here, _batch())
-    assert np.isfinite(metrics["loss"])
+    # the same two SGD steps of the unpipelined mean loss (equal microbatches of a mean
+    # loss: the full batch's), wherever each step ran
+    grad = jax.value_and_grad(loss_fn)
+    plain = _params()
+    for step in range(2):
+        value, g = grad(plain, _batch())
+        plain = jax.tree.map(lambda p, d: p - 0.1 * d, plain, g)
+        if step == 0:
+            for a, b in zip(jax.tree.leaves(other.params(state)), jax.tree.leaves(plain),
+                            strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["loss"], value, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(pipe.params(state_here)), jax.tree.leaves(plain),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_real_recompile_warns_once(pipe):
