@@ -23,11 +23,11 @@ from jaxpipe.runtime.spmd.lowering.lanes import (
     F_LANE,
     assign_lanes,
     lane_offsets,
+    lane_segments,
     lanes_refusal,
     lower_lanes,
 )
 from jaxpipe.runtime.spmd.program.hlo_census import census, loop_conditionals
-from jaxpipe.runtime.spmd.program.lane_ticks import lane_tables, segments
 from jaxpipe.schedule import load_schedule
 
 SCHEDULES = {
@@ -69,14 +69,14 @@ def test_gpipe_lanes_run_no_masked_lane_in_the_fill_and_drain():
     where the last stage turns runs both, so the lanes cost the schedule's own time."""
     schedule = jp.GPipe(4, 8)
     low = lower_lanes(schedule, {})
-    segs = segments(lane_tables(low), forward_only=False)
+    segs = lane_segments(low.ticks)
     assert [s.lanes for s in segs] == [(F_LANE,), (F_LANE, B_LANE), (B_LANE,)]
     p, m = 4, 8
     assert [s.stop - s.start for s in segs] == [m + p - 2, 1, m + p - 2]
     assert segs[-1].stop == low.num_ticks
     # a forward-only lowering (evaluation) runs its forward lane alone
     fwd = lower_lanes(jp.schedule.forward.ForwardOnly(schedule), {})
-    assert [s.lanes for s in segments(lane_tables(fwd), True)] == [(F_LANE,)]
+    assert [s.lanes for s in lane_segments(fwd.ticks)] == [(F_LANE,)]
 
 
 class _VGPipe(jp.Schedule):

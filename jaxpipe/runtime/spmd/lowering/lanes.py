@@ -15,29 +15,51 @@ its next action if its inputs exist, and then the one after if it runs in the ot
 and its inputs exist too; a forward runs before the backward of its tick (the last stage
 runs a microbatch's F and B in one tick). A message moves at the end of its tick, one
 per device and lane. In 1F1B's steady state a tick holds one F and one B on every device,
-as the schedule does; :func:`lower_lanes` keeps the fill (no backward anywhere yet) and
-the drain (no forward left) as ticks of one lane only, so the program runs no masked
-work there either.
+as the schedule does; :func:`lane_segments` marks the fill (no backward anywhere yet)
+and the drain (no forward left) as runs of one lane only, which the program scans
+without the other lane, so it runs no masked work there either.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from jaxpipe.runtime.spmd.lowering.allocate import allocate
 from jaxpipe.runtime.spmd.lowering.lower import lowering_of
 from jaxpipe.runtime.spmd.lowering.messages import list_messages
-from jaxpipe.runtime.spmd.lowering.types import ACCELERATOR_EXCHANGE, Lowering, Pool, Ticks
+from jaxpipe.runtime.spmd.lowering.types import (
+    ACCELERATOR_EXCHANGE,
+    Lowering,
+    Messages,
+    Pool,
+    Ticks,
+)
 from jaxpipe.schedule import Action, Schedule
-from jaxpipe.schedule.graph import KB, KF, paused_gc
+from jaxpipe.schedule.graph import KB, KF, ScheduleGraph, paused_gc
 
-__all__ = ["assign_lanes", "lane_offsets", "lanes_in_flight", "lanes_makespan",
-           "lanes_refusal", "lower_lanes"]
+__all__ = ["Segment", "assign_lanes", "lane_offsets", "lane_segments", "lanes_in_flight",
+           "lanes_makespan", "lanes_refusal", "lower_lanes"]
 
 #: Lane of each action kind the lanes program runs (F, B).
 F_LANE, B_LANE = 0, 1
+
+#: assign_lanes per schedule graph (cached on the schedule, like the graph itself): the
+#: refusal check, the in-flight counts, the predicted time and the lowering all read it
+_TICKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Ticks ``start`` to ``stop`` (exclusive), with the lanes ``lanes`` busy on some
+    device: the program scans them with those lanes only."""
+
+    start: int
+    stop: int
+    lanes: tuple[int, ...]
 
 
 def lanes_refusal(schedule: Schedule, body_of_stage: Sequence[int],
@@ -58,8 +80,14 @@ def lanes_refusal(schedule: Schedule, body_of_stage: Sequence[int],
 
 def assign_lanes(schedule: Schedule) -> Ticks:
     """Every action's tick and lane (its step: ``2 * tick + lane``); see the module
-    docstring."""
+    docstring. Computed once per schedule; the arrays are read-only."""
     graph = schedule.graph()
+    if graph not in _TICKS:
+        _TICKS[graph] = _assign(graph)
+    return _TICKS[graph]
+
+
+def _assign(graph: ScheduleGraph) -> Ticks:
     n = len(graph.actions)
     index = {a: i for i, a in enumerate(graph.actions)}
     order = [[index[a] for a in graph.lists[d]] for d in sorted(graph.lists)]
@@ -98,14 +126,18 @@ def assign_lanes(schedule: Schedule) -> Ticks:
     tick_arr = np.searchsorted(used_ticks, tick_arr)
     step = 2 * tick_arr + np.asarray(lane, np.int64)
     T = len(used_ticks)
-    return Ticks(graph, graph.devices, tick_arr, step, 2 * np.arange(T, dtype=np.int64) + 1,
-                 np.zeros(n, bool))
+    arrays = (tick_arr, step, 2 * np.arange(T, dtype=np.int64) + 1, np.zeros(n, bool))
+    for a in arrays:
+        a.flags.writeable = False
+    return Ticks(graph, graph.devices, *arrays)
 
 
-def lane_offsets(ticks: Ticks, num_devices: int) -> tuple[int | None, int | None] | None:
+def lane_offsets(ticks: Ticks, num_devices: int, messages: Messages | None = None
+                 ) -> tuple[int | None, int | None] | None:
     """Per lane, the one offset (``(dst - src) % devices``) its messages to another device
-    go (``None``: it sends none); ``None`` where a lane sends two ways."""
-    messages = list_messages(ticks)
+    go (``None``: it sends none); ``None`` where a lane sends two ways. ``messages``:
+    the ticks' (:func:`~.messages.list_messages`), if the caller has them."""
+    messages = list_messages(ticks) if messages is None else messages
     remote = messages.src != messages.dst
     lane = ticks.step[messages.producer[remote]] % 2
     off = (messages.dst - messages.src)[remote] % num_devices
@@ -130,14 +162,29 @@ def lower_lanes(schedule: Schedule,
         if body_of_stage is None:
             body_of_stage = [0] * S
         ticks = assign_lanes(schedule)
-        if lane_offsets(ticks, schedule.num_devices) is None:
+        messages = list_messages(ticks)
+        if lane_offsets(ticks, schedule.num_devices, messages) is None:
             raise ValueError("a lane's messages go both ways; see lanes_refusal")
         counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
-        messages = list_messages(ticks)
         alloc = allocate(ticks, messages, counts)
         return lowering_of(schedule, ticks, messages, alloc, counts, body_of_stage,
                            min(4 * schedule.num_devices + 4, 64), frozenset(),
                            ACCELERATOR_EXCHANGE)
+
+
+def lane_segments(ticks: Ticks) -> list[Segment]:
+    """Maximal runs of ticks with the same lanes busy on some device (a tick with none
+    busy, which :func:`assign_lanes` never makes, would count as a forward one)."""
+    busy = np.zeros((ticks.num_ticks, 2), bool)
+    busy[ticks.tick, ticks.step % 2] = True
+    out: list[Segment] = []
+    for t in range(ticks.num_ticks):
+        lanes = tuple(k for k in (F_LANE, B_LANE) if busy[t, k]) or (F_LANE,)
+        if out and out[-1].lanes == lanes:
+            out[-1] = Segment(out[-1].start, t + 1, lanes)
+        else:
+            out.append(Segment(t, t + 1, lanes))
+    return out
 
 
 def lanes_makespan(lowering: Lowering, cost: Callable[[Action], float]) -> float:
@@ -145,22 +192,12 @@ def lanes_makespan(lowering: Lowering, cost: Callable[[Action], float]) -> float
     a tick's segment (busy or masked) at that lane's cost, the costliest action of its
     kind (the shared body, with the prologue and epilogue it runs on every device), and
     waits for the others at the tick's end."""
-    g = lowering.ticks.graph
-    lane = lowering.ticks.step % 2
-    tick = lowering.ticks.tick
-    costs = np.array([cost(a) for a in g.actions], np.float64)
+    ticks = lowering.ticks
+    lane = ticks.step % 2
+    costs = np.array([cost(a) for a in ticks.graph.actions], np.float64)
     lane_cost = [float(costs[lane == k].max(initial=0.0)) for k in (F_LANE, B_LANE)]
-    busy = np.zeros((lowering.num_ticks, 2), bool)
-    busy[tick, lane] = True
-    total, t = 0.0, 0
-    while t < lowering.num_ticks:  # a segment: a run of ticks with the same lanes busy
-        u = t
-        while u < lowering.num_ticks and (busy[u] == busy[t]).all():
-            u += 1
-        mine = [k for k in (F_LANE, B_LANE) if busy[t, k]] or [F_LANE]
-        total += (u - t) * sum(lane_cost[k] for k in mine)
-        t = u
-    return total
+    return sum((seg.stop - seg.start) * sum(lane_cost[k] for k in seg.lanes)
+               for seg in lane_segments(ticks))
 
 
 def lanes_in_flight(schedule: Schedule, split_backward: bool = False) -> list[int] | None:

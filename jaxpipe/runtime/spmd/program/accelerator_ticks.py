@@ -49,7 +49,8 @@ from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.windows import Windows
 from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, Ports
 
-__all__ = ["AcceleratorFields", "AcceleratorTicks", "pack", "unpack"]
+__all__ = ["AcceleratorFields", "AcceleratorTicks", "pack", "storage_and_inbox", "unpack",
+           "write_unit"]
 
 Bufs = dict[ValueClass, jax.Array]
 
@@ -135,9 +136,7 @@ class AcceleratorTicks:
         """The carry besides gradients and loss: storage (the loss function's outputs
         too), inbox, and (with the overlap) the message the previous tick produced, as it
         travels."""
-        low, unit = self.lowering, self.unit
-        store = {c: c.zeros(n) for c, n in low.slots.items()} | self.outputs.buffers()
-        inbox = {c: c.zeros((low.num_inbox + 1) * n) for c, n in unit.items()}
+        store, inbox = storage_and_inbox(self.lowering, self.unit, self.outputs)
         pending = self._pack(self.branch_of.empty_msg()) if self.overlap else ()
         return store, inbox, pending
 
@@ -148,9 +147,7 @@ class AcceleratorTicks:
         return unpack(payload, self.unit, self.packed)
 
     def _write_unit(self, buf: Bufs, msg: Bufs, slot: Any) -> Bufs:
-        return {c: lax.dynamic_update_slice_in_dim(buf[c], msg[c], slot * n, 0,
-                                                   allow_negative_indices=False)
-                for c, n in self.unit.items()}
+        return write_unit(buf, msg, slot, self.unit)
 
     def _exchange(self, payload: Any) -> list[Any]:
         return [lax.ppermute(payload, self.axis, perm) for perm in self.perms]
@@ -217,6 +214,22 @@ class AcceleratorTicks:
         for j, got in enumerate(arrived):
             inbox = self._write_unit(inbox, self._unpack(got), at.recv_slot[j])
         return (store, inbox, payload if self.overlap else ()), gbuf, loss + dloss
+
+
+def storage_and_inbox(lowering: Lowering, unit: dict, outputs: LossOutputs
+                      ) -> tuple[Bufs, Bufs]:
+    """A device's zero storage (the loss function's outputs too) and inbox (a dummy slot
+    past the lowering's) for a program whose steps write after their compute."""
+    store = {c: c.zeros(n) for c, n in lowering.slots.items()} | outputs.buffers()
+    inbox = {c: c.zeros((lowering.num_inbox + 1) * n) for c, n in unit.items()}
+    return store, inbox
+
+
+def write_unit(buf: Bufs, msg: Bufs, slot: Any, unit: dict) -> Bufs:
+    """``buf`` (an inbox) with message ``msg`` written at its slot ``slot``."""
+    return {c: lax.dynamic_update_slice_in_dim(buf[c], msg[c], slot * n, 0,
+                                               allow_negative_indices=False)
+            for c, n in unit.items()}
 
 
 def pack(msg: Bufs, unit: dict, packed: bool) -> Any:

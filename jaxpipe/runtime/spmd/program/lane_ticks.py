@@ -35,9 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpipe.runtime.spmd.lowering.lanes import B_LANE, F_LANE, lane_offsets
+from jaxpipe.runtime.spmd.lowering.lanes import B_LANE, F_LANE, lane_offsets, lane_segments
 from jaxpipe.runtime.spmd.lowering.types import IDLE, Lowering
-from jaxpipe.runtime.spmd.program.accelerator_ticks import pack, unpack
+from jaxpipe.runtime.spmd.program.accelerator_ticks import (
+    pack,
+    storage_and_inbox,
+    unpack,
+    write_unit,
+)
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.branches import Branches
 from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
@@ -46,7 +51,7 @@ from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.stage_ends import gated_stages
 from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, Ports
 
-__all__ = ["LaneFields", "LaneTicks", "Segment"]
+__all__ = ["LaneFields", "LaneTicks", "lane_tables"]
 
 Bufs = dict[ValueClass, jax.Array]
 
@@ -69,15 +74,6 @@ class LaneFields:
     recv_slot: tuple[np.ndarray, np.ndarray]
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Ticks ``start`` to ``stop`` (exclusive), scanned with the lanes ``lanes`` only."""
-
-    start: int
-    stop: int
-    lanes: tuple[int, ...]
-
-
 def _rows(x: np.ndarray, lane: int, num_ticks: int) -> np.ndarray:
     """A lane's rows of a ``[steps, ...]`` table field, one a tick (the backward lane of
     a table whose last tick has no backward step repeats its last row: idle)."""
@@ -94,11 +90,10 @@ def lane_tables(lowering: Lowering) -> LaneFields:
     dummy = lowering.num_inbox
     msgs = lowering.message_arrays
     ticks = lowering.ticks
-    lane = ticks.step[msgs.producer] % 2
     recv = [np.full((T, D), dummy, np.int32) for _ in range(2)]
     # a message to another device arrives at its producer's tick's end
     slot = _message_slots(lowering)
-    remote = msgs.src != msgs.dst
+    remote, lane = _remote_lanes(lowering)
     for k in (F_LANE, B_LANE):
         mine = remote & (lane == k)
         recv[k][ticks.tick[msgs.producer[mine]], msgs.dst[mine]] = slot[mine]
@@ -113,26 +108,17 @@ def lane_tables(lowering: Lowering) -> LaneFields:
         tuple(i32(r) for r in recv))
 
 
+def _remote_lanes(lowering: Lowering) -> tuple[np.ndarray, np.ndarray]:
+    """Per message: whether it goes to another device, and the lane that sends it."""
+    msgs = lowering.message_arrays
+    return msgs.src != msgs.dst, lowering.ticks.step[msgs.producer] % 2
+
+
 def _message_slots(lowering: Lowering) -> np.ndarray:
     """Every message's inbox slot, as the table's readers see it (``in_slot`` of its
     consumer's step)."""
     msgs = lowering.message_arrays
     return lowering.table.in_slot[msgs.read, msgs.dst]
-
-
-def segments(fields: LaneFields, forward_only: bool) -> list[Segment]:
-    """Maximal runs of ticks with the same lanes busy on some device."""
-    busy = [fields.active[k].any(axis=1) for k in (F_LANE, B_LANE)]
-    if forward_only:
-        busy[B_LANE] = np.zeros_like(busy[B_LANE])
-    out: list[Segment] = []
-    for t in range(len(busy[0])):
-        lanes = tuple(k for k in (F_LANE, B_LANE) if busy[k][t]) or (F_LANE,)
-        if out and out[-1].lanes == lanes:
-            out[-1] = Segment(out[-1].start, t + 1, lanes)
-        else:
-            out.append(Segment(t, t + 1, lanes))
-    return out
 
 
 class LaneTicks:
@@ -160,12 +146,11 @@ class LaneTicks:
                                   direct_writes=False, forward_only=forward_only)
         self.lane_fns = (self.branch_of.make("F", body, "masked"),
                          None if forward_only else self.branch_of.make("B", body, "masked"))
-        offsets = lane_offsets(lowering.ticks, D)
+        msgs = lowering.message_arrays
+        offsets = lane_offsets(lowering.ticks, D, msgs)
         if offsets is None:
             raise ValueError("a lane's messages go both ways (see lanes_refusal)")
-        msgs = lowering.message_arrays
-        remote = msgs.src != msgs.dst
-        lane = lowering.ticks.step[msgs.producer] % 2
+        remote, lane = _remote_lanes(lowering)
         # per lane, one permutation over every pair that ever uses it
         self.perms = tuple(
             None if off is None else
@@ -175,25 +160,16 @@ class LaneTicks:
         self.ports = None  # no switch (what the accelerator program reports)
         self.lane_ports: dict[int, Ports] = {}  # per lane, once a step is traced
         rows = lowering.table.actions(gated_stages(bodies))
-        lane_fields = lane_tables(lowering)
-        self.segments = segments(lane_fields, forward_only)
+        self.segments = lane_segments(lowering.ticks)
         T = lowering.num_ticks
         self.fields = (jax.tree.map(lambda x: _rows(x, F_LANE, T), rows),
                        jax.tree.map(lambda x: _rows(x, B_LANE, T), rows),
-                       lane_fields)
+                       lane_tables(lowering))
 
     def init(self) -> tuple:
         """The carry besides gradients and loss: storage (the loss function's outputs
         too) and inbox."""
-        low, unit = self.lowering, self.unit
-        store = {c: c.zeros(n) for c, n in low.slots.items()} | self.outputs.buffers()
-        inbox = {c: c.zeros((low.num_inbox + 1) * n) for c, n in unit.items()}
-        return store, inbox
-
-    def _write_unit(self, buf: Bufs, msg: Bufs, slot: Any) -> Bufs:
-        return {c: lax.dynamic_update_slice_in_dim(buf[c], msg[c], slot * n, 0,
-                                                   allow_negative_indices=False)
-                for c, n in self.unit.items()}
+        return storage_and_inbox(self.lowering, self.unit, self.outputs)
 
     def _lane(self, k: int, row: Any, active: jax.Array, pbuf: list, batch: list,
               inbox: Bufs, store: Bufs, gbuf: list) -> tuple:
@@ -221,11 +197,11 @@ class LaneTicks:
             loss = loss + dloss
             sent.append((k, msg))
         for k, msg in sent:
-            inbox = self._write_unit(inbox, msg, at.local_slot[k])
+            inbox = write_unit(inbox, msg, at.local_slot[k], self.unit)
         for k, msg in sent:
             if self.perms[k] is not None:
                 got = lax.ppermute(pack(msg, self.unit, self.packed), self.axis,
                                    self.perms[k])
-                inbox = self._write_unit(inbox, unpack(got, self.unit, self.packed),
-                                         at.recv_slot[k])
+                inbox = write_unit(inbox, unpack(got, self.unit, self.packed),
+                                   at.recv_slot[k], self.unit)
         return (store, inbox), gbuf, loss
