@@ -145,6 +145,7 @@ class AutoChoice:
     candidates: tuple[Candidate, ...]
     objective: str
     time_unit: str
+    cut_report: Any = None  # the cutter's report for the chosen schedule (cut once)
 
     def __str__(self) -> str:
         lines = [f"schedule chosen by Auto (objective '{self.objective}'):",
@@ -170,6 +171,7 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
     (``Runtime.predicted_time``); ``None``: the report's simulated makespan."""
     rows: list[tuple[str, int, Schedule | None, float | None, float | None, str,
                      Schedule | None]] = []
+    reports: dict[int, Any] = {}  # id(schedule) -> its cut report
     unit = "flops"
     for name, v, sched in auto.candidates(num_devices, num_microbatches, max_stages):
         if isinstance(sched, str):
@@ -192,6 +194,7 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
                          f"{budget / 2**20:.2f} MiB", sched))
             continue
         rows.append((name, v, sched, time, memory, "", sched))
+        reports[id(sched)] = report
     fitting = [r for r in rows if r[2] is not None]
     if not fitting:
         why = "; ".join(f"{r[0]} v={r[1]}: {r[5]}" for r in rows)
@@ -213,7 +216,7 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
                        else "more memory" if r[4] > best[4]
                        else "slower" if r[3] > best[3] else "equal; an earlier family won")
         candidates.append(Candidate(r[0], r[1], num_microbatches, r[3], r[4], verdict, r[6]))
-    return AutoChoice(best[2], tuple(candidates), auto.objective, unit)
+    return AutoChoice(best[2], tuple(candidates), auto.objective, unit, reports[id(best[2])])
 
 
 def _first(err: Exception) -> str:

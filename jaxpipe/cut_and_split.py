@@ -109,8 +109,8 @@ def cut_only(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryM
 
 def cut_and_split(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
                   mesh: Mesh, param_dims: Sequence[Dims], *, share_cores: bool = False,
-                  split_backward: bool = False, in_flight: Sequence[int] | None = None
-                  ) -> StagedLoss:
+                  split_backward: bool = False, in_flight: Sequence[int] | None = None,
+                  cut_report: Any = None) -> StagedLoss:
     """Cut ``traced`` for ``schedule`` (:func:`~jaxpipe.cut.resolve.resolve_cuts`), then split it.
 
     ``param_dims``: per parameter leaf, its sharding over the non-pipe axes; a stage's
@@ -118,11 +118,14 @@ def cut_and_split(traced: Traced, schedule: Schedule, cut: Any, memory_model: Me
     ``split_backward``: as the runtime's :meth:`~jaxpipe.runtime.Runtime.shares_cores` and
     :meth:`~jaxpipe.runtime.Runtime.splits_backward` say (see :func:`jaxpipe.stages.split`);
     ``in_flight``: as its :meth:`~jaxpipe.runtime.Runtime.in_flight` says.
+    ``cut_report``: :func:`cut_only`'s report for this schedule and ``cut``, when the
+    caller cut already (``schedule="auto"``): the cut is not searched again.
     """
     param_avals = [v.aval for v in traced.jaxpr.invars[: traced.num_params]]
     stacks, layers, cut_traced, shards = _cut_view(traced, mesh, param_dims)
-    cuts, report = resolve_cuts(cut_traced, schedule, cut, memory_model,
-                                tuple(mesh.devices.flat), shards, in_flight)
+    cuts, report = ((list(cut_report.cuts), cut_report) if cut_report is not None else
+                    resolve_cuts(cut_traced, schedule, cut, memory_model,
+                                 tuple(mesh.devices.flat), shards, in_flight))
     if layers is not None:
         staged, stage_cuts = for_stages(traced, stacks, layers, cuts)
         stage_traced, views = staged.traced, staged.views

@@ -158,7 +158,8 @@ class Pipeline:
                                self.runtime.memory_model_for(mesh), mesh, self.param_dims,
                                share_cores=self.runtime.shares_cores(),
                                split_backward=self.runtime.splits_backward(mesh, self.mesh_axes),
-                               in_flight=self.runtime.in_flight(schedule, mesh, self.mesh_axes))
+                               in_flight=self.runtime.in_flight(schedule, mesh, self.mesh_axes),
+                               cut_report=self.auto_choice and self.auto_choice.cut_report)
         self.stacks: tuple[Stack, ...] = st.stacks
         self.cut_traced: Traced = st.cut_traced
         self.cuts, self.cut_report = st.cuts, st.cut_report
