@@ -12,6 +12,7 @@ back to :data:`~.backends.TICK_OVERHEAD_FLOPS` where nothing was measured.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -22,7 +23,8 @@ import numpy as np
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.spmd.backends import TICK_OVERHEAD_FLOPS
 
-__all__ = ["Calibration", "calibration_path", "fit", "load", "save", "tick_overhead_flops"]
+__all__ = ["Calibration", "calibration_path", "fit", "load", "machine_key", "save",
+           "tick_overhead_flops"]
 
 
 @dataclass(frozen=True)
@@ -80,15 +82,24 @@ def load(path: Path | None = None) -> dict[str, Calibration]:
     """Every calibration kept at ``path`` (default :func:`calibration_path`)."""
     path = path or calibration_path()
     try:
-        raw = json.loads(path.read_text())
+        st = path.stat()
     except FileNotFoundError:
         return {}
+    return dict(_read(str(path), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str, mtime_ns: int, size: int) -> tuple[tuple[str, Calibration], ...]:
+    """The file at ``path`` as it is at that modification time and size (read once:
+    schedule="auto" asks for every candidate)."""
+    try:
+        raw = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise PipelineError(f"cannot read the calibration file {path} ({err}); delete it "
                             "or run jaxpipe calibrate again") from None
-    return {k: Calibration(k, v["flops_per_s"], v["tick_overhead_s"],
-                           tuple(tuple(s) for s in v.get("samples", ())))
-            for k, v in raw.items()}
+    return tuple((k, Calibration(k, v["flops_per_s"], v["tick_overhead_s"],
+                                 tuple(tuple(s) for s in v.get("samples", ()))))
+                 for k, v in raw.items())
 
 
 def save(cal: Calibration, path: Path | None = None) -> Path:
