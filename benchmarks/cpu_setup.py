@@ -14,13 +14,21 @@ def with_flags(*flags: str) -> str:
     return " ".join([*(f for f in flags if f), SINGLE_THREAD_FLAGS])
 
 
+def virtual_cpus(devices: int) -> None:
+    """``devices`` virtual CPU devices (:func:`jaxpipe.xla_flags.cpu_devices`; a count
+    already in ``XLA_FLAGS`` wins), XLA's threads left as they are."""
+    from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
+
+    cpu_devices(devices)
+
+
 def single_core_cpu(devices: int) -> None:
     """``devices`` virtual CPU devices and single-threaded XLA, the process pinned to one
     core: devices take turns, so time measures total work. Flags already in
     ``XLA_FLAGS`` win."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={devices}"
+    from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
+
+    flags = cpu_devices(devices)
     if "multi_thread_eigen" not in flags:
         flags += " " + SINGLE_THREAD_FLAGS
     os.environ["XLA_FLAGS"] = flags.strip()

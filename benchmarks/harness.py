@@ -1,7 +1,8 @@
 """What benchmark sections share: the run's settings, compiled-program cache, timing.
 
 A section (``benchmarks/sections/<name>.py``) gets a :class:`Runner` ``r``: ``r.s`` is the
-:class:`Settings` of the run (``r.s.quick`` for the smoke test), ``r.out`` the output folder,
+:class:`Settings` the sections share (``r.s.quick`` for the smoke test; a section's own
+sizes are in its module, see :func:`section_settings`), ``r.out`` the output folder,
 and ``r.measure`` / ``r.jaxpipe_blocks`` compile and time programs once for every section
 (the sweep and scaling sections reuse the baseline's 1F1B runs). :func:`compile_program`
 and :func:`time_group` are the two steps for a section's own programs; timings are
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -35,51 +36,44 @@ RUN_FIELDS = ("build_s", "lower_s", "compile_s", "median_s", "min_s", "cpu_media
 
 @dataclass
 class Settings:
-    """Everything a run depends on (recorded in the JSON)."""
+    """What several sections share (recorded in the JSON's ``meta.settings``).
+
+    A section's own sizes are a frozen dataclass in its module (e.g. ``OverheadSettings``
+    in ``sections/overhead.py``) with ``for_run(quick)``; it gets them with
+    :func:`section_settings` and records them in its result under ``"settings"``.
+    """
 
     model: C.GPTConfig
     quick: bool = False
     p: int = 4  # main pipeline size
     p_big: int = 8  # extra sweep size (when there are devices)
-    overhead_m: int = 8
-    overhead_mb: int = 4  # sequences per microbatch in the overhead section
     mb: int = 2  # sequences per microbatch in baseline / sweep / scaling
-    m_factors: tuple[int, ...] = (1, 2, 4, 8)  # baseline: m = factor * p
-    scaling_factors: tuple[int, ...] = (1, 2, 4, 8)  # scaling: m = factor * p
-    sweep_factor: int = 2  # sweep: m = 2p
-    sweep_compile: bool = True  # False: only schedules already measured are compiled
     warmup: int = 2
     repeats: int = 7
-    conc_m: int = 8
-    conc_mb: int = 8  # bigger microbatches: per-tick compute must dwarf gloo latency
-    conc_schedules: tuple[str, ...] = ("1f1b", "gpipe", "schedules/zero_bubble.py:ZeroBubbleH1")
-    conc_timeout: float = 300.0
-    conc_runs: int = 3  # fresh process sets; the figures are their medians
-    # remat: a wider model with longer sequences, so that matmuls dominate the time
-    # (recomputing one costs what it should) and activations dominate the memory
-    remat_model: C.GPTConfig = field(default_factory=lambda: C.GPTConfig(
-        vocab=256, d_model=256, n_heads=4, n_layers=8, seq=64))
-    remat_mb: int = 4  # remat: sequences per microbatch
-    remat_m_factor: int = 2  # remat: m = factor * p
-    remat_budget: float = 0.6  # remat: budget as a fraction of the no-recompute peak
     plots: bool = True
     program: str = "auto"  # SpmdRuntime(backend=...): "auto", "cpu", "gpu" or "tpu"
     sections: tuple[str, ...] = ()  # the sections to run (default: every one found)
+    # per section, fields of its own settings to override: {"overhead": {"mb": 4}}
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def default_settings(quick: bool) -> Settings:
-    """The sizes of a full run, or of the smoke test (``--quick``)."""
+    """The shared sizes of a full run, or of the smoke test (``--quick``)."""
     if quick:
-        # Smoke test: few compiles (the sweep compiles nothing new, scaling reuses the
-        # baseline's 1F1B runs plus one), tiny model. Its numbers mean nothing.
+        # Smoke test: tiny model, few repeats. Its numbers mean nothing.
         model = C.GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=8)
-        return Settings(model=model, quick=True, p=2, p_big=2, overhead_m=4, overhead_mb=2,
-                        mb=2, m_factors=(4,), scaling_factors=(1, 4), sweep_factor=4,
-                        sweep_compile=False, warmup=1, repeats=2, conc_m=4, conc_mb=2,
-                        conc_schedules=("1f1b",), conc_timeout=120.0, conc_runs=1,
-                        remat_model=replace(model, seq=16), remat_mb=2, remat_budget=0.9)
+        return Settings(model=model, quick=True, p=2, p_big=2, mb=2, warmup=1, repeats=2)
     return Settings(model=C.GPTConfig())
+
+
+T = TypeVar("T")
+
+
+def section_settings(s: Settings, section: str, for_run: Callable[[bool], T]) -> T:
+    """A section's own settings: ``for_run(s.quick)`` (its full-run or ``--quick`` values)
+    with the fields ``s.extra[section]`` overrides (``run.py --mb-size`` sets overhead's
+    ``mb``)."""
+    return replace(for_run(s.quick), **s.extra.get(section, {}))
 
 
 def mesh(p: int) -> jax.sharding.Mesh:
@@ -175,11 +169,11 @@ class Runner:
         build_s = time.perf_counter() - t0
         program = "resident"
         args: tuple = (pipe.shard(self.blocks_params), batch)
-        compiled, info = compile_program(pipe.staged_value_and_grad_fn, args)
+        compiled, info = compile_program(pipe.inspect.staged_value_and_grad_fn, args)
         tl = schedule.simulate()
-        low = pipe.executor.lowering
+        low = pipe.inspect.executor.lowering
         info.update({"build_s": build_s, "program": program,
-                     "tick_program": pipe.executor.backend,
+                     "tick_program": pipe.inspect.executor.backend,
                      "overlap": low.exchange.delay == 2,
                      "bubble": float(tl.bubble_fraction), "makespan": float(tl.makespan),
                      "num_ticks": int(low.num_ticks),

@@ -43,9 +43,9 @@ def _preparse(argv: list[str]) -> None:
             threads = argv[i + 1]
         elif a.startswith("--threads="):
             threads = a.split("=", 1)[1]
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={n}"
+    from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
+
+    flags = cpu_devices(n)
     if "--quick" in argv and "xla_backend_optimization_level" not in flags:
         # the smoke run's tiny programs spend their time in XLA:CPU's LLVM passes, not
         # running (40% of its compile time); its figures mean nothing anyway
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="parameter/activation dtype, e.g. bfloat16")
-    ap.add_argument("--mb-size", type=int, default=None, help="sequences per microbatch")
+    ap.add_argument("--mb-size", type=int, default=None,
+                    help="sequences per microbatch (overhead, baseline, sweep, scaling)")
     ap.add_argument("--p", type=int, default=None, help="main pipeline size (default 4)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "dtype": args.dtype}.items() if v is not None}
     s.model = replace(s.model, **over)
     if args.mb_size:
-        s.mb = s.overhead_mb = args.mb_size
+        s.mb = args.mb_size
+        s.extra["overhead"] = {"mb": args.mb_size}  # (OverheadSettings.mb, see there)
     if args.p:
         s.p = args.p
     s.repeats = args.repeats or s.repeats
@@ -265,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        else None),
         "machine": f"{platform.machine()} {platform.processor()}".strip(),
         "quick": s.quick, "config": s.model.asdict(),
+        # the shared settings; each section records its own under its "settings"
         "settings": {k: v for k, v in s.__dict__.items() if k not in ("model", "extra")},
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "started": time.strftime("%F %T"),
         "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None,

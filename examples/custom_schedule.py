@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
+
+cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"loss": float(loss), "ref_loss": float(ref_loss), "max_grad_err": err,
               "bubble": float(timeline.bubble_fraction),
               "peak_in_flight": [int(x) for x in timeline.peak_in_flight],
-              "lowered_residual_slots": list(pipe.executor.lowering.residual_peak)}
+              "lowered_residual_slots": list(pipe.inspect.executor.lowering.residual_peak)}
     print("RESULT " + json.dumps(result))
     return result
 

@@ -71,9 +71,9 @@ def _force_cpu_devices(argv: list[str]) -> None:
                 size = part.partition("=")[2]
                 count *= int(size) if size.isdigit() else 1
             n = max(n, count)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
+
+    cpu_devices(n)
 
 
 if __name__ == "__main__":

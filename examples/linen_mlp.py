@@ -11,16 +11,12 @@ the auto cutter groups them into ``--stages`` stages. The same loss and gradient
 
 from __future__ import annotations
 
-import os
 import sys
 
-if __name__ == "__main__" and "--xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    # Virtual CPU devices for the pipe axis; must be set before jax is imported.
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+if __name__ == "__main__":
+    from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
+
+    cpu_devices(8)  # virtual CPU devices for the pipe axis, before jax is imported
 
 import argparse  # noqa: E402
 from typing import Any  # noqa: E402

@@ -7,7 +7,7 @@ unpipelined model. See README.md and docs/architecture.md.
 
 Public names are imported lazily so that ``import jaxpipe`` stays cheap and each
 layer of the package can be used on its own. No public name is also a submodule's name
-(``jp.pipeline`` is a function, its module is :mod:`jaxpipe.frontend`), so importing a
+(``jp.pipeline`` is a function, its module is :mod:`jaxpipe.api.pipeline`), so importing a
 submodule never rebinds a public name.
 """
 
@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "boundary": "jaxpipe.markers",
-    "layer": "jaxpipe.markers",
+    "boundary": "jaxpipe.jaxpr.markers",
+    "layer": "jaxpipe.jaxpr.markers",
     "Action": "jaxpipe.schedule",
     "Schedule": "jaxpipe.schedule",
     "ScheduleError": "jaxpipe.schedule",
@@ -30,18 +30,18 @@ _EXPORTS = {
     "Interleaved1F1B": "jaxpipe.schedule",
     "Timeline": "jaxpipe.schedule",
     "load_schedule": "jaxpipe.schedule",
-    "Auto": "jaxpipe.auto",
-    "pipeline": "jaxpipe.frontend",
-    "Pipeline": "jaxpipe.frontend",
+    "Auto": "jaxpipe.api.auto",
+    "pipeline": "jaxpipe.api.pipeline",
+    "Pipeline": "jaxpipe.api.pipeline",
     "PipelineError": "jaxpipe.errors",
     "Cut": "jaxpipe.cut",
     "CutError": "jaxpipe.cut",
 }
+# public submodules (``jp.flax.pipeline``, ``jp.schedule.forward``, ...)
 _SUBMODULES = {
-    "flax", "schedule", "train", "cost", "cut", "trace", "stages", "runtime", "avals",
-    "checkpoint", "distributed", "launch",
+    "flax", "schedule", "train", "cut", "stages", "runtime", "checkpoint", "distributed",
+    "launch", "aot",
 }
-
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 
 

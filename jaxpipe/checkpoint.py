@@ -3,7 +3,7 @@
 Two forms, for two purposes:
 
 ``save(path, state)`` / ``restore(path, pipe, like=state)``
-    The :class:`~jaxpipe.train.TrainState` exactly as it lives on the devices: parameters
+    The :class:`~jaxpipe.train.state.TrainState` exactly as it lives on the devices: parameters
     and optimizer state in the per-stage layout ``{dtype: [devices, stages_per_device,
     width]}``, sharded over the pipe axis, plus the step counter. Each process writes and
     reads only its own shards. Restoring into a pipeline with the *same* layout (same
@@ -40,8 +40,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpipe.api.inputs import check_alive
 from jaxpipe.errors import PipelineError, PipelineTypeError
-from jaxpipe.inputs import check_alive
 
 __all__ = ["restore", "restore_params", "save", "save_params"]
 
@@ -73,7 +73,7 @@ def _abspath(path: str | os.PathLike) -> Path:
 
 def _pipeline(pipe: Any, what: str, required: bool = True):
     """The :class:`jaxpipe.Pipeline` behind ``pipe`` (flax wrappers included), checked."""
-    from jaxpipe.frontend import Pipeline
+    from jaxpipe.api.pipeline import Pipeline
 
     if pipe is None and not required:
         return None
@@ -86,7 +86,7 @@ def _pipeline(pipe: Any, what: str, required: bool = True):
 
 
 def _layout_summary(pipe) -> dict[str, Any]:
-    return pipe.layout_summary()
+    return pipe.inspect.layout_summary()
 
 
 # Files orbax writes into every checkpoint directory it finishes.
@@ -172,7 +172,7 @@ def _read_meta(path: Path, want_kind: str) -> tuple[dict, Any]:
 
 # ----------------------------------------------------------------------- train state
 def save(path: str | os.PathLike, state, *, pipe=None, overwrite: bool = False) -> None:
-    """Save a :class:`~jaxpipe.train.TrainState` in its per-stage layout.
+    """Save a :class:`~jaxpipe.train.state.TrainState` in its per-stage layout.
 
     Args:
       path: a new directory (``overwrite=True`` replaces an existing one).
@@ -182,7 +182,7 @@ def save(path: str | os.PathLike, state, *, pipe=None, overwrite: bool = False) 
       overwrite: replace ``path`` if it exists.
     """
     from jaxpipe.distributed import fetch
-    from jaxpipe.train import TrainState
+    from jaxpipe.train.state import TrainState
 
     if not isinstance(state, TrainState):
         raise PipelineTypeError(
@@ -206,7 +206,7 @@ def _shape_map(tree: Any) -> dict[str, tuple]:
 
 def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
             skip_nonfinite: bool = False, clip_global_norm: float | None = None):
-    """Restore a :class:`~jaxpipe.train.TrainState` saved by :func:`save`.
+    """Restore a :class:`~jaxpipe.train.state.TrainState` saved by :func:`save`.
 
     The restored state trains with the optimizer of ``like`` (or ``optimizer``): a
     checkpoint holds arrays, not code.
@@ -232,7 +232,7 @@ def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxpipe.train import TrainState
+    from jaxpipe.train.state import TrainState
 
     pipe = _pipeline(pipe, "restore(path, pipe, ...)")
     path = _abspath(path)
@@ -247,7 +247,7 @@ def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
         raise PipelineTypeError(
             f"like must be a TrainState (e.g. pipe.init(params, optimizer)), got "
             f"{type(like).__name__}.")
-    if like.trainer.executor is not pipe.executor:
+    if like.trainer.executor is not pipe.inspect.executor:
         raise PipelineError(
             "like is a TrainState of another pipeline; make it with this pipeline "
             "(pipe.init(params, optimizer)) so the restored state trains here.")
@@ -288,8 +288,8 @@ def _abstract_state(pipe, optimizer, skip_nonfinite: bool, clip_global_norm):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxpipe.train import Trainer, TrainState
-    from jaxpipe.train_options import TrainOptions
+    from jaxpipe.train.options import TrainOptions
+    from jaxpipe.train.state import TrainState
 
     if optimizer is None:
         raise PipelineError(
@@ -297,12 +297,11 @@ def _abstract_state(pipe, optimizer, skip_nonfinite: bool, clip_global_norm):
             "like=pipe.init(params, optimizer) (values are ignored) or optimizer=<the "
             "optax transformation>."
         )
-    trainer = Trainer(pipe.executor, optimizer,
-                      TrainOptions(skip_nonfinite=skip_nonfinite,
-                                   clip_global_norm=clip_global_norm), pipe.microbatches)
+    trainer = pipe.inspect.trainer(optimizer, TrainOptions(
+        skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm))
     step = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(pipe.mesh, P()))
-    return TrainState(pipe.executor.staged_abstract(), trainer.abstract_opt_state(), step,
-                      trainer)
+    return TrainState(pipe.inspect.executor.staged_abstract(), trainer.abstract_opt_state(),
+                      step, trainer)
 
 
 # ----------------------------------------------------------------------- parameters
@@ -313,11 +312,11 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
     Args:
       path: a new directory.
       pipe: the pipeline the state belongs to (it knows the stage layout).
-      state_or_params: a :class:`~jaxpipe.train.TrainState`, the staged parameter list
+      state_or_params: a :class:`~jaxpipe.train.state.TrainState`, the staged parameter list
         from ``pipe.shard``, or already the user's parameter pytree.
       overwrite: replace ``path`` if it exists.
     """
-    from jaxpipe.train import TrainState
+    from jaxpipe.train.state import TrainState
 
     wrapper = pipe
     pipe = _pipeline(pipe, "save_params(path, pipe, state)")
@@ -329,7 +328,7 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
     else:
         if wrapper is not pipe:  # a flax model, nnx State or variables dict is fine too
             state_or_params = wrapper._as_params(state_or_params)
-        pipe.check_params(state_or_params, "save_params")
+        pipe.inspect.check_params(state_or_params, "save_params")
         check_alive(state_or_params, "params", "Save live parameters.")
         params = state_or_params
     meta = {"kind": _KIND_PARAMS, "format": _FORMAT,
@@ -339,8 +338,8 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
 
 def _is_staged(pipe, x) -> bool:
     return (isinstance(x, (list, tuple))
-            and [tuple(np.shape(v)) for v in x] == pipe.staged_shapes()
-            and jax.tree.structure(x) != pipe.traced.params_treedef)
+            and [tuple(np.shape(v)) for v in x] == pipe.inspect.staged_shapes()
+            and jax.tree.structure(x) != pipe.inspect.traced.params_treedef)
 
 
 def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> Any:
@@ -367,8 +366,9 @@ def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> A
 
         rep = NamedSharding(pipe.mesh, P())
         like = jax.tree.unflatten(
-            pipe.traced.params_treedef,
-            [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in pipe.param_avals])
+            pipe.inspect.traced.params_treedef,
+            [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)
+             for a in pipe.inspect.param_avals])
     if like is None:
         target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree_meta)
     else:

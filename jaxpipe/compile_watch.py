@@ -2,7 +2,7 @@
 
 Every entry point of a :class:`jaxpipe.Pipeline` (``value_and_grad``, ``loss``,
 ``train_step``, ...) places its inputs canonically before the call
-(:mod:`jaxpipe.input_placement`), so a second compilation for the same shapes means
+(:mod:`jaxpipe.api.input_placement`), so a second compilation for the same shapes means
 something else changed; :class:`CompileWatch` names the entry point and the first input
 whose signature differs in a :class:`RecompileWarning`.
 """

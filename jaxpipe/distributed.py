@@ -244,11 +244,12 @@ def fetch(tree: Any) -> Any:
 def config_summary(pipe) -> dict[str, Any]:
     """A JSON-able summary of everything that must agree across processes.
 
-    :meth:`jaxpipe.Pipeline.fingerprint`: schedule (class, p, m, v, every device's action
+    ``pipe.inspect.fingerprint()``: schedule (class, p, m, v, every device's action
     list), cut, mesh shape and axis names, parameter and microbatch shapes/dtypes, and
     the executor's digests (for SPMD, of the lowered tick table: what the compiled
-    program's collectives depend on).
+    program's collectives depend on). ``pipe``: a pipeline (or its ``pipe.inspect``).
     """
+    pipe = getattr(pipe, "inspect", pipe)  # what a built pipeline holds
     sched = pipe.schedule
     actions = {str(d): [str(a) for a in acts] for d, acts in sched.actions().items()}
     avals = pipe.traced.jaxpr.invars

@@ -46,7 +46,7 @@ import os
 from collections.abc import MutableMapping
 
 __all__ = ["COMPILER_OPTIONS", "RECOMMENDED", "apply", "attached_platform",
-           "compiler_options", "cpu_unless_attached", "recommended"]
+           "compiler_options", "cpu_devices", "cpu_unless_attached", "recommended"]
 
 #: Per platform, XLA options the accelerator program is compiled with, per compile
 #: (``lowered.compile(COMPILER_OPTIONS["gpu"])``; see the module docstring).
@@ -128,3 +128,18 @@ def cpu_unless_attached(env: MutableMapping[str, str] | None = None) -> None:
     env = os.environ if env is None else env
     if attached_platform() == "cpu":
         env.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def cpu_devices(count: int, env: MutableMapping[str, str] | None = None) -> str:
+    """Ask XLA:CPU for ``count`` virtual devices, before JAX starts its backend: one
+    process can then build and run a pipeline over a mesh of them (tests, benchmarks,
+    examples). A device count already in ``env["XLA_FLAGS"]`` (default ``os.environ``)
+    wins; the flag goes before a bare token XLA would stop reading at (see :func:`apply`).
+    Returns the new ``XLA_FLAGS``."""
+    env = os.environ if env is None else env
+    have = env.get("XLA_FLAGS", "").split()
+    if not any(f.startswith("--xla_force_host_platform_device_count=") for f in have):
+        bare = next((i for i, f in enumerate(have) if not f.startswith("--")), len(have))
+        have.insert(bare, f"--xla_force_host_platform_device_count={count}")
+    env["XLA_FLAGS"] = " ".join(have)
+    return env["XLA_FLAGS"]

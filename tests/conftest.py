@@ -2,8 +2,7 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
-if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
+
+cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -36,7 +36,7 @@ def _build(schedule, runtime, layers=None):
 def _storage_shapes(pipe) -> set[str]:
     """HLO shapes of the program's storage, inbox and gradient buffers."""
     hlo = {"float32": "f32", "int32": "s32", "bool": "pred"}
-    low, lay = pipe.executor.lowering, pipe.executor.layouts
+    low, lay = pipe.inspect.executor.lowering, pipe.inspect.executor.layouts
 
     def shape(c, lead):
         return f"{hlo[c.dtype]}[{','.join(map(str, (*lead, *c.row_shape)))}]"
@@ -55,9 +55,9 @@ def test_tick_loop_is_straight_line_and_exact(name, p):
     buffer copied; gradients exact."""
     schedule = SCHEDULES[name](p, 2 * p)
     pipe, loss_fn, params, batch = _build(schedule, SpmdRuntime(backend="gpu"))
-    compiled = pipe.value_and_grad_fn.lower(params, batch).compile()
+    compiled = pipe.inspect.value_and_grad_fn.lower(params, batch).compile()
     found = census(compiled.as_text())
-    low = pipe.executor.lowering
+    low = pipe.inspect.executor.lowering
     assert found.trip_count == low.num_ticks
     assert found.unknown_trip_whiles == 0, found
     assert found.conditionals == 1, found
@@ -76,7 +76,7 @@ def test_overlap_on_and_off_are_exact(name, overlap):
     schedule = SCHEDULES[name](4, 8)
     pipe, loss_fn, params, batch = _build(schedule, SpmdRuntime(backend="gpu",
                                                                 overlap=overlap))
-    assert pipe.executor.lowering.exchange.delay == (2 if overlap else 1)
+    assert pipe.inspect.executor.lowering.exchange.delay == (2 if overlap else 1)
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 8))
 
 
@@ -87,8 +87,8 @@ def test_the_cpu_program_is_the_one_that_gates():
     schedule = jp.OneFOneB(4, 8)
     cpu, *_ = _build(schedule, SpmdRuntime(backend="cpu"))
     gpu, loss_fn, params, batch = _build(schedule, SpmdRuntime(backend="gpu"))
-    on_cpu = census(cpu.value_and_grad_fn.lower(params, batch).compile().as_text())
-    on_gpu = census(gpu.value_and_grad_fn.lower(params, batch).compile().as_text())
+    on_cpu = census(cpu.inspect.value_and_grad_fn.lower(params, batch).compile().as_text())
+    on_gpu = census(gpu.inspect.value_and_grad_fn.lower(params, batch).compile().as_text())
     assert on_cpu.unknown_trip_whiles > 0 and on_cpu.permutes_in_conditionals > 0
     assert on_gpu.unknown_trip_whiles == 0 and on_gpu.permutes_in_conditionals == 0
     assert not set(on_cpu.copied) & _storage_shapes(cpu), on_cpu.copied
@@ -122,7 +122,7 @@ def test_scanned_interleaved_stack_and_train_step():
                        schedule=jp.Interleaved1F1B(2, 4, stages_per_device=2),
                        cut=jp.Cut(indices=[2, 4, 6]), runtime=SpmdRuntime(backend="gpu"))
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 4))
-    found = census(pipe.value_and_grad_fn.lower(params, batch).compile().as_text())
+    found = census(pipe.inspect.value_and_grad_fn.lower(params, batch).compile().as_text())
     assert found.unknown_trip_whiles == 0 and found.conditionals == 1, found
     assert found.known_trip_whiles >= 1  # the layer scans, inside the switch's branches
     tx = optax.adam(1e-2)
@@ -156,7 +156,7 @@ def test_sharded_meshes(axes):
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut="markers",
                        runtime=SpmdRuntime(backend="gpu"), **kwargs)
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 4))
-    found = census(pipe.value_and_grad_fn.lower(params, batch).compile().as_text())
+    found = census(pipe.inspect.value_and_grad_fn.lower(params, batch).compile().as_text())
     assert found.unknown_trip_whiles == 0 and found.permutes_in_conditionals == 0, found
 
 

@@ -82,7 +82,7 @@ def test_target_names_and_their_errors():
 def test_unknown_compile_only_devices_need_a_budget():
     from types import SimpleNamespace
 
-    from jaxpipe.device_memory import capacity
+    from jaxpipe.sharding.device_memory import capacity
 
     device = SimpleNamespace(device_kind="TPU v9",
                              client=SimpleNamespace(runtime_type="compile_only_runtime"))
@@ -97,7 +97,7 @@ def test_auto_cut_budgets_the_targets_memory_and_nothing_is_placed(platform):
     the ahead-of-time path named; lower() checks what it is asked for."""
     pipe = _lm(platform, jp.OneFOneB(4, 8), cut="auto")
     t = _target(platform)
-    res = pipe.cut_report
+    res = pipe.inspect.cut_report
     assert res.memory_budget is not None
     assert res.memory_budget <= 0.9 * t.memory
     assert t.device_kind in res.budget_source
@@ -146,7 +146,7 @@ def test_the_compile_command_sizes_the_gpt_example(capsys, tmp_path):
     """``jaxpipe compile --target gpu:h200:4 examples/gpt.py -- --tiny``: the example's
     train step compiled for the target; memory, fit, tick loop and times printed."""
     _need("gpu")
-    from jaxpipe.cli import main
+    from jaxpipe.tools.cli import main
 
     out = tmp_path / "report.json"
     rc = main(["compile", "--target", "gpu:h200:4", "--json", str(out),
@@ -175,7 +175,7 @@ def test_the_compile_command_sizes_the_gpt_example(capsys, tmp_path):
 def _storage_shapes(pipe) -> set[str]:
     """HLO shapes of the program's carried storage pools and inbox."""
     hlo = {"float32": "f32", "int32": "s32", "bool": "pred", "bfloat16": "bf16"}
-    low, lay = pipe.executor.lowering, pipe.executor.layouts
+    low, lay = pipe.inspect.executor.lowering, pipe.inspect.executor.layouts
 
     def shape(c, lead):
         return f"{hlo[c.dtype]}[{','.join(map(str, (*lead, *c.row_shape)))}]"
@@ -206,7 +206,7 @@ def test_the_accelerator_program_as_the_real_compilers_schedule_it(platform, nam
     the tick's compute (the conditional), no carried value copied per tick outside the
     conditional and no storage buffer copied anywhere."""
     pipe, _, found = _compiled(platform, name)
-    low = pipe.executor.lowering
+    low = pipe.inspect.executor.lowering
     assert found.trip_count == low.num_ticks, found
     assert found.unknown_trip_whiles == 0, found
     assert found.conditionals <= 1, found
@@ -281,7 +281,7 @@ def test_tpu_branches_read_windows_not_whole_storage_pools():
     pipe = _lm("tpu", jp.OneFOneB(4, 4), width=8, seq=128)
     found = census(pipe.lower("value_and_grad").compile(
         _target("tpu").compiler_options()).as_text())
-    low, lay = pipe.executor.lowering, pipe.executor.layouts
+    low, lay = pipe.inspect.executor.lowering, pipe.inspect.executor.layouts
     rows: dict = {}
     for (_, c), n in Windows(lay, low).size.items():
         rows[c] = max(rows.get(c, 0), n)

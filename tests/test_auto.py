@@ -31,7 +31,7 @@ def test_auto_is_exact_and_its_plan_explains_the_choice():
     batch up to 4p; the same inputs choose the same again."""
     pipe, loss_fn, params, batch = _pipe("auto")
     assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
-    choice = pipe.auto_choice
+    choice = pipe.inspect.auto_choice
     assert pipe.schedule is choice.schedule and pipe.schedule.num_microbatches == 8
     chosen = [c for c in choice.candidates if c.verdict == "chosen"]
     assert len(chosen) == 1
@@ -42,7 +42,7 @@ def test_auto_is_exact_and_its_plan_explains_the_choice():
     assert {c.family for c in choice.candidates} == {"1f1b", "gpipe", "interleaved"}
     text = str(pipe.plan)
     assert "schedule chosen by Auto" in text and "chosen" in text
-    again = _pipe(jp.Auto())[0].auto_choice
+    again = _pipe(jp.Auto())[0].inspect.auto_choice
     assert [(c.family, c.chunks, c.verdict) for c in again.candidates] == [
         (c.family, c.chunks, c.verdict) for c in choice.candidates]
 
@@ -50,7 +50,7 @@ def test_auto_is_exact_and_its_plan_explains_the_choice():
 def test_auto_under_a_budget_and_by_memory():
     """Under a budget every candidate kept fits it; objective='memory' takes the smallest
     predicted peak (GPipe, which holds every microbatch, never)."""
-    first = _pipe(jp.Auto(objective="memory"))[0].auto_choice
+    first = _pipe(jp.Auto(objective="memory"))[0].inspect.auto_choice
     kept = [c for c in first.candidates if c.memory is not None
             and not c.verdict.startswith("does not")]
     best = min(kept, key=lambda c: c.memory)
@@ -58,7 +58,7 @@ def test_auto_under_a_budget_and_by_memory():
     assert best.family != "gpipe"
     budget = best.memory * 1.05
     pipe = _pipe(jp.Auto(), cut=jp.Cut(memory_budget=budget))[0]
-    for c in pipe.auto_choice.candidates:
+    for c in pipe.inspect.auto_choice.candidates:
         if c.verdict == "chosen" or c.verdict in ("slower", "more memory"):
             assert c.memory <= budget, c
 
@@ -82,7 +82,7 @@ def test_a_family_of_your_own_is_a_candidate():
     with the built-ins and is named by its class."""
     eager = jp.load_schedule("schedules/eager_1f1b.py:Eager1F1B")
     pipe, loss_fn, params, batch = _pipe(jp.Auto(families=("gpipe", eager), microbatches=4))
-    names = [(c.family, c.microbatches) for c in pipe.auto_choice.candidates]
+    names = [(c.family, c.microbatches) for c in pipe.inspect.auto_choice.candidates]
     assert names == [("gpipe", 4), ("Eager1F1B", 4)]
     assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
 
@@ -92,9 +92,9 @@ def test_calibration_fits_the_rate_and_tick_cost_and_auto_reads_it(tmp_path, mon
     """``jaxpipe calibrate`` times two pipelines, fits time = work / rate + ticks * cost
     and keeps it; the per-tick cost schedule='auto' adds is then the measured one. The
     fit recovers known constants exactly and refuses measurements that give none."""
-    from jaxpipe.cli import main
     from jaxpipe.runtime.spmd import calibrate as cal
     from jaxpipe.runtime.spmd.backends import TICK_OVERHEAD_FLOPS
+    from jaxpipe.tools.cli import main
 
     exact = cal.fit("k", [(1e-3 * 10 + 5e6 / 1e9, 5e6, 10), (1e-3 * 20 + 8e9 / 1e9, 8e9, 20)])
     assert abs(exact.flops_per_s - 1e9) < 1 and abs(exact.tick_overhead_s - 1e-3) < 1e-12
@@ -117,12 +117,12 @@ def test_a_budget_only_recomputation_meets_gets_it_and_one_none_meets_is_refused
     """Just under the smallest peak without recomputation, the chosen candidate fits by
     recomputing; under what any candidate can reach, the error lists every candidate
     and why."""
-    free = _pipe("auto")[0].auto_choice
+    free = _pipe("auto")[0].inspect.auto_choice
     low = min(c.memory for c in free.candidates if c.memory is not None)
     pipe = _pipe("auto", cut=jp.Cut(memory_budget=low * 0.9))[0]
-    chosen = next(c for c in pipe.auto_choice.candidates if c.verdict == "chosen")
+    chosen = next(c for c in pipe.inspect.auto_choice.candidates if c.verdict == "chosen")
     assert chosen.memory <= low * 0.9
-    assert any(st.remat.value != "none" for st in pipe.stages)
+    assert any(st.remat.value != "none" for st in pipe.inspect.stages)
     with pytest.raises(jp.PipelineError, match=r"no candidate that can run: 1f1b v=1: does "
                                                 r"not fit.*gpipe v=1"):
         _pipe("auto", cut=jp.Cut(memory_budget=low * 0.5))

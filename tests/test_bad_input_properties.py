@@ -79,7 +79,7 @@ batches = st.one_of(
 @given(batch=batches)
 def test_batch_at_call(pipe, batch):
     try:
-        leaves = pipe.check_batch(batch)
+        leaves = pipe.inspect.check_batch(batch)
     except jp.PipelineError as err:
         assert "batch" in str(err)
         return
@@ -91,7 +91,7 @@ def test_batch_at_call(pipe, batch):
                      st.just(jax.random.split(jax.random.key(1), 2)),
                      st.just(jax.random.key(1, impl="rbg")), st.just(np.zeros(2, np.uint32))))
 def test_step_key(key):
-    from jaxpipe.inputs import check_key
+    from jaxpipe.api.inputs import check_key
 
     dtype = jax.random.key(0).dtype
     try:

@@ -107,6 +107,12 @@ def test_run_quick_completes_with_every_field(tmp_path: Path) -> None:
         assert not missing, (name, missing)
         assert (out / f"{name}.json").exists()
     assert {"backend", "num_devices", "quick", "config", "duration_s"} <= set(res["meta"])
+    # the shared settings in meta, each section's own in its result
+    assert {"p", "mb", "warmup", "repeats"} <= set(res["meta"]["settings"])
+    assert res["overhead"]["settings"] == {"m": res["overhead"]["microbatches"],
+                                           "mb": res["overhead"]["mb_size"]}
+    assert res["sweep"]["settings"]["factor"] == res["sweep"]["microbatches_per_p"]
+    assert res["remat"]["settings"]["model"]["seq"] == 16
     ov = res["overhead"]
     assert ov["ratios"]["p1"]["wall"] > 0
     for run in [ov["plain"], *ov["jaxpipe"].values()]:
@@ -166,7 +172,7 @@ def run(r):
 
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh(p),
                        schedule=jp.OneFOneB(p, 2 * p))
-    compiled, info = compile_program(pipe.value_and_grad_fn, (params, batch))
+    compiled, info = compile_program(pipe.inspect.value_and_grad_fn, (params, batch))
     loss, _ = compiled(params, batch)
     return {"p": p, "loss": float(loss), "temp_bytes": info["memory"]["temp_bytes"]}
 
@@ -209,6 +215,19 @@ def test_a_section_is_one_file(tmp_path: Path) -> None:
     (folder / "broken.py").write_text("FIELDS = ()\n")
     with pytest.raises(TypeError, match="does not define ORDER, run"):
         R.main(["--list", "--more-sections", str(folder)])
+
+
+def test_a_section_owns_its_settings() -> None:
+    """A section's sizes come from its module (full run or --quick), with the run's
+    overrides for it in ``Settings.extra`` (``run.py --mb-size`` sets overhead's ``mb``)."""
+    from benchmarks.harness import default_settings, section_settings
+    from benchmarks.sections.overhead import OverheadSettings
+
+    s = default_settings(quick=True)
+    assert section_settings(s, "overhead", OverheadSettings.for_run) == OverheadSettings(4, 2)
+    s.extra["overhead"] = {"mb": 3}
+    assert section_settings(s, "overhead", OverheadSettings.for_run) == OverheadSettings(4, 3)
+    assert OverheadSettings.for_run(quick=False) == OverheadSettings(m=8, mb=4)
 
 
 def test_remat_tradeoff_measures_every_policy() -> None:

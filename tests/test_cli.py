@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpipe.cli import main, parse_costs
+from jaxpipe.tools.cli import main, parse_costs
 
 
 def _check_1f1b_output(out):
@@ -23,7 +23,7 @@ def _check_1f1b_output(out):
 
 def test_module_entry_point():
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxpipe.cli", "simulate", "1f1b", "-p", "4", "-m", "8"],
+        [sys.executable, "-m", "jaxpipe.tools.cli", "simulate", "1f1b", "-p", "4", "-m", "8"],
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
@@ -167,10 +167,10 @@ def test_no_public_name_is_a_submodule_name():
         p.name for p in package.iterdir() if (p / "__init__.py").exists()}
     public = set(jaxpipe.__all__) - jaxpipe._SUBMODULES
     assert public and not public & submodules, public & submodules
-    code = ("import jaxpipe.frontend\nfrom jaxpipe.frontend import Pipeline\n"
-            "import jaxpipe.schedule, jaxpipe.markers\nimport jaxpipe as jp\n"
+    code = ("import jaxpipe.api.pipeline\nfrom jaxpipe.api.pipeline import Pipeline\n"
+            "import jaxpipe.schedule, jaxpipe.jaxpr.markers\nimport jaxpipe as jp\n"
             "assert callable(jp.pipeline), jp.pipeline\n"
-            "assert jp.Pipeline is Pipeline and jp.boundary is jaxpipe.markers.boundary\n"
+            "assert jp.Pipeline is Pipeline and jp.boundary is jaxpipe.jaxpr.markers.boundary\n"
             "assert jp.schedule is jaxpipe.schedule\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jaxpipe as jp
-from jaxpipe.cost import SegmentCost, aval_bytes, eqn_flops, jaxpr_flops, segment_costs
-from jaxpipe.trace import segments, trace
+from jaxpipe.cut.cost import SegmentCost, aval_bytes, eqn_flops, jaxpr_flops, segment_costs
+from jaxpipe.jaxpr.trace import segments, trace
 
 
 def _flops_by_primitive(closed):

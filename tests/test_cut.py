@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxpipe.cost import SegmentCost
 from jaxpipe.cut import SPMD_MEMORY, Cut, CutError, choose_cuts, partition
+from jaxpipe.cut.cost import SegmentCost
 
 # ---------------------------------------------------------------------------
 # An independent brute force: enumerate every contiguous cut, sum things directly.
@@ -497,8 +497,8 @@ def test_pipeline_with_memory_cut_matches_jax_gradients():
     mesh = jax.make_mesh((4,), ("pipe",))
     pipe = jp.pipeline(loss, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, 8),
                        cut=jp.Cut(objective="memory", time_slack=0.5))
-    report = pipe.cut_report
-    assert list(report.cuts) == list(pipe.cuts)
+    report = pipe.inspect.cut_report
+    assert list(report.cuts) == list(pipe.inspect.cuts)
     layers = [b - a for a, b in report.stage_segments]
     assert layers[0] <= layers[-1] and sum(layers) == 13
     got_loss, got = pipe.value_and_grad(params, batch)

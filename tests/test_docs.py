@@ -51,3 +51,14 @@ def test_relative_links_resolve():
             if not (doc.parent / target).exists():
                 broken.append(f"{doc.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def test_api_md_lists_every_public_name_of_a_pipeline():
+    from jaxpipe.api.pipeline import Pipeline
+
+    public = {n for n in dir(Pipeline) if not n.startswith("_")}
+    assert 0 < len(public) <= 15, sorted(public)
+    text = (ROOT / "docs" / "api.md").read_text()
+    table = text[text.index("## `Pipeline`"):text.index("## `pipe.inspect`")]
+    listed = set(re.findall(r"^\| `(\w+)", table, re.M))
+    assert listed == public, (sorted(public - listed), sorted(listed - public))

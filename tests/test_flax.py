@@ -17,7 +17,7 @@ from flax import linen as nn
 from flax import nnx
 
 import jaxpipe as jp
-from jaxpipe.markers import boundary_p
+from jaxpipe.jaxpr.markers import boundary_p
 
 RTOL = 1e-5
 ATOL = 1e-6

@@ -7,7 +7,7 @@ only change a user makes is marking the blocks: ``modules.Block = jp.layer(modul
   ``out_sharding=`` on activations, an ``nnx.Embed`` lookup under ``auto_axes``), built
   under ``jax.set_mesh`` on a default ``jax.make_mesh`` (every axis Explicit): XLA aborted
   the process partitioning its embedding's gather inside the program's switch until
-  :mod:`jaxpipe.gathers` (the reproducer: ``test_xla_gather_bug.py``).
+  :mod:`jaxpipe.sharding.gathers` (the reproducer: ``test_xla_gather_bug.py``).
 - lm1b (linen) with its logical axis rules: XLA puts collective-permutes inside its
   stages, which run on every device at once in the lanes program (and are refused, with
   the reason, under the switch program's per-device conditional).
@@ -73,7 +73,7 @@ def test_gemma_with_its_fsdp_tp_sharding_is_exact_and_sharded(shape):
     gradients keep the parameters' sharded types; each device holds its pipe position's
     share of its fsdp x tp shard of the staged weights (<= 0.275 of all)."""
     pipe, _, _, (loss, grads), (ref_loss, ref_grads), staged = _gemma_run(shape)
-    assert pipe.executor.lanes  # its stages share one body: no conditional around them
+    assert pipe.inspect.executor.lanes  # its stages share one body: no conditional around them
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert _rel(grads, ref_grads) <= 1e-5
     w = jax.tree.leaves(grads["layers"][0]["attn"])[0]
@@ -99,9 +99,9 @@ def test_gemma_on_the_switch_program_is_exact():
     """The accelerator program without the lanes (``backend="gpu"``, ``lanes=False``,
     compiled here by XLA:CPU) on (pipe 2, fsdp 2, tp 2): every stage under the
     per-device switch, its embedding's gather made partitionable there by
-    :mod:`jaxpipe.gathers`; the same loss and gradients."""
+    :mod:`jaxpipe.sharding.gathers`; the same loss and gradients."""
     pipe, _, _, (loss, grads), (ref_loss, ref_grads), _ = _gemma_run((2, 2, 2), "gpu", False)
-    assert not pipe.executor.lanes
+    assert not pipe.inspect.executor.lanes
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert _rel(grads, ref_grads) <= 1e-5
 
@@ -141,7 +141,7 @@ def test_flax_models_compile_for_a_tpu_and_a_gpu_target(platform, model):
                 pipe = jp.flax.pipeline_linen(net, variables, loss_fn, batch, mesh=mesh,
                                               schedule=jp.OneFOneB(2, M))
         text = pipe.lower("value_and_grad").compile().as_text()
-    assert pipe.executor.lanes
+    assert pipe.inspect.executor.lanes
     found = census(text)
     assert loop_conditionals(text)[1] == 0, found.summary()
     assert found.conditionals == 0 and found.collectives_in_conditionals == 0, found.summary()
@@ -180,7 +180,7 @@ def test_lm1b_with_its_logical_rules_is_exact_and_sharded(backend):
     accelerator program: loss and gradients equal jax.value_and_grad's, each device
     holds its share of the staged weights."""
     pipe, (loss, grads), (ref_loss, ref_grads), staged = _lm1b_run(backend)
-    assert pipe.executor.lanes
+    assert pipe.inspect.executor.lanes
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert _rel(grads, ref_grads) <= 1e-5
     assert staged_share(staged) <= 0.275

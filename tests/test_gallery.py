@@ -285,7 +285,7 @@ def test_runs_on_spmd_runtime_exactly(cls, p, m):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("jaxpipe")
-    cmd = [exe] if exe else [sys.executable, "-m", "jaxpipe.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "jaxpipe.tools.cli"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
         [*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120

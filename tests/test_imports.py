@@ -98,6 +98,56 @@ def test_no_import_cycle_in_the_package():
         "\n".join(" <-> ".join(c) for c in cycles)
 
 
+# The layers, foundation first: a module may import its own layer and those before it,
+# never one after it (docs/architecture.md draws the same order).
+LAYERS = [
+    ("jaxpipe.errors", "jaxpipe.jax_compat", "jaxpipe.xla_flags", "jaxpipe.build_times",
+     "jaxpipe.compile_watch", "jaxpipe.distributed"),
+    ("jaxpipe.jaxpr",),
+    ("jaxpipe.sharding",),
+    ("jaxpipe.schedule",),
+    ("jaxpipe.stages",),
+    ("jaxpipe.cut",),
+    ("jaxpipe.train",),
+    ("jaxpipe.runtime",),
+    ("jaxpipe.api",),
+    ("jaxpipe.flax", "jaxpipe.checkpoint", "jaxpipe.aot"),
+    ("jaxpipe.tools", "jaxpipe.launch"),
+]
+
+
+def _layer(name: str) -> int:
+    for rank, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return rank
+    raise AssertionError(f"{name} belongs to no layer: add it to LAYERS in {__file__}")
+
+
+def test_imports_go_only_down_the_layers():
+    modules = _modules()
+    upward = []
+    for name, path in modules.items():
+        if name == "jaxpipe":
+            continue
+        for dep in _imports(name, path, modules):
+            if _layer(dep) > _layer(name):
+                upward.append(f"{name} (layer {_layer(name)}) imports {dep} "
+                              f"(layer {_layer(dep)})")
+    assert not upward, "imports up the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_the_package_top_holds_only_its_layers_and_a_few_modules():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 10, top
+    assert _layer("jaxpipe.api.pipeline") > _layer("jaxpipe.runtime.base")
+
+
+def test_no_module_over_500_lines():
+    long = {name: n for name, path in _modules().items()
+            if (n := len(path.read_text().splitlines())) > 500}
+    assert not long, f"split these modules (one idea each): {long}"
+
+
 def test_every_module_imports_on_its_own():
     """Each module imported first, in a fresh package state, loads (no import-order
     dependence a cycle checker that reads only the source could miss)."""

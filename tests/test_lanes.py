@@ -135,16 +135,17 @@ def test_lanes_are_exact_and_hold_no_conditional(name, backend):
     holds no conditional in its tick loops (one per segment; the parameters' moves into
     the stage layout around them pick by device)."""
     pipe, loss_fn, params, batch = _lanes_pipe(name, backend)
-    assert pipe.executor.lanes and len(pipe.executor.bodies) == 1
+    assert pipe.inspect.executor.lanes and len(pipe.inspect.executor.bodies) == 1
     got = pipe.value_and_grad(params, batch)
     want_loss, want = jax.value_and_grad(loss_fn)(params, batch)
     assert_matches(got, (want_loss, want))
     np.testing.assert_allclose(pipe.loss(params, batch), want_loss, rtol=1e-5)
-    text = pipe.value_and_grad_fn.lower(params, batch).compile().as_text()
+    text = pipe.inspect.value_and_grad_fn.lower(params, batch).compile().as_text()
     loops, conditionals = loop_conditionals(text)
-    segs = pipe.executor._step.tick_loop.segments
+    segs = pipe.inspect.executor._step.tick_loop.segments
     assert loops >= sum(s.stop - s.start > 1 for s in segs)  # (one tick: inlined)
     assert conditionals == 0
     assert census(text).permutes >= 1
     if pipe.schedule.stages_per_device == 1:  # the cutter budgeted the lanes' own peaks
-        assert list(pipe.cut_report.in_flight) == list(pipe.executor.lowering.residual_peak)
+        assert (list(pipe.inspect.cut_report.in_flight)
+                == list(pipe.inspect.executor.lowering.residual_peak))

@@ -114,11 +114,11 @@ def test_evaluation_runs_forward_actions_only():
     pipe = jp.pipeline(weighted_loss, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
                        schedule=jp.OneFOneB(4, M), cut="markers", has_aux=True,
                        reduction="weighted")
-    low = pipe.executor.forward_lowering
+    low = pipe.inspect.executor.forward_lowering
     assert {a.kind for a in low.actions} == {"F"} and not low.slots
     assert low.num_ticks == M + 4 - 1  # the forwards flow as fast as they can
-    vg = pipe.value_and_grad_fn.lower(params, batch).compile()
-    ev = pipe.eval_fn.lower(params, batch).compile()
+    vg = pipe.inspect.value_and_grad_fn.lower(params, batch).compile()
+    ev = pipe.inspect.eval_fn.lower(params, batch).compile()
     assert (ev.memory_analysis().temp_size_in_bytes
             < vg.memory_analysis().temp_size_in_bytes / 2)
 

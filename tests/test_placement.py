@@ -70,7 +70,7 @@ def test_inputs_anywhere_run_one_program(pipe):
         moved = pipe.init(jax.tree.map(move, params), optax.sgd(0.1))  # init, shard too
         assert len(pipe.unshard([move(x) for x in moved.params])["w"]) == 2
     # one compilation each, whatever the placement
-    assert pipe.value_and_grad_fn._cache_size() == 1
+    assert pipe.inspect.value_and_grad_fn._cache_size() == 1
     assert state.trainer.step_fn._cache_size() == 1
 
 

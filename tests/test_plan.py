@@ -17,7 +17,7 @@ def test_plan_predicts_compiled_memory_within_15_percent(model):
     loss_fn, params, batch = MODELS[model]()
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
                        schedule=jp.OneFOneB(4, 8))
-    r = pipe.compare_compiled(params, batch)
+    r = pipe.inspect.compare_compiled(params, batch)
     ratio = r["compiled_bytes"] / r["predicted_bytes"]
     assert abs(ratio - 1.0) <= 0.15, r
 
@@ -44,9 +44,14 @@ def test_plan_says_where_the_first_call_went():
     loss_fn, params, batch = tiny_lm(4)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
                        schedule=jp.OneFOneB(2, 4))
-    times = pipe.build_times
+    times = pipe.inspect.build_times
     assert list(times.build) == ["trace", "cut", "schedule"]
     assert all(s > 0 for s in times.build.values()) and not times.programs
+    assert {n for n in dir(pipe) if not n.startswith("_")} <= set(dir(type(pipe)))
+    with pytest.raises(AttributeError, match=r"pipe\.inspect\.build_times"):
+        pipe.build_times  # noqa: B018 - moved to pipe.inspect, and the error says so
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'$"):
+        pipe.no_such_name  # noqa: B018
     before = str(pipe.plan)
     assert "build: trace" in before and "first calls" not in before
     pipe.value_and_grad(params, batch)

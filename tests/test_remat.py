@@ -21,12 +21,12 @@ from models import assert_matches, reference, tiny_lm
 from split_schedule import DeferredW1F1B
 
 import jaxpipe as jp
-from jaxpipe.avals import aval_bytes
-from jaxpipe.cost import RematCost, SegmentCost, jaxpr_flops, segment_costs
 from jaxpipe.cut import SPMD_MEMORY, Cut, CutError, Remat, auto_cut, partition
+from jaxpipe.cut.cost import RematCost, SegmentCost, jaxpr_flops, segment_costs
+from jaxpipe.jaxpr.avals import aval_bytes
+from jaxpipe.jaxpr.trace import microbatch_like, trace
 from jaxpipe.runtime.reference import run_reference
 from jaxpipe.stages import split
-from jaxpipe.trace import microbatch_like, trace
 
 M = 4  # microbatches
 
@@ -379,8 +379,8 @@ def test_spmd_gradients_are_exact_with_every_policy(lm6, policies, schedule):
     loss_fn, params, batch, _ = lm6
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
                        schedule=schedule, cut=jp.Cut(indices=CUTS, remat=policies))
-    assert [st.remat for st in pipe.stages] == policies
-    assert list(pipe.cut_report.remat) == policies
+    assert [st.remat for st in pipe.inspect.stages] == policies
+    assert list(pipe.inspect.cut_report.remat) == policies
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
 
 
@@ -388,18 +388,18 @@ def test_pipeline_fits_a_budget_by_recomputing_and_the_plan_says_so(monkeypatch)
     loss_fn, params, batch = tiny_lm(8, vocab=64, width=32, seq=16, batch=32)
     mesh = jax.make_mesh((4,), ("pipe",))
     plain = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, 8))
-    need = plain.cut_report.peak_memory
+    need = plain.inspect.cut_report.peak_memory
     # cut="auto" on a device that reports a limit 70% of what no recomputation needs
     import jaxpipe.cut.budget as budget
 
     monkeypatch.setattr(budget, "device_memory_limit",
                         lambda devices: (int(0.7 * need / 0.9), "FakeGPU bytes_limit"))
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, 8))
-    res = pipe.cut_report
+    res = pipe.inspect.cut_report
     assert res.memory_budget is not None and res.peak_memory <= res.memory_budget
     assert "FakeGPU bytes_limit" in res.budget_source
     assert any(p is not Remat.NONE for p in res.remat)
-    assert [st.remat for st in pipe.stages] == list(res.remat)
+    assert [st.remat for st in pipe.inspect.stages] == list(res.remat)
     text = str(pipe.plan)
     assert "memory budget:" in text and "FakeGPU" in text
     for r, policy in zip(pipe.plan.stage_rows, res.remat, strict=True):
@@ -420,9 +420,9 @@ def test_a_budget_that_fits_without_recomputation_changes_nothing(lm, monkeypatc
     monkeypatch.setattr(resolve, "segment_costs",
                         lambda *a, **k: costed.append(k.get("remat")) or real(*a, **k))
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, M))
-    res = pipe.cut_report
+    res = pipe.inspect.cut_report
     assert res.remat == (Remat.NONE,) * 4 and res.objective == "budget"
-    assert res.max_stage_time == plain.cut_report.max_stage_time == res.time_optimum
+    assert res.max_stage_time == plain.inspect.cut_report.max_stage_time == res.time_optimum
     assert costed == [(Remat.NONE,)]  # the other policies were never measured
 
 
@@ -431,7 +431,7 @@ def test_plan_predicts_compiled_memory_within_15_percent_with_recomputation(poli
     loss_fn, params, batch = tiny_lm(8, vocab=512, width=64, seq=32, batch=32)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
                        schedule=jp.OneFOneB(4, 8), cut=jp.Cut(remat=policy))
-    r = pipe.compare_compiled(params, batch)
+    r = pipe.inspect.compare_compiled(params, batch)
     ratio = r["compiled_bytes"] / r["predicted_bytes"]
     assert abs(ratio - 1.0) <= 0.15, r
 

@@ -18,7 +18,7 @@ from models import assert_matches, reference
 
 import jaxpipe as jp
 from jaxpipe import checkpoint as jpc
-from jaxpipe.sharding import spec_dims
+from jaxpipe.sharding.mesh_axes import spec_dims
 
 D, H, LAYERS, M = 24, 40, 2, 4  # D, H: sizes no activation or batch shape has
 reference = jax.jit(reference, static_argnums=(0, 3))  # one compile, not op by op
@@ -120,18 +120,18 @@ def test_roles_of_the_mesh_axes(case):
     name, _, _, _, _, pipe = case
     if name == "tp":
         assert pipe.batch_axes == ("data",)  # default: the axes no parameter uses
-        assert pipe.mesh_axes.manual_axes == ("pipe", "data")
+        assert pipe.inspect.mesh_axes.manual_axes == ("pipe", "data")
     else:
         assert pipe.batch_axes == ("fsdp",)
-        assert pipe.mesh_axes.manual_axes == ("pipe",)
-        assert pipe.mesh_axes.auto_batch_axes == ("fsdp",)
+        assert pipe.inspect.mesh_axes.manual_axes == ("pipe",)
+        assert pipe.inspect.mesh_axes.auto_batch_axes == ("fsdp",)
 
 
 def test_value_and_grad_matches_and_keeps_shardings(case):
     _, loss_fn, params, specs, batch, pipe = case
     loss, grads = pipe.value_and_grad(params, batch)
     assert_matches((loss, grads), reference(loss_fn, params, batch, M))
-    want = jax.tree.leaves(pipe.param_specs)
+    want = jax.tree.leaves(pipe.inspect.param_specs)
     for g, spec in zip(jax.tree.leaves(grads), want, strict=True):
         assert g.sharding.is_equivalent_to(NamedSharding(pipe.mesh, spec), g.ndim)
 
@@ -139,7 +139,8 @@ def test_value_and_grad_matches_and_keeps_shardings(case):
 def test_staged_layout_keeps_shardings_and_round_trips(case):
     _, _, params, specs, _, pipe = case
     staged = pipe.shard(params)
-    sharded = [v for v in staged if _axes(v.sharding.spec[1:]) & set(pipe.mesh_axes.param_axes)]
+    param_axes = set(pipe.inspect.mesh_axes.param_axes)
+    sharded = [v for v in staged if _axes(v.sharding.spec[1:]) & param_axes]
     assert sharded and all(v.sharding.spec[0] == "pipe" for v in staged)
     for v in staged:  # each device holds its share only: 1 / (pipe x the spec's axes)
         shards = np.prod([pipe.mesh.shape[a] for a in _axes(v.sharding.spec)])
@@ -166,12 +167,12 @@ def test_train_step_matches_plain_optax(case, trained):
     for a, b in zip(jax.tree.leaves(pipe.params(state)), jax.tree.leaves(ref_p), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # optimizer moments are sharded like their parameters
-    assert any(_axes(o.sharding.spec[1:]) & set(pipe.mesh_axes.param_axes)
+    assert any(_axes(o.sharding.spec[1:]) & set(pipe.inspect.mesh_axes.param_axes)
                for o in state.opt_state)
 
 
 def _train_step_compiled(pipe, state, batch):
-    batch = jax.device_put(batch, pipe.batch_sharding)
+    batch = jax.device_put(batch, pipe.inspect.batch_sharding)
     return state.trainer.step_fn.lower(state, batch).compile()
 
 
@@ -201,7 +202,7 @@ def test_compiled_step_holds_only_shards(case, trained):
     state_leaves = jax.tree.leaves((state.params, state.opt_state, state.step))
     analytic = sum(share(x, x.sharding) for x in state_leaves)
     analytic += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) \
-        // pipe.batch_shards
+        // pipe.inspect.batch_shards
     got = compiled.memory_analysis().argument_size_in_bytes
     assert abs(got - analytic) <= 0.1 * analytic, (got, analytic)
     replicated = sum(x.size * x.dtype.itemsize // mesh.shape["pipe"] for x in state_leaves)
@@ -231,14 +232,14 @@ def test_placed_shardings_are_the_default_specs():
     for kwargs in ({}, {"param_specs": "params"}):
         pipe = jp.pipeline(loss_fn, placed, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
                            cut="markers", **kwargs)
-        for got, w in zip(jax.tree.leaves(pipe.param_specs),
+        for got, w in zip(jax.tree.leaves(pipe.inspect.param_specs),
                           jax.tree.leaves(want, is_leaf=lambda v: v is None), strict=True):
             assert spec_dims(got, 2) == spec_dims(w, 2)
         assert pipe.batch_axes == ("data",)
     replicated = jax.tree.map(lambda _: P(), params)
     pipe = jp.pipeline(loss_fn, placed, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
                        cut="markers", param_specs=replicated)
-    assert not any(spec_dims(s, 2) != ((), ()) for s in jax.tree.leaves(pipe.param_specs))
+    assert not any(spec_dims(s, 2) != ((), ()) for s in jax.tree.leaves(pipe.inspect.param_specs))
     assert pipe.batch_axes == ("data", "model")
 
 
@@ -356,7 +357,7 @@ def test_rng_over_an_fsdp_batch_axis():
                        schedule=jp.OneFOneB(2, M), cut="markers", param_specs=specs,
                        rng=True, **FSDP["kwargs"])
     key = jax.random.key(7)
-    n = pipe.batch_shards
+    n = pipe.inspect.batch_shards
 
     def mean_loss(p):
         mbs = jax.tree.map(lambda x: x.reshape(M, -1, *x.shape[1:]), batch)
@@ -407,7 +408,7 @@ def test_nnx_partitioning_metadata_gives_the_specs():
         pipe = jp.flax.pipeline(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
                                 batch, mesh=mesh, schedule=jp.GPipe(2, 2), cut="markers",
                                 **kwargs)
-        specs = pipe.param_specs["blocks"][0]
+        specs = pipe.inspect.param_specs["blocks"][0]
         assert spec_dims(specs["up"]["kernel"], 2) == ((), ("model",))
         assert spec_dims(specs["down"]["kernel"], 2) == ((), ())
         assert pipe.batch_axes == ("data",)
@@ -416,7 +417,7 @@ def test_nnx_partitioning_metadata_gives_the_specs():
     assert jax.tree.leaves(nnx.state(model))[0].sharding.num_devices == 1
     pipe = jp.flax.pipeline(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
                             batch, mesh=mesh, schedule=jp.GPipe(2, 2), cut="markers")
-    assert spec_dims(pipe.param_specs["blocks"][1]["up"]["kernel"], 2) == ((), ("model",))
+    assert spec_dims(pipe.inspect.param_specs["blocks"][1]["up"]["kernel"], 2) == ((), ("model",))
 
 
 @pytest.mark.parametrize("layer_axis", [False, True], ids=["tensor", "layer_axis"])
@@ -441,7 +442,7 @@ def test_scanned_stack_keeps_its_sharding_per_stage(layer_axis):
 
     pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(*TP["mesh"]),
                        schedule=jp.OneFOneB(2, M), cut="markers", param_specs=specs)
-    assert pipe.stacks
+    assert pipe.inspect.stacks
     loss, grads = pipe.value_and_grad(params, batch)
     assert_matches((loss, grads), reference(loss_fn, params, batch, M))
     staged = pipe.shard(params)
@@ -480,7 +481,7 @@ def test_linen_logical_partitioning_gives_the_specs():
     with nn.logical_axis_rules((("embed", None), ("mlp", "model"))):
         pipe = jp.flax.pipeline_linen(Model(), variables, loss_fn, batch, mesh=mesh,
                                       schedule=jp.GPipe(2, 2), cut="markers")
-    specs = nn.unbox(pipe.param_specs)["Block_1"]
+    specs = nn.unbox(pipe.inspect.param_specs)["Block_1"]
     assert spec_dims(specs["Dense_0"]["kernel"], 2) == ((), ("model",))
     assert spec_dims(specs["Dense_1"]["kernel"], 2) == (("model",), ())
     assert spec_dims(specs["Dense_1"]["bias"], 1) == ((),)
@@ -553,7 +554,8 @@ def test_cutter_counts_the_shards_of_parameters(layer_axis):
         pipe = jp.pipeline(loss_fn, p, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
                            cut="markers")
         rows = pipe.plan.stage_rows
-        return [m.params for m in pipe.cut_report.stage_memory], [r["param_bytes"] for r in rows]
+        return ([m.params for m in pipe.inspect.cut_report.stage_memory],
+                [r["param_bytes"] for r in rows])
 
     full, full_stored = predicted(params)
     sharded, stored = predicted(_place(params, specs, mesh))
@@ -571,7 +573,7 @@ def test_an_nnx_model_on_explicit_axes_trains_exactly(backend):
     sharded types, each device holds its shard."""
     from flax import nnx
 
-    from jaxpipe.avals import aval_bytes, shard_bytes
+    from jaxpipe.jaxpr.avals import aval_bytes, shard_bytes
     from jaxpipe.runtime.spmd import SpmdRuntime
 
     mesh = jax.make_mesh(*TP["mesh"])
@@ -603,11 +605,11 @@ def test_an_nnx_model_on_explicit_axes_trains_exactly(backend):
         pipe = jp.flax.pipeline(model, loss_fn, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
                                 cut="markers", runtime=SpmdRuntime(backend=backend))
         assert pipe.batch_axes == ("data",)
-        up = pipe.param_specs["blocks"][0]["up"]
+        up = pipe.inspect.param_specs["blocks"][0]["up"]
         assert spec_dims(up["kernel"], 2) == ((), ("model",))
         # the cutter counts what a device stores: residuals typed @model are half size
-        report = pipe.cut_report
-        for st in pipe.stages:
+        report = pipe.inspect.cut_report
+        for st in pipe.inspect.stages:
             assert any(shard_bytes(a) < aval_bytes(a) for a in st.residual_avals)
             assert report.stage_memory[st.index].residuals == report.in_flight[st.index] * sum(
                 shard_bytes(a) for a in st.residual_avals)
@@ -686,7 +688,7 @@ def test_the_gpt_example_on_pipe_fsdp_tp_is_exact():
         batch = gpt.place_batch(host, mesh)
         pipe = jp.flax.pipeline(model, gpt.loss_fn, batch, mesh=mesh,
                                 schedule=jp.OneFOneB(2, M), has_aux=True, reduction="weighted")
-        assert pipe.batch_axes == ("fsdp",) and pipe.mesh_axes.param_axes == ("fsdp", "tp")
+        assert pipe.batch_axes == ("fsdp",) and pipe.inspect.mesh_axes.param_axes == ("fsdp", "tp")
         (loss, aux), grads = pipe.value_and_grad(model, batch)
         (ref_loss, ref_aux), ref_grads = nnx.jit(nnx.value_and_grad(full, has_aux=True))(
             model, host)

@@ -59,7 +59,7 @@ def test_fused_last_stage_matches_value_and_grad(p, fuse):
     loss_fn, params, batch = MODELS["tiny_lm"](max(p, 3), batch=12)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((p,), ("pipe",)),
                        schedule=schedule, cut="markers", runtime=SpmdRuntime(fuse_fb=fuse))
-    low = pipe.executor.lowering
+    low = pipe.inspect.executor.lowering
     assert low.fused_stages == (set() if fuse is False else {p - 1})
     assert low.residual_peak[-1] == (1 if fuse is False else 0)
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 6))
@@ -73,13 +73,13 @@ def test_split_backward_runtimes_match_value_and_grad(runtime):
     loss_fn, params, batch = MODELS["tiny_lm"](4, batch=12)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
                        schedule=schedule, cut="markers", runtime=runtime)
-    low = pipe.executor.lowering
+    low = pipe.inspect.executor.lowering
     assert low.split_backward
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 6))
     # I reads residuals and writes the hand-off in one step: were they in one buffer, XLA
     # would copy the whole storage on every I. No storage buffer is ever copied. Nor is
     # the inbox from the step's carry (W's loops once carried it: two copies per step).
-    hlo = pipe.value_and_grad_fn.lower(params, batch).compile().as_text()
+    hlo = pipe.inspect.value_and_grad_fn.lower(params, batch).compile().as_text()
     hlo_dtype = {"float32": "f32", "int32": "s32", "bool": "pred"}
 
     def hlo_shape(c, rows):
@@ -92,7 +92,8 @@ def test_split_backward_runtimes_match_value_and_grad(runtime):
         r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(%([\w.-]+)\)", hlo)
         if "broadcast" not in src}
     assert not copied & stores, copied & stores
-    inbox = {hlo_shape(c, (low.num_inbox + 1) * n) for c, n in pipe.executor.layouts.unit.items()}
+    inbox = {hlo_shape(c, (low.num_inbox + 1) * n)
+             for c, n in pipe.inspect.executor.layouts.unit.items()}
     from_carry = set(re.findall(r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(%get-tuple-element", hlo))
     assert not from_carry & inbox, from_carry & inbox
 
@@ -103,7 +104,7 @@ def test_data_and_pipe_mesh(axis_type):
     mesh = jax.make_mesh((2, 4), ("data", "pipe"), axis_types=(axis_type,) * 2)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, 4),
                        cut="markers")
-    assert pipe.data_axes == ("data",)
+    assert pipe.batch_axes == ("data",)
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 4))
 
 
@@ -127,10 +128,11 @@ def test_train_step_matches_plain_optax():
     for a, b in zip(jax.tree.leaves(pipe.params(state)), jax.tree.leaves(ref_p), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # the tied embedding lives on the first and last stage: copies stay bit-identical
-    per_stage = pipe.stage_params(state.params)
-    embed_id = [v.aval.shape for v in pipe.traced.jaxpr.invars].index(params["embed"].shape)
+    per_stage = pipe.inspect.stage_params(state.params)
+    embed_id = [v.aval.shape for v in pipe.inspect.traced.jaxpr.invars].index(params["embed"].shape)
     copies = [vals[st.param_ids.index(embed_id)]
-              for st, vals in zip(pipe.stages, per_stage, strict=True) if embed_id in st.param_ids]
+              for st, vals in zip(pipe.inspect.stages, per_stage, strict=True)
+              if embed_id in st.param_ids]
     assert len(copies) == 2
     np.testing.assert_array_equal(copies[0], copies[1])
 
@@ -153,7 +155,8 @@ def test_residual_slots_equal_simulated_peak_in_flight(sched):
     loss_fn, params, batch = MODELS["mlp"](schedule.num_stages)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
                        schedule=schedule, cut="markers")
-    assert list(pipe.executor.lowering.residual_peak) == list(schedule.simulate().peak_in_flight)
+    assert (list(pipe.inspect.executor.lowering.residual_peak)
+            == list(schedule.simulate().peak_in_flight))
 
 
 def test_buffers_follow_the_schedule_not_m():
@@ -163,7 +166,7 @@ def test_buffers_follow_the_schedule_not_m():
     def pool(schedule):
         batch = MODELS["mlp"](4, batch=2 * schedule.num_microbatches)[2]
         pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut="markers")
-        low = pipe.executor.lowering
+        low = pipe.inspect.executor.lowering
         return sum(low.slots.values()), low.num_inbox
 
     one8, one32 = pool(jp.OneFOneB(4, 8)), pool(jp.OneFOneB(4, 32))
@@ -192,8 +195,9 @@ def test_program_size_independent_of_microbatches():
         batch = MODELS["mlp"](4, batch=m)[2]
         pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, m),
                            cut="markers")
-        sizes.append(_count_eqns(jax.make_jaxpr(pipe.value_and_grad_fn)(params, batch).jaxpr))
-        patterns = pipe.executor.lowering.perm_patterns
+        sizes.append(_count_eqns(
+            jax.make_jaxpr(pipe.inspect.value_and_grad_fn)(params, batch).jaxpr))
+        patterns = pipe.inspect.executor.lowering.perm_patterns
         assert all(len(x) <= 4 * 4 + 4 for x in patterns)
         perms.append(sum(len(x) for x in patterns))
     assert perms[1] == perms[2]
@@ -226,8 +230,8 @@ def test_first_and_last_stage_run_through_the_middle_body(p, make, runtime, bodi
     loss_fn, params, batch = MODELS["tiny_lm"](schedule.num_stages, batch=8)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((p,), ("pipe",)),
                        schedule=schedule, cut="markers", runtime=runtime)
-    assert [b.stages for b in pipe.executor.bodies] == bodies
-    assert pipe.stages[-1].parts is not None
+    assert [b.stages for b in pipe.inspect.executor.bodies] == bodies
+    assert pipe.inspect.stages[-1].parts is not None
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 4))
 
 
@@ -242,11 +246,11 @@ def test_identical_stages_share_one_compiled_body():
         jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut="markers",
                     runtime=SpmdRuntime(share_bodies=share))
         for share in (True, False))
-    assert len(separate.executor.bodies) == 8
+    assert len(separate.inspect.executor.bodies) == 8
     # first (reads the batch), last (the loss), and the middle stages: one body for most
     # (here stage 4, the first of the second round, keeps a body of its own)
-    assert len(shared.executor.bodies) <= 4
-    assert max(len(b.stages) for b in shared.executor.bodies) >= 4
+    assert len(shared.inspect.executor.bodies) <= 4
+    assert max(len(b.stages) for b in shared.inspect.executor.bodies) >= 4
 
 
 def test_small_residuals_move_in_runs_of_rows():
@@ -334,6 +338,6 @@ def test_split_middle_members_of_a_shared_core(same_tick):
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
                        schedule=sched, cut="markers",
                        runtime=SpmdRuntime(split_backward=False, iw_same_tick=same_tick))
-    assert set(pipe.executor.body_of_stage) == {0}
-    assert [st.parts is not None for st in pipe.stages] == [True, False, False, True]
+    assert set(pipe.inspect.executor.body_of_stage) == {0}
+    assert [st.parts is not None for st in pipe.inspect.stages] == [True, False, False, True]
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 2))

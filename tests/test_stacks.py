@@ -22,8 +22,8 @@ from jax import lax
 from models import assert_matches, reference
 
 import jaxpipe as jp
-from jaxpipe.markers import boundary_p
-from jaxpipe.param_views import ParamView
+from jaxpipe.jaxpr.markers import boundary_p
+from jaxpipe.sharding.param_views import ParamView
 
 WIDTH, IN, BATCH, M = 8, 6, 16, 4
 
@@ -109,18 +109,18 @@ def uneven(model):
 
 def test_each_stage_scans_its_own_layers(uneven, model):
     pipe = uneven
-    assert len(pipe.stacks) == 1 and pipe.stacks[0].length == 5
+    assert len(pipe.inspect.stacks) == 1 and pipe.inspect.stacks[0].length == 5
     # the cutter saw one segment per layer: embed + 5 iterations = 6 markers
-    assert len(pipe.cut_traced.markers) == 6
-    assert [st.names for st in pipe.stages] == [("embed", "block[0]"), ("block[1:5]",)]
-    assert [_layer_scans(st.fwd) for st in pipe.stages] == [[1], [4]]
+    assert len(pipe.inspect.cut_traced.markers) == 6
+    assert [st.names for st in pipe.inspect.stages] == [("embed", "block[0]"), ("block[1:5]",)]
+    assert [_layer_scans(st.fwd) for st in pipe.inspect.stages] == [[1], [4]]
     # every stage holds only its rows of the stacked weights, the tied embedding on both
     _, params, _ = model
     staged = pipe.shard(params)
-    shapes = [[tuple(x.shape) for x in leaves] for leaves in pipe.stage_params(staged)]
+    shapes = [[tuple(x.shape) for x in leaves] for leaves in pipe.inspect.stage_params(staged)]
     assert shapes == [[(IN, WIDTH), (1, WIDTH), (1, WIDTH, WIDTH)],
                       [(IN, WIDTH), (4, WIDTH), (4, WIDTH, WIDTH)]]
-    assert pipe.param_owners == {0: (0, 1), 1: (0, 1), 2: (0, 1)}
+    assert pipe.inspect.param_owners == {0: (0, 1), 1: (0, 1), 2: (0, 1)}
     # unshard gives the user's stacked layout back
     back = pipe.unshard(staged)
     assert jax.tree.structure(back) == jax.tree.structure(params)
@@ -133,7 +133,7 @@ def test_uneven_stages_match_value_and_grad(uneven, model, expected):
     result = uneven.value_and_grad(params, batch)
     assert jax.tree.structure(result[1]) == jax.tree.structure(params)
     assert_matches(result, expected)
-    assert_matches(uneven.reference_value_and_grad(params, batch), expected)
+    assert_matches(uneven.inspect.reference_value_and_grad(params, batch), expected)
 
 
 def test_train_step_matches_plain_optax(uneven, model):
@@ -207,14 +207,14 @@ def test_every_schedule_matches_value_and_grad(name, model, expected):
     schedule = SCHEDULES[name]()
     pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=schedule,
                        cut="markers")
-    assert sum(sum(_layer_scans(st.fwd)) for st in pipe.stages) == 5
+    assert sum(sum(_layer_scans(st.fwd)) for st in pipe.inspect.stages) == 5
     assert_matches(pipe.value_and_grad(params, batch), expected)
 
 
 def test_four_devices_auto_cut(model, expected):
     loss_fn, params, batch = model
     pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(4), schedule=jp.OneFOneB(4, M))
-    lengths = [_layer_scans(st.fwd) for st in pipe.stages]
+    lengths = [_layer_scans(st.fwd) for st in pipe.inspect.stages]
     assert sum(sum(x) for x in lengths) == 5 and all(len(x) <= 1 for x in lengths)
     assert_matches(pipe.value_and_grad(params, batch), expected)
 
@@ -233,9 +233,9 @@ def test_middle_stages_of_a_stack_share_one_body(four):
     markers' names differ, ``scan[2]`` vs ``scan[4]``), so they run through one compiled
     body with their own rows of the stacked weights; the result stays exact."""
     pipe, loss_fn, params, batch = four
-    assert [_layer_scans(st.fwd) for st in pipe.stages] == [[1], [2], [2], [1]]
-    assert pipe.executor.body_of_stage[1] == pipe.executor.body_of_stage[2]
-    assert len(pipe.executor.bodies) == 3
+    assert [_layer_scans(st.fwd) for st in pipe.inspect.stages] == [[1], [2], [2], [1]]
+    assert pipe.inspect.executor.body_of_stage[1] == pipe.inspect.executor.body_of_stage[2]
+    assert len(pipe.inspect.executor.bodies) == 3
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
 
 
@@ -248,10 +248,10 @@ def test_slots_fill_and_empty_without_a_branch_per_device(four):
     gradients, grew with leaves x devices (1.4 s of XLA compile at 8 devices, 64 scanned
     layers; benchmarks/README.md)."""
     pipe, _, params, batch = four
-    public = pipe.value_and_grad_fn.lower(params, batch).as_text()
-    staged = pipe.staged_value_and_grad_fn.lower(pipe.shard(params), batch).as_text()
+    public = pipe.inspect.value_and_grad_fn.lower(params, batch).as_text()
+    staged = pipe.inspect.staged_value_and_grad_fn.lower(pipe.shard(params), batch).as_text()
     assert public.count("stablehlo.case") == staged.count("stablehlo.case") + 1
-    assert public.count("stablehlo.all_gather") == len(pipe.executor.layouts.slots)
+    assert public.count("stablehlo.all_gather") == len(pipe.inspect.executor.layouts.slots)
     back = pipe.unshard(pipe.shard(params))
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -262,7 +262,7 @@ def test_slots_fill_and_empty_without_a_branch_per_device(four):
     # The moves take the user's whole leaves: one shard_map input per leaf on the way in
     # and one output per leaf on the way out, not one per stage's rows of a stacked leaf.
     n_leaves = len(jax.tree.leaves(params))
-    assert len(pipe.views.views) > n_leaves
+    assert len(pipe.inspect.views.views) > n_leaves
     (into,) = _eqns(jax.make_jaxpr(pipe.shard)(params).jaxpr, "shard_map")
     (back_out,) = _eqns(jax.make_jaxpr(pipe.unshard)(pipe.shard(params)).jaxpr, "shard_map")
     leaf_shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(params))
@@ -307,7 +307,7 @@ def test_stacked_residuals_go_straight_between_scans_and_storage(model, expected
     loss_fn, params, batch = model
     pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M),
                        cut=jp.Cut(indices=[1]), runtime=SpmdRuntime(split_backward=split))
-    for st in pipe.stages:
+    for st in pipe.inspect.stages:
         n_out, n_pb = len(st.out_avals), len(st.param_ids) + len(st.batch_ids)
         res = range(len(st.residual_avals))
         layers = sum(_layer_scans(st.fwd))
@@ -342,7 +342,7 @@ def test_remat_inside_the_body():
                        cut="markers")
     plain = jp.pipeline(*scan_model()[:2], batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M),
                         cut="markers", runtime="reference")
-    for st, st_plain in zip(pipe.stages, plain.stages, strict=True):
+    for st, st_plain in zip(pipe.inspect.stages, plain.inspect.stages, strict=True):
         # the user's jax.checkpoint still applies: a layer stores only its input
         layers = sum(_layer_scans(st.fwd))
         assert [tuple(a.shape) for a in st.residual_avals].count((layers, BATCH // M, WIDTH)) \
@@ -356,7 +356,7 @@ def test_stacked_weight_also_read_outside_the_scan_is_passed_whole():
     pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2), schedule=jp.GPipe(2, M),
                        cut="markers")
     w_leaf = 2  # params["layers"]["w"] (leaves: embed, layers.b, layers.w)
-    assert [v for v in pipe.views.views if v.leaf == w_leaf] == [ParamView(w_leaf)]
+    assert [v for v in pipe.inspect.views.views if v.leaf == w_leaf] == [ParamView(w_leaf)]
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
 
 
@@ -434,10 +434,10 @@ def test_nnx_scan():
     model, batch = LM(rngs=nnx.Rngs(0)), _tokens()
     pipe = jp.flax.pipeline(model, loss_fn, batch, mesh=_mesh(2), schedule=jp.OneFOneB(2, M),
                             cut="markers")
-    assert [_layer_scans(st.fwd) for st in pipe.stages] == [[2], [1]]
+    assert [_layer_scans(st.fwd) for st in pipe.inspect.stages] == [[2], [1]]
     # the stage boundary carries the activation only (nnx.scan's weights-as-outputs are not
     # sent down the pipeline)
-    assert [tuple(a.shape) for a in pipe.stages[1].in_avals] == [(BATCH // M, 5, WIDTH)]
+    assert [tuple(a.shape) for a in pipe.inspect.stages[1].in_avals] == [(BATCH // M, 5, WIDTH)]
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # a mean loss over equal microbatches is the full batch's (nnx.scan does not vmap here)
     loss, grads = jax.value_and_grad(
@@ -472,7 +472,7 @@ def test_linen_scan():
     variables = module.init(jax.random.key(0), batch["x"])
     pipe = jp.flax.pipeline_linen(module, variables, loss_fn, batch, mesh=_mesh(2),
                                   schedule=jp.GPipe(2, M), cut="markers")
-    assert sorted(sum((_layer_scans(st.fwd) for st in pipe.stages), [])) == [2, 3]
+    assert sorted(sum((_layer_scans(st.fwd) for st in pipe.inspect.stages), [])) == [2, 3]
     ref = reference(lambda prm, mb: loss_fn(module, {"params": prm}, mb), variables["params"],
                     batch, M)
     assert_matches(pipe.value_and_grad(variables["params"], batch), ref)
@@ -510,8 +510,8 @@ def test_core_parameters_take_the_same_slots_on_every_device(interleaved):
     four cores (two per device, v=2) picked the bias among three slots, not two, and the
     bias entered its slots through the per-device switch rather than one slice."""
     pipe, loss_fn, params, batch = interleaved
-    assert [_layer_scans(st.fwd) for st in pipe.stages] == [[6]] * 4
-    (core,) = pipe.executor.bodies
+    assert [_layer_scans(st.fwd) for st in pipe.inspect.stages] == [[6]] * 4
+    (core,) = pipe.inspect.executor.bodies
     assert core.stages == (0, 1, 2, 3)
     assert all(len(core.candidates(j)) == 2 for j in range(len(core.param_classes)))
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
@@ -526,8 +526,8 @@ def test_two_stages_of_one_body_pick_no_whole_slot(interleaved):
     agrees with the public one, and both are exact."""
     pipe, loss_fn, params, batch = interleaved
     staged = pipe.shard(params)
-    jaxpr = jax.make_jaxpr(pipe.staged_value_and_grad_fn)(staged, batch).jaxpr
-    slot_shapes = {tuple(c.shape) for c in pipe.executor.layouts.slots.classes}
+    jaxpr = jax.make_jaxpr(pipe.inspect.staged_value_and_grad_fn)(staged, batch).jaxpr
+    slot_shapes = {tuple(c.shape) for c in pipe.inspect.executor.layouts.slots.classes}
     picks = [e for e in _eqns(jaxpr, "select_n")
              if tuple(e.outvars[0].aval.shape) in slot_shapes]
     assert not picks
@@ -542,8 +542,8 @@ def test_a_step_compares_nothing_on_the_device(interleaved):
     comparison outside its gated loops' counters. (XLA:CPU compiled each comparison
     against a different constant as a kernel of its own.)"""
     pipe, _, params, batch = interleaved
-    jaxpr = jax.make_jaxpr(pipe.value_and_grad_fn)(params, batch).jaxpr
-    steps = pipe.executor.lowering.table.num_steps
+    jaxpr = jax.make_jaxpr(pipe.inspect.value_and_grad_fn)(params, batch).jaxpr
+    steps = pipe.inspect.executor.lowering.table.num_steps
     (tick,) = [e for e in _eqns(jaxpr, "scan") if e.params["length"] == steps]
     compare = {"eq", "ne", "gt", "ge", "lt", "le"}
 
@@ -555,7 +555,7 @@ def test_a_step_compares_nothing_on_the_device(interleaved):
                 found += comparisons(sub)
         return found
 
-    assert pipe.executor.bodies[0].members[0].parts is not None  # gated ends run here
+    assert pipe.inspect.executor.bodies[0].members[0].parts is not None  # gated ends run here
     assert comparisons(tick.params["jaxpr"].jaxpr) == []
 
 
@@ -567,10 +567,10 @@ def test_public_moves_go_by_group(interleaved):
     leaf's gradient transposed. No concatenation (of the gathered slots on the way out)
     and no slicing a group into slots."""
     pipe, loss_fn, params, batch = interleaved
-    slots, groups = pipe.executor.layouts.slots, pipe.executor.groups
+    slots, groups = pipe.inspect.executor.layouts.slots, pipe.inspect.executor.groups
     assert len(groups.groups) == 2  # the stacked weight and bias, two rows each
     assert len(groups.whole) == 2  # both held whole
-    public = pipe.value_and_grad_fn.lower(params, batch).as_text()
+    public = pipe.inspect.value_and_grad_fn.lower(params, batch).as_text()
     grouped = sum(len(g) for g in groups.groups)
     assert public.count("stablehlo.all_gather") == len(slots) - grouped + len(groups.groups)
     assert public.count("stablehlo.concatenate") == 0

@@ -9,8 +9,8 @@ from models import MODELS, assert_matches, reference
 from split_schedule import DeferredW1F1B
 
 import jaxpipe as jp
+from jaxpipe.jaxpr.trace import trace
 from jaxpipe.stages import split
-from jaxpipe.trace import trace
 
 
 def _with_and_without_markers(x, w):
@@ -58,7 +58,7 @@ def test_markers_inside_jit_are_inlined_and_scan_kept():
         ws = jnp.stack([layer["w"] for layer in p])
         return jax.lax.scan(lambda h, w: (jp.boundary(h @ w), None), b["x"], ws)[0].sum()
 
-    # a scan over layers stays one equation (a stack, cut by jaxpipe.stacks)
+    # a scan over layers stays one equation (a stack, cut by jaxpipe.stages.stacks)
     t = trace(scanned, params, batch)
     assert [e.primitive.name for e in t.jaxpr.eqns].count("scan") == 1
     assert t.markers == ()
@@ -176,7 +176,7 @@ def test_fragments_differing_only_where_printing_is_blind_are_not_merged(case):
 def test_equation_context_enters_the_key():
     """The same random draw under another PRNG partitioning (an equation context, which
     the printed jaxpr does not show) computes other bits: other key."""
-    from jaxpipe.jaxpr_identity import fragment_key
+    from jaxpipe.jaxpr.identity import fragment_key
 
     def key_of(fn):
         cj = jax.make_jaxpr(fn)(jax.random.key_data(jax.random.key(0)))
@@ -198,7 +198,7 @@ def test_equation_context_enters_the_key():
 def test_scan_bodies_enter_the_key_printed_once():
     """A scan's body enters the key as its own printed text, printed once per body object
     (``texts``): bodies computing other things give other keys, also one level down."""
-    from jaxpipe.jaxpr_identity import fragment_key
+    from jaxpipe.jaxpr.identity import fragment_key
 
     def scanned(inner):
         def fn(x):

@@ -171,11 +171,11 @@ def test_key_batch_leaves_and_key_residuals():
         lambda p: jnp.mean(jnp.stack([loss_fn(p, mb) for mb in _mbs(batch)])))(params)
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     _close(grads, ref_grads)
-    for st in pipe.stages:  # no runtime ever sees an extended dtype
+    for st in pipe.inspect.stages:  # no runtime ever sees an extended dtype
         for a in (*st.in_avals, *st.out_avals, *st.residual_avals, *st.w_residual_avals):
             assert not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended), a
     assert not any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
-                   for a in pipe.executor.spec.microbatch_avals)
+                   for a in pipe.inspect.executor.spec.microbatch_avals)
 
 
 def test_reference_runtime_runs_keys():
@@ -202,7 +202,7 @@ def test_int_and_unused_leaves_keep_values_and_train_like_optax():
               "flag": jnp.array(True)}
     batch = _batch()
     pipe = jp.pipeline(_int_loss, params, batch, mesh=_mesh(), schedule=jp.OneFOneB(P_, M))
-    assert pipe.param_owners[2] == (0, 1)  # the int scale (leaf 2) is read by both stages
+    assert pipe.inspect.param_owners[2] == (0, 1)  # the int scale (leaf 2) is read by both stages
     loss, grads = pipe.value_and_grad(params, batch)
     ref_loss, ref_grads = jax.value_and_grad(
         lambda w: jnp.mean(jnp.stack([_int_loss({**params, "w": w}, mb)
@@ -399,7 +399,7 @@ def test_tied_bool_parameter_leaf_trains():
 
     params = {"w": _params()["w"], "flag": jnp.array(True)}
     pipe = jp.pipeline(loss_fn, params, _batch(), mesh=_mesh(4), schedule=jp.OneFOneB(4, M))
-    assert pipe.param_owners[0] == (0, 3)  # the flag is read by the first and last stage
+    assert pipe.inspect.param_owners[0] == (0, 3)  # the flag is read by the first and last stage
     state, _ = pipe.train_step(pipe.init(params, optax.sgd(0.1)), _batch())
     assert pipe.params(state)["flag"].dtype == jnp.bool_
 

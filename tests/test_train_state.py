@@ -50,7 +50,7 @@ def test_compare_compiled_leaves_user_state_alone(setup):
     loss_fn, params, batch, pipe = setup
     adamw = optax.adamw(1e-2, weight_decay=0.1)
     state = pipe.init(params, adamw)
-    report = pipe.compare_compiled(params, batch)  # compiles an Adam step of its own
+    report = pipe.inspect.compare_compiled(params, batch)  # compiles an Adam step of its own
     assert report["compiled_bytes"] > 0
     state, _ = pipe.train_step(state, batch)
     _close(pipe.params(state), _plain_steps(loss_fn, params, batch, adamw, 1))
@@ -97,7 +97,7 @@ def test_devices_that_update_alike_share_one_optimizer_branch(setup):
     loss_fn, params, batch, pipe = setup
     state = pipe.init(params, optax.adamw(1e-2))
     train = state.trainer.step_fn.lower(state, batch).as_text()
-    staged = pipe.staged_value_and_grad_fn.lower(state.params, batch).as_text()
+    staged = pipe.inspect.staged_value_and_grad_fn.lower(state.params, batch).as_text()
     assert train.count("stablehlo.case") == staged.count("stablehlo.case")
     state, _ = pipe.train_step(state, batch)
     _close(pipe.params(state), _plain_steps(loss_fn, params, batch, optax.adamw(1e-2), 1))

@@ -1,4 +1,4 @@
-"""The XLA partitioner bug :mod:`jaxpipe.gathers` works around, kept as a JAX-only check.
+"""The XLA partitioner bug :mod:`jaxpipe.sharding.gathers` works around, kept as a JAX-only check.
 
 ``tests/support/xla_gather_bug.py`` partitions an ``nnx.Embed``-style lookup (operand
 split over ('tp', 'fsdp'), indices over 'fsdp') inside a ``lax.switch`` in a loop of a

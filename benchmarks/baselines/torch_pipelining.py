@@ -135,7 +135,7 @@ def _jaxpipe_worker(a: argparse.Namespace) -> dict[str, Any]:
                 if k >= a.warmup:
                     times.append(time.perf_counter() - t0)
             out[f"{sched}/m={m}"] = statistics.median(times)
-            out[f"{sched}/m={m}/ticks"] = int(pipe.executor.lowering.num_ticks)
+            out[f"{sched}/m={m}/ticks"] = int(pipe.inspect.executor.lowering.num_ticks)
     return out
 
 

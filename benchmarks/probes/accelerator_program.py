@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             pipe = jp.pipeline(C.gpt_loss(cfg), params, batch, mesh=mesh, schedule=sched,
                                runtime=SpmdRuntime(backend=backend))
             t0 = time.perf_counter()
-            compiled = pipe.value_and_grad_fn.lower(params, batch).compile()
+            compiled = pipe.inspect.value_and_grad_fn.lower(params, batch).compile()
             compile_s = time.perf_counter() - t0
             found = census(compiled.as_text())
             times = []
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 t1 = time.perf_counter()
                 jax.block_until_ready(compiled(params, batch))
                 times.append(time.perf_counter() - t1)
-            low = pipe.executor.lowering
+            low = pipe.inspect.executor.lowering
             print(f"{type(sched).__name__:<16} {backend}: compile {compile_s:5.2f} s, temp "
                   f"{compiled.memory_analysis().temp_size_in_bytes / 2**20:5.1f} MiB, step "
                   f"{np.median(times) * 1e3:6.1f} ms, {low.num_ticks} ticks "
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{found.unknown_trip_whiles} unknown-trip whiles, {found.conditionals} "
                   f"conditionals, {found.permutes} permutes "
                   f"({found.permutes_in_conditionals} in conditionals); switch bytes per "
-                  f"tick {pipe.executor.switch_bytes()}")
+                  f"tick {pipe.inspect.executor.switch_bytes()}")
     return 0
 
 

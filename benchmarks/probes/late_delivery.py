@@ -25,7 +25,6 @@ building it is worth it (it needs an accelerator to measure, see benchmarks/READ
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,6 +136,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import virtual_cpus  # (imports no jax)
+
+    virtual_cpus(8)
     main()

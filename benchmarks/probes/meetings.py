@@ -27,7 +27,6 @@ Deterministic: no timing. Writes ``meetings.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -127,6 +126,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import virtual_cpus  # (imports no jax)
+
+    virtual_cpus(8)
     main()

@@ -47,9 +47,9 @@ def _force_cpu_devices(argv: list[str]) -> None:
             n = int(argv[i + 1])
         elif a.startswith("--devices="):
             n = int(a.split("=", 1)[1])
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
+
+    cpu_devices(n)
 
 
 if __name__ == "__main__":
@@ -68,9 +68,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxpipe as jp  # noqa: E402
-from jaxpipe.cost import segment_costs  # noqa: E402
 from jaxpipe.cut import Cut, CutResult, choose_cuts  # noqa: E402
-from jaxpipe.trace import microbatch_like, trace  # noqa: E402
+from jaxpipe.cut.cost import segment_costs  # noqa: E402
+from jaxpipe.jaxpr.trace import microbatch_like, trace  # noqa: E402
 
 MiB = 2**20
 

@@ -18,7 +18,6 @@ its own B in one step (``SpmdRuntime(fuse_fb=)``, which stores nothing for that 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,12 +42,12 @@ def _point(cfg: Any, p: int, remat: str, fuse_fb: bool | str) -> dict[str, Any]:
     pipe = jp.pipeline(C.gpt_loss(cfg), params, batch, mesh=mesh,
                        schedule=jp.OneFOneB(p, m), cut=cut,
                        runtime=SpmdRuntime(fuse_fb=fuse_fb))
-    compiled, _, xla_s = C.compile_timed(pipe.value_and_grad_fn, params, batch)
+    compiled, _, xla_s = C.compile_timed(pipe.inspect.value_and_grad_fn, params, batch)
     step = C.time_compiled(compiled, params, batch, warmup=1, repeats=7)
-    return {"residual_leaves": [len(st.residual_avals) for st in pipe.stages],
+    return {"residual_leaves": [len(st.residual_avals) for st in pipe.inspect.stages],
             "xla_s": xla_s,
             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-            "fused_stages": sorted(pipe.executor.lowering.fused_stages),
+            "fused_stages": sorted(pipe.inspect.executor.lowering.fused_stages),
             "step_s": step["median_s"]}
 
 
@@ -97,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import virtual_cpus  # (imports no jax)
+
+    virtual_cpus(8)
     main()

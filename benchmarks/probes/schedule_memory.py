@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
+
+cpu_devices(4)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -43,8 +44,8 @@ def main(argv=None) -> dict:
         batch = {"x": jnp.ones((MB * m, W)), "y": jnp.ones((MB * m, W))}
         for sched in (jp.GPipe(4, m), jp.OneFOneB(4, m)):
             pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut="markers")
-            ma = pipe.lower_step(params, batch).compile().memory_analysis()
-            pool = sum(c.nbytes * n for c, n in pipe.executor.lowering.slots.items())
+            ma = pipe.lower("value_and_grad").compile().memory_analysis()
+            pool = sum(c.nbytes * n for c, n in pipe.inspect.executor.lowering.slots.items())
             rows.append({"m": m, "schedule": type(sched).__name__,
                          "temp_bytes": int(ma.temp_size_in_bytes), "residual_pool_bytes": pool})
             print(f"m={m:3d} {type(sched).__name__:9s} temp {ma.temp_size_in_bytes / 2**20:7.2f}"

@@ -6,12 +6,15 @@ A section module defines::
     ORDER = 30                  # its place in a full run (one that reuses another
                                 # section's compiled programs runs after it)
     FIELDS = ("p", "rows")      # keys its result always has; the runner and tests check them
-    def run(r: Runner) -> dict  # measure; r.s is the run's Settings, r.s.quick the smoke test
+    def run(r: Runner) -> dict  # measure; r.s is the Settings sections share, r.s.quick
+                                # the smoke test
 
 and may define ``summary(res) -> str`` (markdown for ``summary.md``), ``plot(res, save)``
 (``save(fig, "name.png")``) and ``CPU_ONLY = True`` (elsewhere the runner records why it
-did not run). Adding a section is adding one such file here, or in a folder passed with
-``--more-sections``.
+did not run). A section's own sizes are a frozen dataclass in its module with
+``for_run(quick)`` (e.g. ``OverheadSettings``), read with ``harness.section_settings`` and
+recorded in its result under ``"settings"``. Adding a section is adding one such file
+here, or in a folder passed with ``--more-sections``.
 """
 
 from __future__ import annotations

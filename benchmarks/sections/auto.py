@@ -92,7 +92,7 @@ def _model_row(name: str, loss_fn: Any, params: Any, batch: Any, repeats: int
     auto = jp.pipeline(loss_fn, params, batch, mesh=mesh,
                        schedule=jp.Auto(microbatches=MICROBATCHES))
     runs, predicted, verdict = {}, {}, {}
-    for c in auto.auto_choice.candidates:
+    for c in auto.inspect.auto_choice.candidates:
         if c.schedule is None or c.time is None:
             continue
         key = f"{c.family} v={c.chunks}"

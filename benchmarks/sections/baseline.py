@@ -5,22 +5,36 @@ block stack: step-time ratio and compiled per-device memory ratio."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import jaxpipe as jp
-from benchmarks.harness import Prepared, Runner, fmt, log, ratio, ratios
+from benchmarks.harness import Prepared, Runner, fmt, log, ratio, ratios, section_settings
 
 ORDER = 20
-FIELDS = ("p", "mb_size", "memory_metric", "program", "rows")
+FIELDS = ("p", "mb_size", "memory_metric", "program", "rows", "settings")
 #: Fields of each row (one per m).
 ROW_FIELDS = ("m", "spmd_gpipe", "jaxpipe", "step_ratio", "memory_ratio", "temp_ratio")
 
 
+@dataclass(frozen=True)
+class BaselineSettings:
+    """The baseline section's own sizes (recorded in its result under ``"settings"``)."""
+
+    m_factors: tuple[int, ...] = (1, 2, 4, 8)  # m = factor * p
+
+    @classmethod
+    def for_run(cls, quick: bool) -> BaselineSettings:
+        """A full run's values, or the smoke test's (``--quick``)."""
+        return cls(m_factors=(4,)) if quick else cls()
+
+
 def run(r: Runner) -> dict[str, Any]:
     s = r.s
+    own = section_settings(s, "baseline", BaselineSettings.for_run)
     p = s.p
     rows = []
-    for f in s.m_factors:
+    for f in own.m_factors:
         m = f * p
         scheds = {"GPipe": jp.GPipe(p, m), "1F1B": jp.OneFOneB(p, m)}
         bkey = ("blocks", "spmd_gpipe", p, m, 1)
@@ -52,7 +66,7 @@ def run(r: Runner) -> dict[str, Any]:
                          "compiled.memory_analysis(); temp_ratio compares temp bytes alone",
         "program": "both take stage-layout parameters sharded over pipe and return "
                    "stage-layout gradients; the batch is replicated on both",
-        "rows": rows,
+        "rows": rows, "settings": asdict(own),
     }
 
 

@@ -23,7 +23,6 @@ to StableHLO, XLA backend compile) plus the Python time of ``jp.pipeline`` itsel
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import defaultdict
@@ -304,6 +303,8 @@ def summary(ct: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import virtual_cpus  # (imports no jax)
+
+    virtual_cpus(8)
     main()

@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         runs[spec] = {"schedule": type(sched).__name__, "build_s": build_s,
                       "compile_s": compile_s,
                       "loss": float(np.asarray(loss.addressable_data(0))),
-                      "num_ticks": int(pipe.executor.lowering.num_ticks), **timings["resident"],
+                      "num_ticks": int(pipe.inspect.executor.lowering.num_ticks),
+                      **timings["resident"],
                       "value_and_grad": timings["value_and_grad"]}
         del pipe
     return {
@@ -124,10 +126,10 @@ def _time_programs(pipe: Any, params: Any, batch: Any, args: argparse.Namespace,
     from benchmarks import common as C
 
     pbuf = pipe.shard(params)
-    c_res, _, compile_s = C.compile_timed(pipe.staged_value_and_grad_fn, pbuf, batch)
+    c_res, _, compile_s = C.compile_timed(pipe.inspect.staged_value_and_grad_fn, pbuf, batch)
     progs = {"resident": (c_res, (pbuf, batch))}
     if public:
-        c_vg, _, _ = C.compile_timed(pipe.value_and_grad_fn, params, batch)
+        c_vg, _, _ = C.compile_timed(pipe.inspect.value_and_grad_fn, params, batch)
         progs["value_and_grad"] = (c_vg, (params, batch))
     timings = C.time_interleaved(progs, warmup=args.warmup, repeats=args.repeats)
     if public:
@@ -461,17 +463,37 @@ def main(argv: list[str] | None = None) -> int:
 ORDER = 50
 CPU_ONLY = True  # gloo processes on CPU; elsewhere the runner records why it did not run
 FIELDS = ("microbatches", "ideal", "speedup", "fraction_of_ideal", "two_process", "single",
-          "per_schedule", "error")
+          "per_schedule", "error", "settings")
+
+
+@dataclass(frozen=True)
+class ConcurrencySettings:
+    """The concurrency section's own sizes (recorded in its result under ``"settings"``)."""
+
+    m: int = 8  # microbatches
+    mb: int = 8  # bigger microbatches: per-tick compute must dwarf gloo latency
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    timeout: float = 300.0
+    runs: int = 3  # fresh process sets; the figures are their medians
+
+    @classmethod
+    def for_run(cls, quick: bool) -> ConcurrencySettings:
+        """A full run's values, or the smoke test's (``--quick``)."""
+        if quick:
+            return cls(m=4, mb=2, schedules=("1f1b",), timeout=120.0, runs=1)
+        return cls()
 
 
 def run(r: Any) -> dict[str, Any]:
     """2 processes x 1 device (gloo) against one process; logs under ``<out>/concurrency_logs``."""
-    from benchmarks.harness import log
+    from benchmarks.harness import log, section_settings
 
     s = r.s
-    res = run_concurrency(s.model.asdict(), s.conc_m, s.conc_mb, schedules=s.conc_schedules,
-                          warmup=s.warmup, repeats=s.repeats, timeout=s.conc_timeout,
-                          workdir=r.out / "concurrency_logs", runs=s.conc_runs)
+    own = section_settings(s, "concurrency", ConcurrencySettings.for_run)
+    res = run_concurrency(s.model.asdict(), own.m, own.mb, schedules=own.schedules,
+                          warmup=s.warmup, repeats=s.repeats, timeout=own.timeout,
+                          workdir=r.out / "concurrency_logs", runs=own.runs)
+    res["settings"] = asdict(own)
     if res.get("error"):
         log(f"concurrency: {res['error']}")
         return res

@@ -34,7 +34,8 @@ def run(r: Runner) -> dict[str, Any]:
                        schedule=jp.OneFOneB(p, m), runtime=SpmdRuntime(backend=s.program))
     flops = C.model_flops(cfg, m * s.mb * cfg.seq, embed=True)
     group = {}
-    for name, fn in (("value_and_grad", pipe.value_and_grad_fn), ("loss", pipe.eval_fn)):
+    for name, fn in (("value_and_grad", pipe.inspect.value_and_grad_fn),
+                     ("loss", pipe.inspect.eval_fn)):
         compiled, info = compile_program(fn, (params, batch))
         group[name] = Prepared(compiled, (params, batch), info, flops / 3 if name == "loss"
                                else flops, p)
@@ -42,8 +43,8 @@ def run(r: Runner) -> dict[str, Any]:
     vg, ev = res["value_and_grad"], res["loss"]
     out = {"p": p, "microbatches": m, "mb_size": s.mb, "model": "gpt", "schedule": "1F1B",
            "value_and_grad": vg, "loss": ev,
-           "num_ticks": {"value_and_grad": int(pipe.executor.lowering.num_ticks),
-                         "loss": int(pipe.executor.forward_lowering.num_ticks)},
+           "num_ticks": {"value_and_grad": int(pipe.inspect.executor.lowering.num_ticks),
+                         "loss": int(pipe.inspect.executor.forward_lowering.num_ticks)},
            "time_ratio": ratios(ev, vg),
            "temp_ratio": ratio(ev["memory"]["temp_bytes"], vg["memory"]["temp_bytes"])}
     log(f"eval: pipe.loss / value_and_grad time x{out['time_ratio']['wall']:.2f} wall, "

@@ -56,8 +56,8 @@ def _row(name: str, pipe: Any, model: Any, params: Any, batch: Any, plain: Any,
     times = C.time_interleaved({"jaxpipe": (pipe.value_and_grad, (params, batch)),
                                 "plain": (plain, (model, batch))},
                                warmup=1, repeats=repeats)
-    predicted = float(pipe.cut_report.peak_memory)
-    return {"model": name, "program": pipe.executor.program_report(), "compiled": stats,
+    predicted = float(pipe.inspect.cut_report.peak_memory)
+    return {"model": name, "program": pipe.inspect.executor.program_report(), "compiled": stats,
             "predicted_bytes": predicted,
             "predicted_over_compiled": predicted / stats["total_bytes"],
             "staged_share": staged_share(staged),

@@ -27,7 +27,6 @@ Deterministic: no timing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -60,10 +59,10 @@ def gpt_costs(schedule: Any, layers: int) -> Callable[[Any], float]:
     cfg = C.GPTConfig(n_layers=layers)
     params = jax.eval_shape(lambda: C.init_params(cfg, jax.random.key(0)))
     batch = jax.eval_shape(lambda: C.make_gpt_batch(cfg, 2 * schedule.num_microbatches))
-    from jaxpipe.cost import segment_costs
     from jaxpipe.cut import Cut, choose_cuts
+    from jaxpipe.cut.cost import segment_costs
+    from jaxpipe.jaxpr.trace import microbatch_like, trace
     from jaxpipe.runtime.spmd import SpmdRuntime
-    from jaxpipe.trace import microbatch_like, trace
 
     traced = trace(C.gpt_loss(cfg), params, microbatch_like(batch,
                                                              schedule.num_microbatches))
@@ -213,6 +212,8 @@ def summary(lw: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import virtual_cpus  # (imports no jax)
+
+    virtual_cpus(8)
     main()

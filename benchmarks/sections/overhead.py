@@ -7,6 +7,7 @@ jaxpipe runs the public ``Pipeline.value_and_grad`` (user pytree in and out).
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import jax
@@ -21,17 +22,32 @@ from benchmarks.harness import (
     log,
     mesh,
     ratios,
+    section_settings,
     time_group,
 )
 
 ORDER = 10
 FIELDS = ("p_values", "microbatches", "mb_size", "flops_per_step", "plain", "jaxpipe",
-          "ratios")
+          "ratios", "settings")
+
+
+@dataclass(frozen=True)
+class OverheadSettings:
+    """The overhead section's own sizes (recorded in its result under ``"settings"``)."""
+
+    m: int = 8  # microbatches
+    mb: int = 4  # sequences per microbatch (``run.py --mb-size`` sets it)
+
+    @classmethod
+    def for_run(cls, quick: bool) -> OverheadSettings:
+        """A full run's values, or the smoke test's (``--quick``)."""
+        return cls(m=4, mb=2) if quick else cls()
 
 
 def run(r: Runner) -> dict[str, Any]:
     s, cfg = r.s, r.s.model
-    m, mb = s.overhead_m, s.overhead_mb
+    own = section_settings(s, "overhead", OverheadSettings.for_run)
+    m, mb = own.m, own.mb
     params = C.init_params(cfg, jax.random.key(0), embed=True)
     batch = C.make_gpt_batch(cfg, m * mb)
     loss_fn = C.gpt_loss(cfg)
@@ -45,8 +61,9 @@ def run(r: Runner) -> dict[str, Any]:
         pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh(p),
                            schedule=jp.OneFOneB(p, m), cut="markers")
         build_s = time.perf_counter() - t0
-        compiled, info = compile_program(pipe.value_and_grad_fn, (params, batch))
-        info.update({"build_s": build_s, "num_ticks": int(pipe.executor.lowering.num_ticks)})
+        compiled, info = compile_program(pipe.inspect.value_and_grad_fn, (params, batch))
+        info.update({"build_s": build_s,
+                     "num_ticks": int(pipe.inspect.executor.lowering.num_ticks)})
         group[f"p{p}"] = Prepared(compiled, (params, batch), info, flops, p)
         log(f"overhead: p={p} built in {build_s:.1f}s, compiled in {info['compile_s']:.1f}s")
     res = time_group(group, s)
@@ -55,7 +72,8 @@ def run(r: Runner) -> dict[str, Any]:
                            "model": "gpt (embedding + blocks + head)", "schedule": "1F1B",
                            "program": "public Pipeline.value_and_grad (user pytree in/out)",
                            "flops_per_step": flops, "plain": plain, "jaxpipe": res,
-                           "ratios": {k: ratios(v, plain) for k, v in res.items()}}
+                           "ratios": {k: ratios(v, plain) for k, v in res.items()},
+                           "settings": asdict(own)}
     for k, v in out["ratios"].items():
         log(f"overhead: jaxpipe {k} x{v['cpu']:.2f} cpu, x{v['wall']:.2f} wall "
             f"(plain {plain['median_s'] * 1e3:.1f} ms)")

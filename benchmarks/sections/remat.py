@@ -22,6 +22,7 @@ than ``uniform`` (CPU time).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import jax
@@ -30,11 +31,11 @@ import optax
 import jaxpipe as jp
 from benchmarks import common as C
 
-__all__ = ["FIELDS", "ORDER", "ROW_FIELDS", "run", "run_remat", "summary"]
+__all__ = ["FIELDS", "ORDER", "ROW_FIELDS", "RematSettings", "run", "run_remat", "summary"]
 
 #: Fields of the section (the test suite checks them).
 FIELDS = ("p", "microbatches", "mb_size", "model", "budget_fraction", "budget_bytes",
-          "reference_compiled_bytes", "rows", "targets", "error")
+          "reference_compiled_bytes", "rows", "targets", "error", "settings")
 #: Fields of each configuration's row.
 ROW_FIELDS = ("name", "remat", "blocks_per_stage", "predicted_bytes", "compiled_bytes",
               "fits", "flops_per_step", "median_s", "cpu_median_s", "step_vs_auto_cpu",
@@ -43,7 +44,7 @@ ROW_FIELDS = ("name", "remat", "blocks_per_stage", "predicted_bytes", "compiled_
 
 def _compiled_train_bytes(pipe: jp.Pipeline, params: Any, batch: Any) -> int:
     """Per-device bytes of the compiled Adam train step (what the cutter models)."""
-    return int(pipe.compare_compiled(params, batch, optax.adam(1e-3))["compiled_bytes"])
+    return int(pipe.inspect.compare_compiled(params, batch, optax.adam(1e-3))["compiled_bytes"])
 
 
 def run_remat(cfg: C.GPTConfig, p: int, m: int, mb: int, budget_fraction: float,
@@ -90,11 +91,11 @@ def run_remat(cfg: C.GPTConfig, p: int, m: int, mb: int, budget_fraction: float,
 
     prepared, rows = {}, {}
     for name, pipe in pipes.items():
-        res = pipe.cut_report
+        res = pipe.inspect.cut_report
         compiled_bytes = ref_bytes if name == "none" else _compiled_train_bytes(
             pipe, params, batch)
         args = (pipe.shard(params), batch)
-        compiled, info = compile_fn(pipe.staged_value_and_grad_fn, args)
+        compiled, info = compile_fn(pipe.inspect.staged_value_and_grad_fn, args)
         prepared[name] = (compiled, args)
         rows[name] = {
             "name": name,
@@ -150,17 +151,40 @@ def run_remat(cfg: C.GPTConfig, p: int, m: int, mb: int, budget_fraction: float,
 ORDER = 60
 
 
+@dataclass(frozen=True)
+class RematSettings:
+    """The remat section's own sizes (recorded in its result under ``"settings"``)."""
+
+    # a wider model with longer sequences than the suite's, so that matmuls dominate the
+    # time (recomputing one costs what it should) and activations dominate the memory
+    model: C.GPTConfig = field(default_factory=lambda: C.GPTConfig(
+        vocab=256, d_model=256, n_heads=4, n_layers=8, seq=64))
+    mb: int = 4  # sequences per microbatch
+    m_factor: int = 2  # m = factor * p
+    budget: float = 0.6  # budget as a fraction of the no-recompute peak
+
+    @classmethod
+    def for_run(cls, quick: bool) -> RematSettings:
+        """A full run's values, or the smoke test's (``--quick``)."""
+        if quick:
+            return cls(model=C.GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=16),
+                       mb=2, budget=0.9)
+        return cls()
+
+
 def run(r: Any) -> dict[str, Any]:
     """GPT, 1F1B at p=P, m=2P, budget = a fraction of the no-recompute peak."""
-    from benchmarks.harness import compile_program, log
+    from benchmarks.harness import compile_program, log, section_settings
 
     s = r.s
+    own = section_settings(s, "remat", RematSettings.for_run)
 
     def time_fn(runs: dict[str, tuple[Any, tuple]]) -> dict[str, dict[str, Any]]:
         return C.time_interleaved(runs, warmup=s.warmup, repeats=s.repeats)
 
-    return run_remat(s.remat_model, s.p, s.remat_m_factor * s.p, s.remat_mb, s.remat_budget,
-                     compile_program, time_fn, log)
+    res = run_remat(own.model, s.p, own.m_factor * s.p, own.mb, own.budget,
+                    compile_program, time_fn, log)
+    return {**res, "settings": asdict(own)}
 
 
 def summary(rm: dict[str, Any]) -> str:

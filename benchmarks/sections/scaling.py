@@ -3,22 +3,37 @@ in m), on the block stack."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 import jaxpipe as jp
-from benchmarks.harness import Runner, fmt, linear_fit
+from benchmarks.harness import Runner, fmt, linear_fit, section_settings
 
 ORDER = 40  # after baseline: reuses its compiled 1F1B programs
-FIELDS = ("p", "schedule", "rows", "step_time_fit", "compile_time_spread")
+FIELDS = ("p", "schedule", "rows", "step_time_fit", "compile_time_spread", "settings")
+
+
+@dataclass(frozen=True)
+class ScalingSettings:
+    """The scaling section's own sizes (recorded in its result under ``"settings"``)."""
+
+    factors: tuple[int, ...] = (1, 2, 4, 8)  # m = factor * p
+
+    @classmethod
+    def for_run(cls, quick: bool) -> ScalingSettings:
+        """A full run's values, or the smoke test's (``--quick``: the baseline's 1F1B run
+        plus one)."""
+        return cls(factors=(1, 4)) if quick else cls()
 
 
 def run(r: Runner) -> dict[str, Any]:
     s = r.s
+    own = section_settings(s, "scaling", ScalingSettings.for_run)
     p = s.p
     rows = []
-    for f in s.scaling_factors:
+    for f in own.factors:
         m = f * p
         res = r.jaxpipe_blocks("1F1B", jp.OneFOneB(p, m))
         rows.append({"m": m, "build_s": res["build_s"], "lower_s": res["lower_s"],
@@ -31,6 +46,7 @@ def run(r: Runner) -> dict[str, Any]:
         "step_time_fit": linear_fit([row["m"] for row in rows],
                                     [row["median_s"] for row in rows]),
         "compile_time_spread": (max(comp) / min(comp)) if comp else None,
+        "settings": asdict(own),
     }
 
 

@@ -142,12 +142,12 @@ def measure(quick: bool = False) -> dict[str, Any]:
         pipe = jp.pipeline(loss_fn, placed, batch, mesh=mh, schedule=jp.OneFOneB(2, m),
                            cut="markers", **kw)
         state = pipe.init(placed, optax.adamw(1e-3))
-        b = jax.device_put(batch, pipe.batch_sharding)
+        b = jax.device_put(batch, pipe.inspect.batch_sharding)
         compiled = state.trainer.step_fn.lower(state, b).compile()
         stats = C.memory_stats(compiled)
         # the cutter's prediction of the busiest device (parameters, gradients, AdamW
         # moments, residuals, buffers) against the compiled step's arguments + temps
-        predicted = float(pipe.cut_report.peak_memory)
+        predicted = float(pipe.inspect.cut_report.peak_memory)
         mem[name] = {**stats, "state_share_bytes": _state_share(state, mh),
                      "predicted_bytes": predicted,
                      "predicted_over_compiled": predicted / stats["total_bytes"]}
@@ -170,7 +170,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
     pipe = jp.pipeline(loss_fn, placed, placed_batch, mesh=mh, schedule=jp.OneFOneB(1, m),
                        cut="markers", param_specs=specs)
     plain = jax.jit(C.plain_value_and_grad(loss_fn, m, NamedSharding(mh, P(None, "data"))))
-    c_pipe, _, _ = C.compile_timed(pipe.value_and_grad_fn, placed, placed_batch)
+    c_pipe, _, _ = C.compile_timed(pipe.inspect.value_and_grad_fn, placed, placed_batch)
     c_plain, _, _ = C.compile_timed(plain, placed, placed_batch)
     t = C.time_interleaved({"jaxpipe": (c_pipe, (placed, placed_batch)),
                             "plain": (c_plain, (placed, placed_batch))},
@@ -216,7 +216,7 @@ def measure_explicit(quick: bool, m: int, rows: int) -> dict[str, Any]:
                                     reduction="weighted")
             state = pipe.init(model, optax.adamw(1e-3))
             stats = C.memory_stats(state.trainer.step_fn.lower(state, batch).compile())
-        predicted = float(pipe.cut_report.peak_memory)
+        predicted = float(pipe.inspect.cut_report.peak_memory)
         res[name] = {**stats, "state_share_bytes": _state_share(state, mesh),
                      "predicted_bytes": predicted,
                      "predicted_over_compiled": predicted / stats["total_bytes"]}

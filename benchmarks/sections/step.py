@@ -81,9 +81,9 @@ def measure(quick: bool = False) -> dict[str, Any]:
                           cut="markers", runtime=SpmdRuntime(fuse_fb=False))
     plain = jax.jit(C.plain_value_and_grad(loss_fn, m))
     staged = pipe.shard(params)
-    c_pipe, _, _ = C.compile_timed(pipe.value_and_grad_fn, params, batch)
-    c_unfused, _, _ = C.compile_timed(unfused.value_and_grad_fn, params, batch)
-    c_staged, _, _ = C.compile_timed(pipe.staged_value_and_grad_fn, staged, batch)
+    c_pipe, _, _ = C.compile_timed(pipe.inspect.value_and_grad_fn, params, batch)
+    c_unfused, _, _ = C.compile_timed(unfused.inspect.value_and_grad_fn, params, batch)
+    c_staged, _, _ = C.compile_timed(pipe.inspect.staged_value_and_grad_fn, staged, batch)
     c_plain, _, _ = C.compile_timed(plain, params, batch)
     t = C.time_interleaved({"jaxpipe": (c_pipe, (params, batch)),
                             "unfused": (c_unfused, (params, batch)),
@@ -99,7 +99,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
         # program itself; the difference to ratio_cpu is moving parameters in and
         # gradients out of the layout
         "staged_ratio_cpu": t["staged"]["cpu_median_s"] / t["plain"]["cpu_median_s"],
-        "fused_stages": sorted(pipe.executor.lowering.fused_stages),
+        "fused_stages": sorted(pipe.inspect.executor.lowering.fused_stages),
         "unfused_ratio_cpu": t["unfused"]["cpu_median_s"] / t["plain"]["cpu_median_s"]}
     # --- I/W split vs B, 1F1B p=4
     p, m = 4, 8
@@ -121,7 +121,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
             pp = jp.pipeline(lf, prm, bt, mesh=mesh, schedule=jp.OneFOneB(p, m), cut="markers",
                              runtime=rt)
             staged = pp.shard(prm)
-            c, _, _ = C.compile_timed(pp.staged_value_and_grad_fn, staged, bt)
+            c, _, _ = C.compile_timed(pp.inspect.staged_value_and_grad_fn, staged, bt)
             progs[key] = (c, (staged, bt))
         t = C.time_interleaved(progs, warmup=warmup, repeats=repeats)
         b = t["B"]

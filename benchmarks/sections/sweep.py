@@ -6,23 +6,38 @@ section are simulated only)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import jax
 
 import jaxpipe as jp
 from benchmarks import common as C
-from benchmarks.harness import Runner, fmt, log
+from benchmarks.harness import Runner, fmt, log, section_settings
 
 ORDER = 30  # after baseline: reuses its compiled GPipe and 1F1B programs
-FIELDS = ("microbatches_per_p", "mb_size", "rows")
+FIELDS = ("microbatches_per_p", "mb_size", "rows", "settings")
 #: Fields of each row (one per schedule and p).
 ROW_FIELDS = ("schedule", "p", "m", "stages_per_device", "bubble", "makespan",
               "num_ticks", "res_peak", "memory", "compile_s", "median_s", "skipped")
 
 
+@dataclass(frozen=True)
+class SweepSettings:
+    """The sweep section's own sizes (recorded in its result under ``"settings"``)."""
+
+    factor: int = 2  # m = factor * p
+    compile: bool = True  # False: only schedules already measured are compiled
+
+    @classmethod
+    def for_run(cls, quick: bool) -> SweepSettings:
+        """A full run's values, or the smoke test's (``--quick``: compiles nothing new)."""
+        return cls(factor=4, compile=False) if quick else cls()
+
+
 def run(r: Runner) -> dict[str, Any]:
     s, cfg = r.s, r.s.model
+    own = section_settings(s, "sweep", SweepSettings.for_run)
     builtins: list[tuple[str, Callable[[int, int], jp.Schedule]]] = [
         ("GPipe", jp.GPipe), ("1F1B", jp.OneFOneB),
         ("Interleaved1F1B", lambda p, m: jp.Interleaved1F1B(p, m, stages_per_device=2)),
@@ -31,7 +46,7 @@ def run(r: Runner) -> dict[str, Any]:
     ps = sorted({p for p in (s.p, s.p_big) if p <= len(jax.devices())})
     rows = []
     for p in ps:
-        m = s.sweep_factor * p
+        m = own.factor * p
         for name, make in scheds:
             row: dict[str, Any] = {k: None for k in ROW_FIELDS}
             row.update({"schedule": name, "p": p, "m": m, "skipped": None})
@@ -50,7 +65,7 @@ def run(r: Runner) -> dict[str, Any]:
                                        f"{cfg.n_layers} blocks (use --layers)"})
                 rows.append(row)
                 continue
-            if not s.sweep_compile and not r.has(name, sched):
+            if not own.compile and not r.has(name, sched):
                 tl = sched.simulate()
                 row.update({"bubble": float(tl.bubble_fraction), "makespan": float(tl.makespan),
                             "skipped": "quick mode: simulated only"})
@@ -69,8 +84,8 @@ def run(r: Runner) -> dict[str, Any]:
                 f"{res['memory']['total_bytes'] / 2**20:.1f} MiB, "
                 f"{res['median_s'] * 1e3:.1f} ms, compile {res['compile_s']:.1f}s")
             rows.append(row)
-    return {"microbatches_per_p": s.sweep_factor, "mb_size": s.mb, "p_values": ps,
-            "rows": rows}
+    return {"microbatches_per_p": own.factor, "mb_size": s.mb, "p_values": ps,
+            "rows": rows, "settings": asdict(own)}
 
 
 def summary(sw: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@
 whether it fits, the tick loop's census and the compile time (:mod:`.report`; the
 ``jaxpipe compile`` command prints it).
 
-Imports nothing above :mod:`jaxpipe.frontend`'s seam at import time; names load lazily.
+Imports nothing above :mod:`jaxpipe.api.pipeline`'s seam at import time; names load lazily.
 """
 
 from __future__ import annotations

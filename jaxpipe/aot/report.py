@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from jaxpipe.avals import format_bytes
-from jaxpipe.device_memory import capacity
+from jaxpipe.jaxpr.avals import format_bytes
+from jaxpipe.sharding.device_memory import capacity
 
 __all__ = ["CompileReport", "compile_report"]
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxpipe import device_memory
 from jaxpipe.errors import PipelineError
+from jaxpipe.sharding import device_memory
 
 __all__ = ["GPUS", "TPUS", "GpuSpec", "Target", "target"]
 

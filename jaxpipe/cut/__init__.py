@@ -1,7 +1,7 @@
 """Memory-aware cutter: choose where the pipeline's stages begin, and what each recomputes.
 
 The traced model is a chain of *segments* (code between consecutive
-``jp.boundary`` markers, costed by :mod:`jaxpipe.cost`). A cut assigns a
+``jp.boundary`` markers, costed by :mod:`jaxpipe.cut.cost`). A cut assigns a
 contiguous run of segments to each of ``schedule.num_stages`` stages, and a
 recomputation policy (:class:`Remat`) to each stage.
 
@@ -59,7 +59,7 @@ later stages within a time slack, and recomputes where that is cheaper.
 **Recomputation** (``Cut.remat``, default ``"auto"``). Each stage may store
 everything (``NONE``), matmul outputs (``DOTS``), weight-matmul outputs
 (``DOTS_NO_BATCH``), its layers' inputs (``BOUNDARY``) or its own input (``FULL``);
-see :mod:`jaxpipe.remat`. Under a memory budget the cutter minimises the slowest
+see :mod:`jaxpipe.stages.remat`. Under a memory budget the cutter minimises the slowest
 stage's time, recomputation included, over cuts and policies together; under the
 ``"memory"`` objective it minimises memory within the time slack the same way;
 the ``"time"`` objective never recomputes. For a time cap, the least-storing
@@ -80,11 +80,15 @@ by sums of squares so non-bottleneck stages are balanced too. Devices holding
 several stages are enumerated exactly when small, else searched heuristically
 (:mod:`jaxpipe.cut.virtual_stages`; ``CutResult.exact`` says which).
 
-The package: ``options.py`` (:class:`Cut`, :class:`CutError`), ``model.py``
-(:class:`MemoryModel`, parameter padding groups), ``problem.py`` (range matrices
+The package: ``cost.py`` (per-segment FLOPs and bytes from the jaxpr),
+``options.py`` (:class:`Cut`, :class:`CutError`), ``memory_model.py`` (the
+:class:`MemoryModel` a runtime hands the cutter), ``padding.py`` (parameter padding
+groups), ``problem.py`` (range matrices
 per policy, views and DPs), ``search.py`` and ``virtual_stages.py`` (the searches),
 ``result.py`` (:class:`CutResult`, :class:`MemoryBreakdown`), ``budget.py`` (the
-device budget of ``cut="auto"``).
+device budget of ``cut="auto"``). Imports the jaxpr, sharding, schedule and stages
+layers and the foundation; the runtimes implement its memory model, and the API layer
+runs it.
 """
 
 from __future__ import annotations
@@ -94,16 +98,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from jaxpipe.avals import format_bytes
-from jaxpipe.cost import SegmentCost
 from jaxpipe.cut.budget import AUTO_RESERVE, auto_cut, device_memory_limit
+from jaxpipe.cut.cost import SegmentCost
+from jaxpipe.cut.memory_model import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
 from jaxpipe.cut.options import Cut, CutError
 from jaxpipe.cut.problem import Problem
 from jaxpipe.cut.result import CutResult, MemoryBreakdown, describe
 from jaxpipe.cut.search import relax, search_single
 from jaxpipe.cut.virtual_stages import search_virtual
-from jaxpipe.remat import Remat
-from jaxpipe.runtime.memory import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
+from jaxpipe.jaxpr.avals import format_bytes
+from jaxpipe.stages.remat import Remat
 
 __all__ = [
     "Remat",
@@ -176,7 +180,7 @@ def _policies(cut: Cut, costs: Sequence[SegmentCost], S: int) -> tuple[Remat, ..
             raise CutError(
                 f"Cut.remat asks for {p.value!r} but the segment costs have no data for it "
                 f"(segments {missing[:3]}{'...' if len(missing) > 3 else ''}); build them "
-                f"with jaxpipe.cost.segment_costs(traced, remat=...) including it")
+                f"with jaxpipe.cut.cost.segment_costs(traced, remat=...) including it")
     return tuple(p for p in Remat if p in wanted)
 
 
@@ -263,8 +267,8 @@ def choose_cuts(
     """Choose the stages of a pipeline for ``schedule`` (what ``cut="auto"`` runs).
 
     Args:
-      costs: one :class:`~jaxpipe.cost.SegmentCost` per segment, in program order
-        (:func:`jaxpipe.cost.segment_costs`).
+      costs: one :class:`~jaxpipe.cut.cost.SegmentCost` per segment, in program order
+        (:func:`jaxpipe.cut.cost.segment_costs`).
       schedule: a ``jp.Schedule``; supplies ``num_stages``, ``placement(stage)``,
         and, through ``simulate()``, every stage's peak in-flight microbatches.
       cut: options (objective, memory budget, explicit indices); default

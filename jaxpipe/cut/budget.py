@@ -3,7 +3,7 @@
 JAX reports a device's allocator limit as ``device.memory_stats()["bytes_limit"]`` on
 GPU and TPU (what the allocator may hand out, after ``XLA_PYTHON_CLIENT_MEM_FRACTION``
 on GPU); a compile-only device (an ahead-of-time target, :mod:`jaxpipe.aot`) has the
-capacity of its kind (:mod:`jaxpipe.device_memory`); CPU devices report nothing, so there
+capacity of its kind (:mod:`jaxpipe.sharding.device_memory`); CPU devices report nothing, so there
 ``cut="auto"`` is the plain compute-balanced cut, as before. :func:`auto_cut` turns the limit into a
 :class:`~jaxpipe.cut.Cut` with ``memory_budget`` and ``remat="auto"``: the fastest cut
 and recomputation that fit.
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from jaxpipe.avals import format_bytes
 from jaxpipe.cut.options import Cut
-from jaxpipe.device_memory import capacity, is_compile_only
+from jaxpipe.jaxpr.avals import format_bytes
+from jaxpipe.sharding.device_memory import capacity, is_compile_only
 
 __all__ = ["AUTO_RESERVE", "auto_cut", "device_memory_limit"]
 

@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from jaxpipe.remat import Remat, parse_remat
-from jaxpipe.runtime.memory import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
+from jaxpipe.cut.memory_model import DEVICE_MEMORY, SPMD_MEMORY, MemoryModel
+from jaxpipe.stages.remat import Remat, parse_remat
 
 __all__ = ["Cut", "CutError", "Objective"]
 
@@ -57,7 +57,7 @@ class Cut:
         device memory fitting the budget (the objective is ignored). An infeasible
         budget raises :class:`CutError` naming the smallest feasible one and the cut
         and recomputation that reach it.
-      remat: recomputation (:class:`~jaxpipe.remat.Remat`). ``"auto"`` (default):
+      remat: recomputation (:class:`~jaxpipe.stages.remat.Remat`). ``"auto"`` (default):
         the cutter chooses each stage's policy together with the cut -- never under
         ``objective="time"`` (recomputation only adds time), within the time slack
         under ``"memory"``, and wherever it makes the step fastest under a

@@ -1,6 +1,6 @@
 """Parameter padding groups: a padded memory model's parameter bytes of every stage range.
 
-Under a padded :class:`~jaxpipe.runtime.memory.MemoryModel` (one SPMD program) a device
+Under a padded :class:`~jaxpipe.cut.memory_model.MemoryModel` (one SPMD program) a device
 holds one slot per parameter leaf of its stages, per storage class, and every device
 gets the most slots of each class any device needs. :func:`param_groups` turns the
 segments' parameter leaves into the range matrices the searches bound.
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpipe.cost import SegmentCost
+from jaxpipe.cut.cost import SegmentCost
 
 __all__ = ["param_groups"]
 

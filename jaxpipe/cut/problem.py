@@ -23,11 +23,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxpipe.cost import SegmentCost
+from jaxpipe.cut.cost import SegmentCost
+from jaxpipe.cut.memory_model import MemoryModel
 from jaxpipe.cut.options import Cut
 from jaxpipe.cut.padding import param_groups
-from jaxpipe.remat import Remat
-from jaxpipe.runtime.memory import MemoryModel
+from jaxpipe.stages.remat import Remat
 
 __all__ = ["Problem", "inf_unless"]
 

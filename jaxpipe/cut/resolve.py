@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 
 from jaxpipe import cut as cutmod
-from jaxpipe.avals import aval_bytes
-from jaxpipe.cost import segment_costs
+from jaxpipe.cut.cost import segment_costs
+from jaxpipe.cut.memory_model import MemoryModel
 from jaxpipe.errors import PipelineError, PipelineTypeError
-from jaxpipe.runtime.memory import MemoryModel
+from jaxpipe.jaxpr.avals import aval_bytes
+from jaxpipe.jaxpr.trace import Traced
 from jaxpipe.schedule import Schedule
-from jaxpipe.trace import Traced
 
 __all__ = ["even_cuts", "resolve_cuts"]
 

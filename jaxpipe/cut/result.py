@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxpipe.cost import SegmentCost
+from jaxpipe.cut.cost import SegmentCost
 from jaxpipe.cut.problem import Problem
-from jaxpipe.remat import Remat
+from jaxpipe.stages.remat import Remat
 
 __all__ = ["CutResult", "MemoryBreakdown", "describe"]
 
@@ -57,7 +57,7 @@ class CutResult:
         seconds when profiled), recomputation excluded.
       stage_recompute: what every stage's backward spends recomputing under its
         policy (same unit); ``stage_time = stage_fwd + stage_bwd + stage_recompute``.
-      remat: every stage's recomputation policy (:class:`~jaxpipe.remat.Remat`);
+      remat: every stage's recomputation policy (:class:`~jaxpipe.stages.remat.Remat`);
         ``jaxpipe.stages.split(..., remat=result.remat)`` applies it.
       stage_memory: predicted bytes of every stage, by kind.
       device_memory: what every device needs for its own stages (sum of its

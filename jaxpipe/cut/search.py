@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxpipe.avals import format_bytes
 from jaxpipe.cut.options import CutError
 from jaxpipe.cut.problem import Problem, inf_unless
-from jaxpipe.remat import Remat
+from jaxpipe.jaxpr.avals import format_bytes
+from jaxpipe.stages.remat import Remat
 
 __all__ = ["search_single", "min_memory_single", "min_time_within_budget", "infeasible",
            "padded_front", "relax"]

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxpipe.cut.problem import Problem, inf_unless
 from jaxpipe.cut.search import infeasible, min_time_within_budget, relax
-from jaxpipe.remat import Remat
+from jaxpipe.stages.remat import Remat
 
 __all__ = ["search_virtual", "min_memory_virtual", "local_search", "enumerate_cuts"]
 

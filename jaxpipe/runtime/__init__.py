@@ -9,7 +9,8 @@
   the ground truth in tests).
 
 :func:`resolve` turns a name or an instance into a :class:`Runtime`; :func:`register`
-adds a name.
+adds a name. Imports every layer before it (jaxpr, sharding, schedule, stages, cut's
+memory model, train's per-stage optimizer), never the API layer that calls it.
 """
 
 from __future__ import annotations

@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import jax
 from jax.sharding import Mesh
 
-from jaxpipe.avals import aval_bytes
-from jaxpipe.objective import MEAN, Objective
-from jaxpipe.param_views import ParamViews
-from jaxpipe.sharding import Dims, MeshAxes
+from jaxpipe.jaxpr.avals import aval_bytes
+from jaxpipe.jaxpr.objective import MEAN, Objective
+from jaxpipe.sharding.mesh_axes import Dims, MeshAxes
+from jaxpipe.sharding.param_views import ParamViews
 
 if TYPE_CHECKING:
-    from jaxpipe.runtime.memory import MemoryModel
+    from jaxpipe.cut.memory_model import MemoryModel
     from jaxpipe.schedule import Action, Schedule
     from jaxpipe.stages.stage_fn import StageFn
-    from jaxpipe.train_options import TrainOptions
+    from jaxpipe.train.options import TrainOptions
 
 __all__ = ["Executor", "Runtime", "RuntimeSpec", "StepFn"]
 
@@ -56,7 +56,7 @@ class RuntimeSpec:
       param_avals: abstract value of every parameter input of the stages: the flat
         leaves of the user's pytree, except that a scanned stack's stacked weights split
         over several stages come as one input per stage (its rows; see
-        :mod:`jaxpipe.param_views`).
+        :mod:`jaxpipe.sharding.param_views`).
       params_treedef: the treedef of the user's parameter pytree (optimizers run on
         per-stage views of it).
       microbatch_avals: abstract value of every flat batch leaf of one microbatch on
@@ -67,16 +67,16 @@ class RuntimeSpec:
         ``params_treedef`` each is, whole or which rows); ``None`` when every input is a
         whole leaf. A stage holds at most one input of each leaf.
       param_dims: per parameter input, its sharding over the non-pipe mesh axes as
-        :data:`jaxpipe.sharding.Dims` (one tuple of axis names per dimension); empty when
+        :data:`jaxpipe.sharding.mesh_axes.Dims` (one tuple of axis names per dimension); empty when
         every parameter is replicated over them.
       param_axes: the mesh axes some parameter is sharded over (see
-        :class:`jaxpipe.sharding.MeshAxes`: the program is manual over the pipe axis and
+        :class:`jaxpipe.sharding.mesh_axes.MeshAxes`: the program is manual over the pipe axis and
         the other batch axes, and leaves these to JAX's sharding inside the stages).
       action_cost: the cutter's cost of every action (``CutResult.action_cost``), or
         ``None``. The SPMD runtime groups actions into ticks by it where that runs
         faster under its sync model (:func:`jaxpipe.runtime.spmd.lowering.lower`).
       objective: what the loss function returns and how the pipeline reduces it
-        (:class:`jaxpipe.objective.Objective`: the last stage outputs the loss, then the
+        (:class:`jaxpipe.jaxpr.objective.Objective`: the last stage outputs the loss, then the
         weight and aux leaves; every runtime reduces them alike).
     """
 
@@ -116,7 +116,7 @@ class RuntimeSpec:
 
     @functools.cached_property
     def views(self) -> ParamViews:
-        """The parameter inputs over the user's leaves (see :mod:`jaxpipe.param_views`)."""
+        """The parameter inputs over the user's leaves (see :mod:`jaxpipe.sharding.param_views`)."""
         return self.param_views or ParamViews.whole(self.param_avals)
 
     def tree_leaf(self, pid: int) -> int:
@@ -216,7 +216,7 @@ class Executor(abc.ABC):
         """Compile-ready training step for ``optimizer`` and the initial optimizer state.
 
         Returns ``(step, init_opt_state)``: ``step(staged, opt_state, batch_mb)`` computes
-        gradients and applies the per-stage optimizer update (see :mod:`jaxpipe.train`),
+        gradients and applies the per-stage optimizer update (see :mod:`jaxpipe.train.state`),
         returning ``(staged, opt_state, metrics)`` (``metrics["aux"]``: the aux leaves,
         with ``has_aux``); ``init_opt_state(param_leaves)`` builds
         the optimizer state in the executor's layout. Both are traceable; the caller jits.

@@ -15,16 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
+from jaxpipe.cut.memory_model import DEVICE_MEMORY, MemoryModel
 from jaxpipe.errors import PipelineError
-from jaxpipe.objective import MEAN, Objective
+from jaxpipe.jaxpr.objective import MEAN, Objective
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
-from jaxpipe.runtime.memory import DEVICE_MEMORY, MemoryModel
 from jaxpipe.schedule import Schedule
 from jaxpipe.schedule.forward import ForwardOnly
 from jaxpipe.schedule.liveness import peak_overlap, unit_lifetimes
 from jaxpipe.stages.stage_fn import StageFn
-from jaxpipe.train import StageOptimizer
-from jaxpipe.train_options import TrainOptions, global_norm_scale, sq_norm
+from jaxpipe.train.options import TrainOptions, global_norm_scale, sq_norm
+from jaxpipe.train.state import StageOptimizer
 
 __all__ = ["ReferenceExecutor", "ReferenceRuntime", "run_reference"]
 

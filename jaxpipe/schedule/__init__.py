@@ -6,6 +6,9 @@
 - :func:`dependencies` — what must finish before an action starts.
 - :class:`Timeline` — ``Schedule.simulate(costs)``: makespan, bubble, memory, plots.
 - :func:`load_schedule` — ``"1f1b"`` or ``"file.py:Class"`` -> class.
+
+Imports nothing else of jaxpipe: a schedule is written, validated and simulated without
+a model, and every layer after it may use it.
 """
 
 from .action import ACTION_KINDS, KIND_NAMES, Action, ScheduleError

@@ -7,7 +7,12 @@
 - :mod:`~jaxpipe.stages.splitter` — :func:`split`: a traced loss cut after the given
   markers into ``StageFn`` s, each under its recomputation policy;
 - :mod:`~jaxpipe.stages.shared_cores` — a first or last stage as a prologue, a core a
-  middle stage shares and an epilogue, so a runtime compiles the blocks once.
+  middle stage shares and an epilogue, so a runtime compiles the blocks once;
+- :mod:`~jaxpipe.stages.remat` — recomputation policies (what a stage stores for its
+  backward); :mod:`~jaxpipe.stages.stacks` — scanned layer stacks cut between iterations.
+
+Imports the jaxpr and sharding layers and the foundation; the cutter, which costs a
+segment by splitting it, and the runtimes build on it.
 """
 
 from jaxpipe.stages.splitter import split

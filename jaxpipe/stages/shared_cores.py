@@ -24,9 +24,9 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jaxpipe.avals import aval_bytes, typed_sds
-from jaxpipe.constraints import jaxpr_as_fun
-from jaxpipe.remat import Remat
+from jaxpipe.jaxpr.avals import aval_bytes, typed_sds
+from jaxpipe.sharding.constraints import stage_as_fun
+from jaxpipe.stages.remat import Remat
 from jaxpipe.stages.stage_fn import Fragments, StageFn, StageParts
 
 __all__ = ["compose", "share_cores"]
@@ -80,7 +80,7 @@ def compose(parts: Sequence[StageFn], core: int, index: int, eqn_range: tuple[in
     def fwd(params, batch, carry):
         res: list = [[] for _ in parts]
         for k, pt in enumerate(parts):
-            outs = jaxpr_as_fun(pt.fwd)(*own(k, params, batch), *carry)
+            outs = stage_as_fun(pt.fwd)(*own(k, params, batch), *carry)
             n = len(pt.out_avals)
             carry, res[k] = outs[:n], outs[n:]
         return [*carry, *[x for k in order for x in res[k]]]
@@ -89,7 +89,7 @@ def compose(parts: Sequence[StageFn], core: int, index: int, eqn_range: tuple[in
         grads: dict = {}
         for k in reversed(range(len(parts))):
             pt = parts[k]
-            outs = jaxpr_as_fun(pt.bwd)(*own(k, params, batch),
+            outs = stage_as_fun(pt.bwd)(*own(k, params, batch),
                                         *[stored[i] for i in res_ids[k]], *ct)
             n = sum(pt.diff_param_mask)
             add_grads(grads, k, outs[:n])
@@ -100,7 +100,7 @@ def compose(parts: Sequence[StageFn], core: int, index: int, eqn_range: tuple[in
         hand: list = [[] for _ in parts]
         for k in reversed(range(len(parts))):
             pt = parts[k]
-            outs = jaxpr_as_fun(pt.bwd_i)(*own(k, params, batch),
+            outs = stage_as_fun(pt.bwd_i)(*own(k, params, batch),
                                           *[stored[i] for i in res_ids[k]], *ct)
             n = len(pt.ct_in_avals())
             ct, hand[k] = outs[:n], outs[n:]
@@ -109,7 +109,7 @@ def compose(parts: Sequence[StageFn], core: int, index: int, eqn_range: tuple[in
     def bwd_w(params, batch, stored_w, hand):
         grads: dict = {}
         for k, pt in enumerate(parts):
-            outs = jaxpr_as_fun(pt.bwd_w)(
+            outs = stage_as_fun(pt.bwd_w)(
                 *own(k, params, batch), *[stored_w[w_pos[res_ids[k][i]]] for i in pt.w_res_ids],
                 *[hand[i] for i in w_ids[k]])
             add_grads(grads, k, outs)
@@ -328,7 +328,7 @@ def share_cores(frags: Fragments, ranges: Sequence[tuple[int, int]],
 
 
 def _parted_or_whole(frags: Fragments, parts: list[StageFn], core: int, s: int,
-                     rng: tuple[int, int], is_last: bool, policy: Remat,
+                     eqn_range: tuple[int, int], is_last: bool, policy: Remat,
                      split_backward: bool, whole: Callable[[], StageFn]) -> StageFn:
     """Stage ``s`` as ``parts``, unless that stores more per microbatch than the whole
     stage: sharing a compiled body must not cost memory.
@@ -346,8 +346,8 @@ def _parted_or_whole(frags: Fragments, parts: list[StageFn], core: int, s: int,
                     for a, b in zip(parts, parts[1:], strict=False))
         if twice:
             return whole()
-        return compose(parts, core, s, rng, frags.names(*rng), is_last, policy)
-    parted = compose(parts, core, s, rng, frags.names(*rng), is_last, policy)
+        return compose(parts, core, s, eqn_range, frags.names(*eqn_range), is_last, policy)
+    parted = compose(parts, core, s, eqn_range, frags.names(*eqn_range), is_last, policy)
     w = whole()
 
     def stored(st: StageFn) -> list[int]:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.remat import Remat, parse_remat
+from jaxpipe.jaxpr.trace import Traced
+from jaxpipe.stages.remat import Remat, parse_remat
 from jaxpipe.stages.shared_cores import share_cores as share
 from jaxpipe.stages.stage_fn import Fragments, StageFn
-from jaxpipe.trace import Traced
 
 __all__ = ["split"]
 
@@ -24,7 +24,7 @@ def split(traced: Traced, cuts: Sequence[int],
           share_cores: bool = False, split_backward: bool = False) -> list[StageFn]:
     """Cut ``traced`` after the markers at positions ``cuts`` (indices into ``traced.markers``).
 
-    ``remat`` is one :class:`~jaxpipe.remat.Remat` policy per stage (``None``: no
+    ``remat`` is one :class:`~jaxpipe.stages.remat.Remat` policy per stage (``None``: no
     recomputation anywhere; ``CutResult.remat`` is what the cutter chose).
     ``share_cores``: split the first and last stages into parts where their core is
     another stage's function (:mod:`jaxpipe.stages.shared_cores`), so a runtime can compile it once,

@@ -6,7 +6,7 @@ parameter leaves and microbatch leaves it reads plus the *carry*: every value de
 in an earlier stage and used by this or any later stage (so a skip connection that jumps
 over a stage is passed through it). Its outputs are the carry for the next stage; the
 last stage outputs the scalar loss, then the weight and the aux leaves the loss function
-returns (:mod:`jaxpipe.objective`; only the loss is differentiated).
+returns (:mod:`jaxpipe.jaxpr.objective`; only the loss is differentiated).
 
 Every stage is turned into closed jaxprs once, here, so the runtimes only evaluate them:
 
@@ -23,12 +23,12 @@ through as non-differentiable inputs.
 PRNG keys (``jax.random.key`` values, an extended dtype) never appear at a stage's
 boundary: every key-typed input, output, residual or hand-off of a stage function is
 passed as its raw key data (``jax.random.key_data``, ``uint32``) and re-wrapped with
-its own implementation inside the stage (:func:`jaxpipe.avals.boundary_aval`). Runtimes keep
+its own implementation inside the stage (:func:`jaxpipe.jaxpr.avals.boundary_aval`). Runtimes keep
 messages and residuals in numeric buffers, so they only ever see plain dtypes; the
 batch and parameter leaves a runtime feeds in follow the same rule.
 
 **Recomputation.** ``jaxpipe.stages.split(..., remat=...)`` gives every stage a
-:class:`~jaxpipe.remat.Remat` policy. The forward is then traced with the stage's
+:class:`~jaxpipe.stages.remat.Remat` policy. The forward is then traced with the stage's
 segments (or, for ``Remat.FULL``, runs of segments) wrapped in ``jax.checkpoint`` with
 that policy, so the stored residuals are what the policy keeps and the backward
 recomputes the rest; the runtimes size their storage from ``residual_avals`` and need
@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 import jax
 from jax.extend import core as jcore
 
-from jaxpipe.avals import (
+from jaxpipe.errors import PipelineError
+from jaxpipe.jaxpr.avals import (
     boundary_aval,
     from_boundary,
     is_differentiable,
@@ -52,13 +53,12 @@ from jaxpipe.avals import (
     to_boundary,
     typed_sds,
 )
-from jaxpipe.constraints import jaxpr_as_fun
-from jaxpipe.errors import PipelineError
-from jaxpipe.interpret import read
-from jaxpipe.jaxpr_identity import fragment_key
-from jaxpipe.markers import boundary_p
-from jaxpipe.remat import Remat, group_io, remat_groups, run_groups
-from jaxpipe.trace import Traced, segments
+from jaxpipe.jaxpr.identity import fragment_key
+from jaxpipe.jaxpr.interpret import read
+from jaxpipe.jaxpr.markers import boundary_p
+from jaxpipe.jaxpr.trace import Traced, segments
+from jaxpipe.sharding.constraints import stage_as_fun
+from jaxpipe.stages.remat import Remat, group_io, remat_groups, run_groups
 
 __all__ = ["Fragments", "StageFn", "StageParts", "param_owners"]
 
@@ -178,7 +178,7 @@ class Fragments:
                     self.last_use[v] = k
             for v in eqn.outvars:
                 self.defined[v] = k
-        # the loss, then the weight and aux leaves (jaxpipe.objective), all "read" by the
+        # the loss, then the weight and aux leaves (jaxpipe.jaxpr.objective), all "read" by the
         # output: one computed in an earlier stage is carried to the last
         self.out_vars = list(jaxpr.outvars)
         for v in self.out_vars:
@@ -289,7 +289,7 @@ class Fragments:
         return st
 
 
-def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, const_vals,
+def _build_stage(s, eqn_range, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, const_vals,
                  is_last, names, groups, policy) -> StageFn:
     p_vars = [jaxpr.invars[i] for i in p_ids]
     b_vars = [jaxpr.invars[n_p + i] for i in b_ids]
@@ -305,14 +305,14 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
     if is_last:  # a weight or an aux output is never differentiated
         do = do[:1] + (False,) * (len(do) - 1)
 
-    io = group_io(eqns, groups, rng[0], carry_out)
+    io = group_io(eqns, groups, eqn_range[0], carry_out)
 
     def run(params, batch, carry):
         env = dict(const_vals)
         env.update(zip(p_vars, params, strict=True))
         env.update(zip(b_vars, batch, strict=True))
         env.update(zip(carry_in, carry, strict=True))
-        run_groups(eqns, groups, io, rng[0], env)
+        run_groups(eqns, groups, io, eqn_range[0], env)
         return [read(env, v) for v in carry_out]
 
     def pick(xs, mask, keep):
@@ -390,7 +390,7 @@ def _build_stage(s, rng, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_out, co
     bwd_i, bwd_w, w_avals, w_res_ids = _split_backward(
         bwd_jaxpr, n_ctp, len(p_avals) + len(b_avals), len(ct_out_avals))
     return StageFn(
-        index=s, eqn_range=rng, param_ids=p_ids, batch_ids=b_ids, in_avals=in_avals,
+        index=s, eqn_range=eqn_range, param_ids=p_ids, batch_ids=b_ids, in_avals=in_avals,
         out_avals=out_avals, residual_avals=residual_avals, w_residual_avals=w_avals,
         fwd=fwd_jaxpr, bwd=bwd_jaxpr, bwd_i=bwd_i, bwd_w=bwd_w, diff_param_mask=dp,
         diff_in_mask=di, diff_out_mask=do, names=names, is_last=is_last, w_res_ids=w_res_ids,
@@ -461,7 +461,7 @@ def _keys_as_data(st: StageFn) -> StageFn:
     def convert(cj: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
         def fn(*args):
             inner = [from_boundary(x, a) for x, a in zip(args, cj.in_avals, strict=True)]
-            return [to_boundary(y) for y in jaxpr_as_fun(cj)(*inner)]
+            return [to_boundary(y) for y in stage_as_fun(cj)(*inner)]
 
         return jax.make_jaxpr(fn)(*[_sds(boundary_aval(a)) for a in cj.in_avals])
 

@@ -87,7 +87,7 @@ def main(mode: str, out: str) -> None:
 
     loss, grads = pipe.value_and_grad(params, batch)
     pipe.value_and_grad(host_params, host_batch)  # host (numpy) inputs: the same program
-    assert pipe.value_and_grad_fn._cache_size() == 1, "value_and_grad recompiled"
+    assert pipe.inspect.value_and_grad_fn._cache_size() == 1, "value_and_grad recompiled"
     loss, grads = jpd.fetch((loss, grads))
 
     state = pipe.init(params, optax.sgd(LR))
@@ -177,7 +177,7 @@ def _sharded(out: str, mesh: Any, loss_fn: Any) -> None:
                        cut="markers", param_specs=specs)
     jpd.check_consistent(pipe)
     loss, grads = pipe.value_and_grad(params, batch)
-    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(pipe.param_specs),
+    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(pipe.inspect.param_specs),
                        strict=True):  # gradients come back sharded like their parameters
         assert g.sharding.is_equivalent_to(NamedSharding(mesh, spec), g.ndim), g.sharding
     loss, grads = jpd.fetch((loss, grads))

@@ -4,7 +4,7 @@ JAX and XLA only (no jaxpipe), 8 virtual CPU devices, jax 0.10.2:
 ``python tests/support/xla_gather_bug.py split`` aborts the process in XLA's SPMD
 partitioner (``spmd_partitioner_util.cc:497 Check failed: partition_group_list...``);
 ``... whole`` (the operand constrained replicated first: jaxpipe's workaround,
-:mod:`jaxpipe.gathers`) prints the gathered sums. Each of the loop, the switch and the
+:mod:`jaxpipe.sharding.gathers`) prints the gathered sums. Each of the loop, the switch and the
 partly manual ``shard_map`` is needed: without any one of them both run.
 """
 

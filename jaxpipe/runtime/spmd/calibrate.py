@@ -1,7 +1,7 @@
 """The SPMD program's fixed cost a tick, as measured on this machine, stored and reused.
 
 ``schedule="auto"`` ranks schedules by their work plus a fixed cost per tick
-(:mod:`.predict`). ``jaxpipe calibrate`` (:mod:`jaxpipe.calibrate`) times two small
+(:mod:`.predict`). ``jaxpipe calibrate`` (:mod:`jaxpipe.tools.calibrate`) times two small
 pipelines whose work and ticks are known and solves ``time = work / rate + ticks * cost``
 for the rate (FLOP/s) and the cost a tick (s); :func:`fit` does the solving and
 :func:`save` keeps the result in a JSON file (``$JAXPIPE_CALIBRATION``, default

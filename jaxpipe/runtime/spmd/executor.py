@@ -20,9 +20,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpipe.cut.memory_model import ACCELERATOR_MEMORY, SPMD_MEMORY, MemoryModel
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
-from jaxpipe.runtime.memory import ACCELERATOR_MEMORY, SPMD_MEMORY, MemoryModel
 from jaxpipe.runtime.spmd.backends import (
     BACKENDS,
     REFINE_EVALS,
@@ -36,12 +36,15 @@ from jaxpipe.runtime.spmd.lowering.lanes import lanes_in_flight, lanes_refusal, 
 from jaxpipe.runtime.spmd.predict import predicted_time
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
 from jaxpipe.runtime.spmd.program.build import (
+    Epilogue,
+    ProgramKind,
+    ProgramMesh,
+    ProgramStages,
     build_step,
     check_stage_collectives,
-    place,
-    place_tree,
 )
 from jaxpipe.runtime.spmd.program.layout import SlotLayout, StageLayouts
+from jaxpipe.runtime.spmd.program.manual import manual_shard_map, place
 from jaxpipe.runtime.spmd.program.optimizer import make_epilogue, opt_slots
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.param_moves import (
@@ -53,9 +56,9 @@ from jaxpipe.runtime.spmd.program.param_moves import (
 )
 from jaxpipe.runtime.spmd.reports import ExecutorReports
 from jaxpipe.schedule.forward import ForwardOnly
-from jaxpipe.sharding import manual_spec, to_spec
-from jaxpipe.train import StageOptimizer
-from jaxpipe.train_options import TrainOptions
+from jaxpipe.sharding.mesh_axes import to_spec
+from jaxpipe.train.options import TrainOptions
+from jaxpipe.train.state import StageOptimizer
 
 __all__ = ["SpmdExecutor", "SpmdRuntime"]
 
@@ -282,15 +285,20 @@ class SpmdExecutor(ExecutorReports, Executor):
             self.bodies, self.layouts.slots.classes, axis=spec.axis,
             placement=[sched.placement(s) for s in range(sched.num_stages)],
             whole=lambda g: interleaved_leaf(spec, self.layouts.slots, holds, g) is not None)
-        self._build = functools.partial(build_step, self.bodies, self.layouts, self.lowering,
-                                        spec.mesh, spec.mesh_axes, len(spec.microbatch_avals),
-                                        groups=self.groups, accelerator=self.accelerated,
-                                        objective=spec.objective, lanes=self.lanes)
-        self._step = self._build()
+        self._stages = ProgramStages(self.bodies, self.layouts, self.groups)
+        self._where = ProgramMesh(spec.mesh, spec.mesh_axes, len(spec.microbatch_avals))
+        self._step = self._build(self.lowering)
         # value_and_grad moves parameters in and gradients out by group (.param_groups)
-        self._step_grouped = self._build(grouped=True)
+        self._step_grouped = self._build(self.lowering, grouped=True)
         #: what the value-and-grad programs run, for reports (grouped first)
         self.tick_loops = (self._step_grouped.tick_loop, self._step.tick_loop)
+
+    def _build(self, lowering: Lowering, epilogue: Epilogue | None = None,
+               **kind: bool) -> Any:
+        """The program of ``lowering`` for this executor's stages and mesh."""
+        return build_step(self._stages, lowering, self._where, ProgramKind(
+            accelerator=self.accelerated, lanes=self.lanes, objective=self.spec.objective,
+            **kind), epilogue)
 
     def _resolve_lanes(self, runtime: SpmdRuntime) -> bool:
         """Whether the lanes program runs (``SpmdRuntime(lanes=...)``; where it is wanted,
@@ -331,37 +339,13 @@ class SpmdExecutor(ExecutorReports, Executor):
     @functools.cached_property
     def _forward_steps(self) -> tuple[Any, Any]:
         """The evaluation programs: ``(from staged slots, from groups)``."""
-        build = functools.partial(build_step, self.bodies, self.layouts,
-                                  self.forward_lowering, self.spec.mesh,
-                                  self.spec.mesh_axes, len(self.spec.microbatch_avals),
-                                  groups=self.groups, accelerator=self.accelerated,
-                                  objective=self.spec.objective, forward_only=True,
-                                  lanes=self.lanes)
-        return build(), build(grouped=True)
+        low = self.forward_lowering
+        return (self._build(low, forward_only=True),
+                self._build(low, forward_only=True, grouped=True))
 
     def _shard_map(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
-        """``jax.shard_map`` manual over the program's manual axes; ``in_specs`` /
-        ``out_specs`` are the arrays' specs outside (inputs and outputs are placed on
-        them; the shard_map gets their manual part)."""
-        spec = self.spec
-        axes = spec.mesh_axes
-        manual = set(axes.manual_axes)
-
-        def inner(specs: Any) -> Any:
-            return jax.tree.map(lambda p: manual_spec(p, manual), specs,
-                                is_leaf=lambda x: isinstance(x, P))
-
-        mapped = jax.shard_map(fn, mesh=spec.mesh, in_specs=inner(in_specs),
-                               out_specs=inner(out_specs), check_vma=False,
-                               **axes.shard_map_kwargs(spec.mesh))
-
-        def run(*args: Any) -> Any:
-            out = mapped(*place_tree(args, spec.mesh, in_specs))
-            if manual == set(spec.mesh.axis_names):
-                return out  # fully manual: the out_specs are the outputs' shardings
-            return place_tree(out, spec.mesh, out_specs)
-
-        return run
+        """``fn`` manual over the program's manual axes (:func:`.program.manual`)."""
+        return manual_shard_map(fn, self.spec.mesh, self.spec.mesh_axes, in_specs, out_specs)
 
     def _slot_specs(self, slots: SlotLayout) -> list[P]:
         """Specs of a slot list's arrays: ``P(pipe, *dims)``."""
@@ -467,10 +451,9 @@ class SpmdExecutor(ExecutorReports, Executor):
         epilogue = make_epilogue(spec, self.layouts.slots, stage_opt, ostate, options)
         pspec = self._slot_specs(self.layouts.slots)
         ospec = self._slot_specs(ostate)
-        core = self._build(
-            epilogue=epilogue, extra_in_specs=(ospec,),
-            epilogue_out_specs=(pspec, ospec, {"loss": P(), "grad_norm": P(), "skipped": P()}),
-        )
+        core = self._build(self.lowering, Epilogue(
+            epilogue, in_specs=(ospec,),
+            out_specs=(pspec, ospec, {"loss": P(), "grad_norm": P(), "skipped": P()})))
 
         def step(staged: list, opt_state: list, batch_mb: list) -> tuple:
             (params, opt_state, metrics), aux = core(list(staged), batch_mb, list(opt_state))

@@ -1,6 +1,6 @@
 """How long the SPMD runtime's program takes for a schedule, before anything is built.
 
-What ``schedule="auto"`` (:mod:`jaxpipe.auto`) ranks candidates by: the schedule lowered
+What ``schedule="auto"`` (:mod:`jaxpipe.api.auto`) ranks candidates by: the schedule lowered
 the way the runtime would lower it (numpy only; no buffers are sized), its time under
 the stages' costs in the program's sync model (devices meet at the end of every tick;
 the lanes program runs every lane of a tick on every device), plus a fixed overhead per

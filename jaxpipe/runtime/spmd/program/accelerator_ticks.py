@@ -42,7 +42,7 @@ from jax import lax
 
 from jaxpipe.runtime.spmd.lowering.types import IDLE, PROGRAM_KINDS, Lowering
 from jaxpipe.runtime.spmd.program.bodies import Body
-from jaxpipe.runtime.spmd.program.branches import Branches
+from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
 from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
@@ -161,7 +161,7 @@ class AcceleratorTicks:
         def run(fn: Callable, row, pbuf, mbd, inbox, store) -> tuple:
             store = (DeferredStore(store) if self.windows is None
                      else DeferredStore({}, windows=store))
-            state = (store, DeferredGrads(grads), empty(),
+            state = BranchState(store, DeferredGrads(grads), empty(),
                      jnp.zeros((), jnp.float32))
             return fn(row, pbuf, mbd, inbox, state)
 

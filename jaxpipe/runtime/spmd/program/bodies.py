@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpipe.jaxpr_identity import same_function
+from jaxpipe.jaxpr.identity import same_function
 from jaxpipe.runtime.spmd.program.layout import SlotLayout, ValueClass
 from jaxpipe.stages.stage_fn import StageFn
 
@@ -99,7 +99,7 @@ def _signature(core: StageFn, pos: tuple[int, ...], s: int, slots: SlotLayout) -
 def _same_jaxprs(a: StageFn, b: StageFn, text: dict[int, str]) -> bool:
     """The four jaxprs of ``a`` and ``b`` are equal. Stages that ``split`` traced once
     share the objects; others are compared by their printed form (printed once each) and
-    what printing does not show (:func:`jaxpipe.jaxpr_identity.unprinted`)."""
+    what printing does not show (:func:`jaxpipe.jaxpr.identity.unprinted`)."""
     return all(same_function(getattr(a, k), getattr(b, k), text) for k in _JAXPRS)
 
 

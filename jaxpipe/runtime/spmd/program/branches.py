@@ -1,7 +1,7 @@
 """What one step of the SPMD program runs: the branch of an (action kind, body) pair.
 
-A branch maps ``(row, pbuf, mbd, inbox, (store, gbuf, msg, loss))`` to the new ``(store,
-gbuf, msg, loss)``: it reads its parameters from their slots, its input message from the
+A branch maps ``(row, pbuf, mbd, inbox, state)`` to the new state (:class:`BranchState`:
+``store, gbuf, msg, loss``): it reads its parameters from their slots, its input message from the
 inbox, its stored values from the storage rows the lowering chose, runs the stage's
 jaxpr for its kind, stores what it must, accumulates parameter gradients in place and
 returns its output message (written to an inbox slot or outbox unit by the program).
@@ -15,12 +15,11 @@ gradient slot row, where the stage's jaxprs allow it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
 
-from jaxpipe.constraints import jaxpr_as_fun
 from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
 from jaxpipe.runtime.spmd.program import scan_buffers as scanio
 from jaxpipe.runtime.spmd.program.bodies import Body
@@ -29,11 +28,22 @@ from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups, of_stage, pick
 from jaxpipe.runtime.spmd.program.stage_ends import Ends, Fixed
 from jaxpipe.runtime.spmd.program.writes import reading
+from jaxpipe.sharding.constraints import stage_as_fun
 
-__all__ = ["Branches"]
+__all__ = ["BranchState", "Branches"]
 
 Bufs = dict[ValueClass, jax.Array]
-Branch = Callable[..., tuple]
+class BranchState(NamedTuple):
+    """What a branch reads and returns besides its row, parameters, batch and inbox."""
+
+    store: Any  #: the buffers (residuals, hand-offs, the last stage's outputs)
+    gbuf: Any  #: the gradient accumulators
+    msg: Any  #: the message this step sends (empty where it sends none)
+    loss: Any  #: the loss accumulated so far
+
+
+#: ``branch(row, pbuf, mbd, inbox, state: BranchState) -> BranchState``
+Branch = Callable[..., BranchState]
 
 
 class Branches:
@@ -164,7 +174,7 @@ class Branches:
                 return [self.outputs.seed()]
             return c_on.read(inbox, self.unit_base(c_on, row.in_slot))
 
-        def f_branch(row, pbuf, mbd, inbox, state):
+        def f_branch(row, pbuf, mbd, inbox, state: BranchState) -> BranchState:
             store, gbuf, msg, loss = state
             params, batch = inputs("fwd", row, pbuf, mbd)
             core_in = a_in.read(inbox, self.unit_base(a_in, row.in_slot))
@@ -176,9 +186,9 @@ class Branches:
             if st.is_last:
                 store, loss = self.outputs.record(row.microbatch, store, loss,
                                                   outs[:io.n_out])
-                return store, gbuf, msg, loss
+                return BranchState(store, gbuf, msg, loss)
             store, loss = ends.after_core(row, pbuf, mbd, store, loss, outs[:io.n_out])
-            return store, gbuf, self.as_msg(a_out, outs[:io.n_out]), loss
+            return BranchState(store, gbuf, self.as_msg(a_out, outs[:io.n_out]), loss)
 
         def backward(half, row, pbuf, mbd, inbox, store, gbuf):
             """The epilogue's, the core's and the prologue's ``half`` (``"bwd"`` or
@@ -194,14 +204,14 @@ class Branches:
             store, gbuf = ends.ct_out_of_core(half, row, pbuf, mbd, store, gbuf, ct_in)
             return outs, store, gbuf
 
-        def b_branch(row, pbuf, mbd, inbox, state):
+        def b_branch(row, pbuf, mbd, inbox, state: BranchState) -> BranchState:
             store, gbuf, msg, loss = state
             outs, store, gbuf = backward("bwd", row, pbuf, mbd, inbox, store, gbuf)
             n = sum(st.diff_param_mask)
             gbuf = self.accumulate(body, gbuf, row, outs[:n])
-            return store, gbuf, self.as_msg(c_back, outs[n:]), loss
+            return BranchState(store, gbuf, self.as_msg(c_back, outs[n:]), loss)
 
-        def i_branch(row, pbuf, mbd, inbox, state):
+        def i_branch(row, pbuf, mbd, inbox, state: BranchState) -> BranchState:
             store, gbuf, msg, loss = state
             outs, store, gbuf = backward("bwd_i", row, pbuf, mbd, inbox, store, gbuf)
             n = len(st.ct_in_avals())
@@ -209,7 +219,7 @@ class Branches:
             # never aliases the residual rows just read.
             store = io.packing[Pool.HANDOFF].write(store, row.bases(Pool.HANDOFF),
                                                    outs[n:])
-            return store, gbuf, self.as_msg(c_back, outs[:n]), loss
+            return BranchState(store, gbuf, self.as_msg(c_back, outs[:n]), loss)
 
         def weights(row, pbuf, mbd, store, gbuf, handoff):
             params, batch = inputs("bwd_w", row, pbuf, mbd)
@@ -219,21 +229,21 @@ class Branches:
             store, gbuf = ends.weights(row, pbuf, mbd, store, gbuf)
             return store, self.accumulate(body, gbuf, row, ct_par)
 
-        def w_branch(row, pbuf, mbd, inbox, state):
+        def w_branch(row, pbuf, mbd, inbox, state: BranchState) -> BranchState:
             store, gbuf, msg, loss = state
             handoff = io.packing[Pool.HANDOFF].read(*reading(store, Pool.HANDOFF,
                                                              row.bases(Pool.HANDOFF)))
             store, gbuf = weights(row, pbuf, mbd, store, gbuf, handoff)
-            return store, gbuf, msg, loss
+            return BranchState(store, gbuf, msg, loss)
 
-        def iw_branch(row, pbuf, mbd, inbox, state):
+        def iw_branch(row, pbuf, mbd, inbox, state: BranchState) -> BranchState:
             """I then its own W (fusion.joined_weights): the hand-off goes straight from
             one to the other, never to storage."""
             store, gbuf, msg, loss = state
             outs, store, gbuf = backward("bwd_i", row, pbuf, mbd, inbox, store, gbuf)
             n = len(st.ct_in_avals())
             store, gbuf = weights(row, pbuf, mbd, store, gbuf, outs[n:])
-            return store, gbuf, self.as_msg(c_back, outs[:n]), loss
+            return BranchState(store, gbuf, self.as_msg(c_back, outs[:n]), loss)
 
         return {"F": f_branch, "B": b_branch, "I": i_branch, "W": w_branch,
                 "IW": iw_branch}[kind]
@@ -251,16 +261,16 @@ class Branches:
         a_in, c_back = L.act_in[s], L.ct_in[s]
         n_diff = sum(st.diff_param_mask)
 
-        def fb_branch(row, pbuf, mbd, inbox, state):
+        def fb_branch(row, pbuf, mbd, inbox, state: BranchState) -> BranchState:
             store, gbuf, msg, loss = state
             ins = fixed.inputs(pbuf, mbd)
-            outs = jaxpr_as_fun(st.fwd)(*ins, *a_in.read(inbox, self.unit_base(a_in,
+            outs = stage_as_fun(st.fwd)(*ins, *a_in.read(inbox, self.unit_base(a_in,
                                                                             row.in_slot)))
             n = len(st.out_avals)
             store, loss = self.outputs.record(row.microbatch, store, loss, outs[:n])
-            outs = jaxpr_as_fun(st.bwd)(*ins, *outs[n:], self.outputs.seed())
+            outs = stage_as_fun(st.bwd)(*ins, *outs[n:], self.outputs.seed())
             gbuf = fixed.accumulate(gbuf, outs[:n_diff])
-            return store, gbuf, self.as_msg(c_back, outs[n_diff:]), loss
+            return BranchState(store, gbuf, self.as_msg(c_back, outs[n_diff:]), loss)
 
         return fb_branch
 
@@ -364,7 +374,7 @@ class _DirectIO:
         sunk = self.sunk if name == "fwd" else frozenset()
         sourced, grads = self.sourced[name], self.grads[name]
         if not (sunk or sourced or grads or self.param_src[name]):
-            return jaxpr_as_fun(closed)(*args), store, gbuf
+            return stage_as_fun(closed)(*args), store, gbuf
         bufs: dict = {}
         sinks: dict = {}
         sources: dict = {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.objective import MEAN, Objective
+from jaxpipe.jaxpr.objective import MEAN, Objective
 from jaxpipe.runtime.spmd.lowering.types import Lowering
 from jaxpipe.runtime.spmd.program.accelerator_ticks import AcceleratorTicks
 from jaxpipe.runtime.spmd.program.bodies import Body
@@ -38,80 +39,105 @@ from jaxpipe.runtime.spmd.program.cpu_ticks import CpuTicks
 from jaxpipe.runtime.spmd.program.lane_ticks import LaneTicks
 from jaxpipe.runtime.spmd.program.layout import StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
+from jaxpipe.runtime.spmd.program.manual import manual_shard_map
 from jaxpipe.runtime.spmd.program.param_groups import Groups
-from jaxpipe.sharding import MeshAxes, constrain, constrain_to, manual_spec
+from jaxpipe.sharding.mesh_axes import MeshAxes, constrain
 
-__all__ = ["build_step", "check_stage_collectives", "place", "place_tree"]
+__all__ = ["Epilogue", "ProgramKind", "ProgramMesh", "ProgramStages", "build_step",
+           "check_stage_collectives"]
 
-#: ``epilogue(params_local, grads_local, loss, *extra_local)`` -> outputs of the program.
-Epilogue = Callable[..., object]
+@dataclass(frozen=True)
+class ProgramStages:
+    """What the program runs: the stages' bodies, their buffer layouts, the slot groups
+    (:mod:`.bodies`, :mod:`.layout`, :mod:`.param_groups`)."""
+
+    bodies: Sequence[Body]
+    layouts: StageLayouts
+    groups: Groups
 
 
+@dataclass(frozen=True)
+class ProgramMesh:
+    """Where it runs: the mesh, the roles of its axes, and how many batch leaves come in."""
 
-def build_step(
-    bodies: Sequence[Body],
-    layouts: StageLayouts,
-    lowering: Lowering,
-    mesh: Mesh,
-    axes: MeshAxes,
-    num_batch_leaves: int,
-    epilogue: Epilogue | None = None,
-    extra_in_specs: tuple = (),
-    epilogue_out_specs: object = None,
-    groups: Groups | None = None,
-    grouped: bool = False,
-    accelerator: bool = False,
-    objective: Objective = MEAN,
-    forward_only: bool = False,
-    lanes: bool = False,
-) -> Callable:
+    mesh: Mesh
+    axes: MeshAxes
+    num_batch_leaves: int
+
+
+@dataclass(frozen=True)
+class ProgramKind:
+    """Which program: the tick loop (``accelerator``: straight-line for GPUs and TPUs;
+    ``lanes``: one shared body run unconditionally), what the loss function returns
+    (``objective``), whether it evaluates only (``forward_only``) and whether parameters
+    come in and gradients go out by group (``grouped``)."""
+
+    accelerator: bool = False
+    lanes: bool = False
+    objective: Objective = MEAN
+    forward_only: bool = False
+    grouped: bool = False
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What runs on each device after the ticks, inside the program (the optimizer
+    update): ``fn(params_local, grads_local, loss, *extra_local)``; ``in_specs`` /
+    ``out_specs``: the specs of its extra inputs and of its outputs outside the program."""
+
+    fn: Callable[..., object]
+    in_specs: tuple = ()
+    out_specs: object = None
+
+
+def build_step(stages: ProgramStages, lowering: Lowering, where: ProgramMesh,
+               kind: ProgramKind = ProgramKind(), epilogue: Epilogue | None = None
+               ) -> Callable:
     """Return ``step(pbuf, batch_mb, *extra) -> (gbuf, loss, aux)`` as a shard_map'ed
     function.
 
     ``pbuf``/``gbuf``: the slot list (``layouts.slots``), each ``[devices, *shape]``
     sharded ``P(pipe, *dims)`` (its class's sharding over the other axes).
     ``batch_mb``: batch leaves reshaped to ``[m, microbatch, ...]``, split over the batch
-    axes (:meth:`~jaxpipe.sharding.MeshAxes.batch_spec`).
+    axes (:meth:`~jaxpipe.sharding.mesh_axes.MeshAxes.batch_spec`).
 
     The program is manual over ``axes.manual_axes`` (the pipe axis and the batch axes that
     shard no parameter); every other axis keeps JAX's sharding inside the stages, which
     are traced on the global view of those axes.
 
-    ``objective``: what the loss function returns and how the program reduces it
-    (:mod:`jaxpipe.objective`, :mod:`.loss_outputs`); ``aux``: its aux leaves, each
+    ``kind.objective``: what the loss function returns and how the program reduces it
+    (:mod:`jaxpipe.jaxpr.objective`, :mod:`.loss_outputs`); ``aux``: its aux leaves, each
     ``[m, *shape]`` (``[m, shards, *shape]`` over manual batch axes).
 
-    With ``epilogue``, the step instead returns ``(epilogue(pbuf_local, gbuf_local, loss,
-    *extra_local), aux)``, the epilogue computed on each device inside the same program
-    (the optimizer update uses this), with ``extra_in_specs`` / ``epilogue_out_specs`` as
-    the specs of its extra inputs and outputs outside the program (their manual part is
-    the shard_map's). ``forward_only``: the program evaluates the loss and returns
-    ``(loss, aux)``; its lowering must be of a forward-only schedule
-    (:class:`jaxpipe.schedule.forward.ForwardOnly`).
+    With ``epilogue``, the step instead returns ``(epilogue.fn(pbuf_local, gbuf_local,
+    loss, *extra_local), aux)``, the epilogue computed on each device inside the same
+    program (the optimizer update uses this). ``kind.forward_only``: the program
+    evaluates the loss and returns ``(loss, aux)``; its lowering must be of a
+    forward-only schedule (:class:`jaxpipe.schedule.forward.ForwardOnly`).
 
-    ``groups``: the slot groups (:mod:`.param_groups`; built from ``bodies`` when not given).
-    With ``grouped=True`` parameters come in and gradients go out by group: ``pbuf`` is
-    ``(pslots, parrays)`` and the step returns ``((gslots, garrays), loss, aux)``, the slots in
-    no group (a list over all positions, ``None`` at grouped ones) and every group's
-    array, ``[devices, len(group), *shape]``. The public path moves the user's leaves
-    into and out of groups directly (:mod:`.param_moves`); the staged parameters stay
-    slots.
+    ``stages.groups``: the slot groups (:mod:`.param_groups`). With ``kind.grouped``
+    parameters come in and gradients go out by group: ``pbuf`` is ``(pslots, parrays)``
+    and the step returns ``((gslots, garrays), loss, aux)``: the slots in no group (a
+    list over all positions, ``None`` at grouped ones) and every group's array,
+    ``[devices, len(group), *shape]``. The public path moves the user's leaves into and
+    out of groups directly (:mod:`.param_moves`); the staged parameters stay slots.
 
-    ``accelerator``: build the straight-line tick loop for GPUs and TPUs
+    ``kind.accelerator``: build the straight-line tick loop for GPUs and TPUs
     (:mod:`.accelerator_ticks`; the lowering must exchange every tick); else the CPU's
-    (:mod:`.cpu_ticks`). ``lanes``: the lanes program instead, on any backend (one shared
+    (:mod:`.cpu_ticks`). ``kind.lanes``: the lanes program instead, on any backend (one shared
     body run unconditionally, :mod:`.lane_ticks`; a lanes lowering).
     """
+    bodies, L, groups = stages.bodies, stages.layouts, stages.groups
+    mesh, axes = where.mesh, where.axes
+    objective, forward_only, grouped = kind.objective, kind.forward_only, kind.grouped
     axis = axes.axis
     manual_batch = axes.manual_batch_axes
-    L = layouts
-    groups = groups if groups is not None else Groups(bodies, L.slots.classes)
     last = next(st for b in bodies for st in b.members if st.is_last)
     outputs = LossOutputs(last.out_avals, objective, lowering.num_microbatches)
-    if lanes:
+    if kind.lanes:
         loop = LaneTicks(bodies, L, lowering, axis, groups, outputs, forward_only,
                          packed=set(axes.manual_axes) == set(mesh.axis_names))
-    elif accelerator:  # a byte buffer would lose the sharding of automatic axes
+    elif kind.accelerator:  # a byte buffer would lose the sharding of automatic axes
         loop = AcceleratorTicks(bodies, L, lowering, axis, groups, outputs, forward_only,
                                 packed=set(axes.manual_axes) == set(mesh.axis_names),
                                 # XLA:GPU keeps one layout a buffer: whole buffers
@@ -141,7 +167,7 @@ def build_step(
 
         carry = (loop.init(), [] if forward_only else groups.zero_grads(),
                  jnp.zeros((), jnp.float32))
-        if lanes:
+        if kind.lanes:
             for seg in loop.segments:
                 carry, _ = lax.scan(functools.partial(step, lanes=seg.lanes), carry,
                                     jax.tree.map(lambda x, seg=seg: x[seg.start:seg.stop],
@@ -155,7 +181,7 @@ def build_step(
         if forward_only:
             return loss, aux
         if epilogue is not None:
-            return epilogue(pbuf, groups.fold(gbuf), loss, *extra), aux
+            return epilogue.fn(pbuf, groups.fold(gbuf), loss, *extra), aux
         if not grouped:
             return [v[None] for v in groups.fold(gbuf)], loss, aux
         n = len(L.slots)
@@ -168,40 +194,25 @@ def build_step(
     # no device to put it on
     table_arrays = jax.tree.map(np.asarray, loop.fields)
     table_specs = jax.tree.map(lambda _: P(None, axis), table_arrays)
-    batch_specs = [axes.batch_spec(None) for _ in range(num_batch_leaves)]
+    batch_specs = [axes.batch_spec(None) for _ in range(where.num_batch_leaves)]
     pspec = [c.spec(axis) for c in L.slots.classes]
     by_group = groups.specs(pspec, axis)
     in_specs = (groups.specs(pspec, axis, params=True) if grouped else pspec, batch_specs,
-                table_specs, *extra_in_specs)
+                table_specs, *(epilogue.in_specs if epilogue is not None else ()))
     # an aux leaf: [m, *shape], or [m, shards, *shape] over manual batch axes
     aux_specs = [P(None, manual_batch) if manual_batch else P()
                  for _ in outputs.classes[int(objective.weighted):]]
     if forward_only:
         out_specs = (P(), aux_specs)
     elif epilogue is not None:
-        out_specs = (epilogue_out_specs, aux_specs)
+        out_specs = (epilogue.out_specs, aux_specs)
     else:
         out_specs = (by_group if grouped else pspec, P(), aux_specs)
-    manual = set(axes.manual_axes)
-
-    def inner(specs):
-        return jax.tree.map(lambda s: manual_spec(s, manual), specs,
-                            is_leaf=lambda x: isinstance(x, P))
-
-    fn = jax.shard_map(
-        per_device,
-        mesh=mesh,
-        in_specs=inner(in_specs),
-        out_specs=inner(out_specs),
-        check_vma=False,
-        **axes.shard_map_kwargs(mesh),
-    )
+    mapped = manual_shard_map(per_device, mesh, axes, in_specs, out_specs)
 
     def run(pbuf, batch_mb, *extra):
         pbuf = tuple(map(list, pbuf)) if grouped else list(pbuf)
-        args = (pbuf, list(batch_mb), jax.tree.map(jnp.asarray, table_arrays), *extra)
-        out = fn(*place_tree(args, mesh, in_specs))
-        return place_tree(out, mesh, out_specs) if manual != set(mesh.axis_names) else out
+        return mapped(pbuf, list(batch_mb), jax.tree.map(jnp.asarray, table_arrays), *extra)
 
     run.tick_loop = loop  # what the step runs, for reports
     return run
@@ -232,16 +243,3 @@ def check_stage_collectives(compiled: Any, what: str) -> None:
             "parameters so the stage needs no resharding (e.g. no jnp.split across a "
             "sharded dimension), or constrain its activations with "
             "jax.lax.with_sharding_constraint. (Checked on the CPU backend only.)")
-
-
-def place_tree(tree, mesh: Mesh, specs):
-    """:func:`place` every leaf of ``tree`` on its spec (``specs``: a prefix tree)."""
-    return jax.tree.map(lambda s, x: jax.tree.map(lambda y: place(y, mesh, s), x), specs, tree,
-                        is_leaf=lambda x: isinstance(x, P))
-
-
-def place(x, mesh: Mesh, spec: P):
-    """Constrain ``x`` (inside jit) to ``spec`` on ``mesh``, for Auto, Explicit and mixed
-    meshes (:func:`jaxpipe.sharding.constrain_to`)."""
-    return constrain_to(x, mesh, spec)
-

@@ -38,7 +38,7 @@ from jax import lax
 
 from jaxpipe.runtime.spmd.lowering.types import IDLE, PROGRAM_KINDS, Lowering, branch_id
 from jaxpipe.runtime.spmd.program.bodies import Body
-from jaxpipe.runtime.spmd.program.branches import Branches
+from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
 from jaxpipe.runtime.spmd.program.gated import gated
 from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
@@ -107,7 +107,7 @@ class CpuTicks:
         # One gated loop per branch instead of lax.switch: a conditional copies every
         # buffer its untaken branches pass through, while a loop updates its carry in
         # place.
-        state = (store, gbuf, self.branch_of.empty_msg(), loss)
+        state = BranchState(store, gbuf, self.branch_of.empty_msg(), loss)
         for b in sorted(self.branches):
             ins = (row, pbuf, mbd, inbox) if b in self.reads_inbox else (row, pbuf, mbd)
             state = gated(at.runs[b],

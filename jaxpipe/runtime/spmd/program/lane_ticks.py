@@ -44,7 +44,7 @@ from jaxpipe.runtime.spmd.program.accelerator_ticks import (
     write_unit,
 )
 from jaxpipe.runtime.spmd.program.bodies import Body
-from jaxpipe.runtime.spmd.program.branches import Branches
+from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
 from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
@@ -176,7 +176,7 @@ class LaneTicks:
         """One lane on every device: its writes made where it is busy."""
         mbd = [lax.dynamic_index_in_dim(x, row.microbatch, 0, keepdims=False,
                                         allow_negative_indices=False) for x in batch]
-        state = (DeferredStore(store), DeferredGrads(gbuf), self.branch_of.empty_msg(),
+        state = BranchState(DeferredStore(store), DeferredGrads(gbuf), self.branch_of.empty_msg(),
                  jnp.zeros((), jnp.float32))
         wrote, added, msg, loss = self.lane_fns[k](row, pbuf, mbd, inbox, state)
         ports = Ports([Ports.signature(wrote, added)])

@@ -31,10 +31,10 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.avals import aval_bytes
+from jaxpipe.jaxpr.avals import aval_bytes
 from jaxpipe.runtime.spmd.lowering.types import Pool
 from jaxpipe.runtime.spmd.program.writes import get_rows, put_rows
-from jaxpipe.sharding import Dims, constrain, spec_dims, to_spec
+from jaxpipe.sharding.mesh_axes import Dims, constrain, spec_dims, to_spec
 from jaxpipe.stages.stage_fn import StageFn
 
 __all__ = ["Packing", "SlotLayout", "StageLayouts", "ValueClass", "param_slots", "value_class"]
@@ -47,7 +47,7 @@ class ValueClass:
 
     ``dims`` is empty for a value replicated over those axes (every residual and message:
     their sharding is JAX's to propagate) and, for a sharded parameter, its
-    :data:`~jaxpipe.sharding.Dims`: two parameters share slots only if they are sharded
+    :data:`~jaxpipe.sharding.mesh_axes.Dims`: two parameters share slots only if they are sharded
     alike.
 
     ``buffer`` names a separate buffer for values of the same shape and dtype: the I -> W

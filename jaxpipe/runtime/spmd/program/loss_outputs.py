@@ -1,7 +1,7 @@
 """Where the last stage's outputs go, and how the program reduces them after its ticks.
 
 The last stage outputs the microbatch's loss, then the weight and aux leaves its loss
-function returns (:mod:`jaxpipe.objective`). The loss is summed into the loop's carry; the
+function returns (:mod:`jaxpipe.jaxpr.objective`). The loss is summed into the loop's carry; the
 weight and every aux leaf go into a buffer of its own, one row per microbatch, written at
 the microbatch's row like a stored value (so the accelerator program makes the write
 after its switch, :mod:`.writes`). After the tick loop, the device that ran the last
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpipe.objective import Objective
+from jaxpipe.jaxpr.objective import Objective
 from jaxpipe.runtime.spmd.program.layout import ValueClass, value_class
 from jaxpipe.runtime.spmd.program.writes import put_rows
 

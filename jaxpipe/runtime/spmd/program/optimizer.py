@@ -1,6 +1,6 @@
 """The optimizer update inside the SPMD program: per device, per stage, after the scan.
 
-The per-stage update itself is :class:`jaxpipe.train.StageOptimizer`; this module places
+The per-stage update itself is :class:`jaxpipe.train.state.StageOptimizer`; this module places
 it: each device updates its own stages (a ``lax.switch`` over the device index picks
 the device's stage list; devices whose updates trace to the same computation on their
 own slots share one branch), tied parameters get the sum of their gradients over the
@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpipe.jaxpr_identity import same_function
+from jaxpipe.jaxpr.identity import same_function
 from jaxpipe.runtime.base import RuntimeSpec
 from jaxpipe.runtime.spmd.program.gated import by_device
 from jaxpipe.runtime.spmd.program.layout import SlotLayout
-from jaxpipe.sharding import Dims, constrain
-from jaxpipe.train import StageOptimizer
-from jaxpipe.train_options import TrainOptions, global_norm_scale, sq_norm
+from jaxpipe.sharding.mesh_axes import Dims, constrain
+from jaxpipe.train.options import TrainOptions, global_norm_scale, sq_norm
+from jaxpipe.train.state import StageOptimizer
 
 __all__ = ["make_epilogue", "opt_slots"]
 
@@ -158,7 +158,7 @@ def make_epilogue(spec: RuntimeSpec, slots: SlotLayout, stage_opt: StageOptimize
 
 def _distinct(fns: list[Callable], args: tuple) -> tuple[list[Callable], list[int]]:
     """The functions of ``fns`` that compute different things on ``args`` (traced and
-    compared, :func:`jaxpipe.jaxpr_identity.same_function`), and for each function the
+    compared, :func:`jaxpipe.jaxpr.identity.same_function`), and for each function the
     position of its representative."""
     traced = [jax.make_jaxpr(f)(*args) for f in fns]  # alive while ``text`` holds ids
     text: dict[int, str] = {}

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.layout import ValueClass
 from jaxpipe.runtime.spmd.program.writes import add_grad
-from jaxpipe.sharding import constrain
+from jaxpipe.sharding.mesh_axes import constrain
 
 __all__ = ["Groups", "of_stage", "pick"]
 

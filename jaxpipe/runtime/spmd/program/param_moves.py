@@ -2,9 +2,9 @@
 
 Both directions run inside a ``shard_map`` manual over the pipe axis (the executor wraps
 them), and both work on the user's *whole* leaves, not on the stages' views of them
-(:mod:`jaxpipe.param_views`). A scanned stack cut over every device is one stacked leaf whose
-rows ``[a, b)`` sit in the same slot on each device; taking the stages' views first
-would put one slice per view into the program and pass each view into the
+(:mod:`jaxpipe.sharding.param_views`). A scanned stack cut over every device is one
+stacked leaf whose rows ``[a, b)`` sit in the same slot on each device; taking the
+stages' views first would put one slice per view into the program and pass each view into the
 ``shard_map`` as an input of its own (160 at 64 layers, p=8, v=2), where one dynamic
 slice per slot (in) and one tiled ``all_gather`` per slot (out) do:
 
@@ -42,7 +42,7 @@ from jaxpipe.runtime.base import RuntimeSpec
 from jaxpipe.runtime.spmd.program.gated import by_device
 from jaxpipe.runtime.spmd.program.layout import SlotLayout
 from jaxpipe.runtime.spmd.program.param_groups import Groups
-from jaxpipe.sharding import constrain
+from jaxpipe.sharding.mesh_axes import constrain
 
 __all__ = ["Crossing", "from_slots", "interleaved_leaf", "rows_free", "slot_inputs",
            "to_slots"]

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxpipe.constraints import entering, for_context, jaxpr_as_fun, leaving
-from jaxpipe.interpret import eval_eqns, read
+from jaxpipe.jaxpr.interpret import eval_eqns, read
+from jaxpipe.sharding.constraints import entering, for_context, leaving, stage_as_fun
 
 __all__ = ["Sink", "Source", "direct_inputs", "direct_outputs", "evaluate", "flatten",
            "opaque", "pick_source", "row_add_sink", "row_sink", "row_source",
@@ -128,7 +128,7 @@ def evaluate(closed: jcore.ClosedJaxpr, args: Sequence[Any],
             it = iter(rest_i)
             xs_i = [in_sel[k][1](read_only[in_sel[k][0]], i) if k in in_sel else next(it)
                     for k in range(len(xs))]
-            outs = jaxpr_as_fun(body)(*consts, *c, *xs_i)
+            outs = stage_as_fun(body)(*consts, *c, *xs_i)
             wbufs = dict(wbufs)
             for k in out_sel:
                 key, sink = target[ys[k]]

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxpipe.constraints import jaxpr_as_fun
 from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.gated import gated
@@ -24,6 +23,7 @@ from jaxpipe.runtime.spmd.program.layout import StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, reading
+from jaxpipe.sharding.constraints import stage_as_fun
 from jaxpipe.stages.stage_fn import StageFn
 
 __all__ = ["Ends", "Fixed", "gated_stages"]
@@ -182,7 +182,7 @@ class Ends:
         """The prologue's forward: the core's input and the prologue's residuals."""
         def run(part, state, row, pbuf, mbd):
             _, store = state
-            outs = jaxpr_as_fun(part.fn.fwd)(*part.inputs(pbuf, mbd))
+            outs = stage_as_fun(part.fn.fwd)(*part.inputs(pbuf, mbd))
             n = len(part.fn.out_avals)
             return list(outs[:n]), self._save(part, row, store, outs[n:])
 
@@ -193,7 +193,7 @@ class Ends:
         :mod:`.loss_outputs`) and the epilogue's residuals."""
         def run(part, state, row, pbuf, mbd, core_out):
             store, loss = state
-            outs = jaxpr_as_fun(part.fn.fwd)(*part.inputs(pbuf, mbd), *core_out)
+            outs = stage_as_fun(part.fn.fwd)(*part.inputs(pbuf, mbd), *core_out)
             n = len(part.fn.out_avals)
             return self.outputs.record(row.microbatch, self._save(part, row, store, outs[n:]),
                                        loss, outs[:n])
@@ -209,7 +209,7 @@ class Ends:
             _, store, gbuf = state
             fn = part.fn
             seed = [self.outputs.seed()]
-            outs = jaxpr_as_fun(getattr(fn, half))(
+            outs = stage_as_fun(getattr(fn, half))(
                 *part.inputs(pbuf, mbd), *part.load(row, store, range(len(fn.residual_avals))),
                 *seed)
             if half == "bwd":
@@ -227,7 +227,7 @@ class Ends:
         def run(part, state, row, pbuf, mbd, ct):
             store, gbuf = state
             fn = part.fn
-            outs = jaxpr_as_fun(getattr(fn, half))(
+            outs = stage_as_fun(getattr(fn, half))(
                 *part.inputs(pbuf, mbd), *part.load(row, store, range(len(fn.residual_avals))),
                 *ct)
             if half == "bwd":
@@ -243,7 +243,7 @@ class Ends:
         def run(part, state, row, pbuf, mbd):
             store, gbuf = state
             fn = part.fn
-            outs = jaxpr_as_fun(fn.bwd_w)(*part.inputs(pbuf, mbd),
+            outs = stage_as_fun(fn.bwd_w)(*part.inputs(pbuf, mbd),
                                           *part.load(row, store, fn.w_res_ids),
                                           *part.load_hand(row, store))
             return store, part.accumulate(gbuf, outs)

@@ -1,7 +1,7 @@
 """Cost model: per-segment FLOPs and bytes, derived from the traced jaxpr alone.
 
 A *segment* is the run of equations between two consecutive ``jaxpipe_boundary``
-markers (see :func:`jaxpipe.trace.segments`); it is the smallest unit the cutter
+markers (see :func:`jaxpipe.jaxpr.trace.segments`); it is the smallest unit the cutter
 (:mod:`jaxpipe.cut`) can put on a stage. For every segment this module reports
 
 * ``flops``: forward FLOPs for one microbatch. ``dot_general`` and
@@ -27,7 +27,7 @@ markers (see :func:`jaxpipe.trace.segments`); it is the smallest unit the cutter
   forward/backward split the runtime executes.
 * ``out_bytes``: bytes of the (non-parameter) values live across the marker that
   ends the segment, i.e. what a stage boundary placed there has to send.
-* ``remat``: per recomputation policy (:class:`jaxpipe.remat.Remat`), the residual
+* ``remat``: per recomputation policy (:class:`jaxpipe.stages.remat.Remat`), the residual
   bytes the segment stores and the FLOPs its backward spends recomputing
   (:class:`RematCost`), measured like ``residual_bytes``: by building the one-stage-
   per-segment split *under that policy* and counting the stored residuals and the
@@ -50,11 +50,11 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxpipe.avals import aval_bytes, is_differentiable, shard_bytes
-from jaxpipe.interpret import eval_eqns, read
-from jaxpipe.remat import Remat, has_user_remat
+from jaxpipe.jaxpr.avals import aval_bytes, is_differentiable, shard_bytes
+from jaxpipe.jaxpr.interpret import eval_eqns, read
+from jaxpipe.jaxpr.trace import segments
 from jaxpipe.stages import split
-from jaxpipe.trace import segments
+from jaxpipe.stages.remat import Remat, has_user_remat
 
 __all__ = [
     "RematCost",
@@ -62,7 +62,7 @@ __all__ = [
     "segment_costs",
     "jaxpr_flops",
     "eqn_flops",
-    "aval_bytes",  # re-exported from jaxpipe.avals
+    "aval_bytes",  # re-exported from jaxpipe.jaxpr.avals
     "profile_segments",
 ]
 
@@ -285,7 +285,7 @@ def segment_costs(traced: Any, *, profile: bool = False,
     """Cost of every segment of a traced loss function, in program order.
 
     Args:
-      traced: the result of :func:`jaxpipe.trace.trace` (flat jaxpr whose invars
+      traced: the result of :func:`jaxpipe.jaxpr.trace.trace` (flat jaxpr whose invars
         are the parameter leaves, then the microbatch leaves).
       profile: also time each segment's compiled forward and backward on the
         default device and fill ``fwd_time``/``bwd_time`` (seconds). Off by

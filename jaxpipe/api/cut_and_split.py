@@ -1,9 +1,9 @@
 """From a traced loss to the stage functions a runtime runs: cut it for a schedule and split it.
 
-Steps 2 and 3 of :func:`jaxpipe.pipeline` (see :mod:`jaxpipe.frontend`):
+Steps 2 and 3 of :func:`jaxpipe.pipeline` (see :mod:`jaxpipe.api.pipeline`):
 :func:`cut_and_split` resolves the user's ``cut=`` (:func:`jaxpipe.cut.resolve.resolve_cuts`)
 on the loss the cutter sees (a scanned layer stack rewritten with a cut after every
-iteration, :mod:`jaxpipe.stacks`) and splits the loss into
+iteration, :mod:`jaxpipe.stages.stacks`) and splits the loss into
 :class:`~jaxpipe.stages.stage_fn.StageFn` s (:func:`jaxpipe.stages.split`; a stack becomes one
 scan per stage over that stage's layers, each stage reading its own rows of the stacked
 weights). :meth:`StagedLoss.runtime_spec` is what a runtime is built from.
@@ -18,18 +18,18 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jaxpipe.avals import boundary_aval
+from jaxpipe.api.inputs import leaf_paths
+from jaxpipe.cut.memory_model import MemoryModel
 from jaxpipe.cut.resolve import resolve_cuts
-from jaxpipe.inputs import leaf_paths
-from jaxpipe.param_views import ParamViews
+from jaxpipe.jaxpr.avals import boundary_aval
+from jaxpipe.jaxpr.trace import Traced
 from jaxpipe.runtime import RuntimeSpec
-from jaxpipe.runtime.memory import MemoryModel
 from jaxpipe.schedule import Schedule
-from jaxpipe.sharding import Dims, MeshAxes, check_divisible
-from jaxpipe.stacks import Stack, find_stacks, for_stages, per_layer
+from jaxpipe.sharding.mesh_axes import Dims, MeshAxes, check_divisible
+from jaxpipe.sharding.param_views import ParamViews
 from jaxpipe.stages import split
+from jaxpipe.stages.stacks import Stack, find_stacks, for_stages, per_layer
 from jaxpipe.stages.stage_fn import StageFn, param_owners
-from jaxpipe.trace import Traced
 
 __all__ = ["StagedLoss", "cut_and_split", "cut_only"]
 
@@ -101,7 +101,7 @@ def cut_only(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryM
              ) -> Any:
     """The cutter's report (:class:`jaxpipe.cut.CutResult`) of ``traced`` under
     ``schedule``, without splitting it into stages: what choosing among schedules costs
-    (:mod:`jaxpipe.auto`)."""
+    (:mod:`jaxpipe.api.auto`)."""
     _, _, cut_traced, shards = _cut_view(traced, mesh, param_dims)
     return resolve_cuts(cut_traced, schedule, cut, memory_model, tuple(mesh.devices.flat),
                         shards, in_flight)[1]

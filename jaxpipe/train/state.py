@@ -19,7 +19,7 @@ the loss: like ``jax.grad`` they get no gradient, and the optimizer never sees t
 
 Optimizers whose update of one leaf reads leaves that live on another stage (e.g.
 ``optax.clip_by_global_norm``, ``optax.apply_if_finite``, anything built on
-``optax.global_norm``) would see only their stage's part. :mod:`jaxpipe.optimizer_checks`
+``optax.global_norm``) would see only their stage's part. :mod:`jaxpipe.train.optimizer_checks`
 finds them from the optimizer's own update function (which inputs each output depends
 on), and ``Pipeline.init`` refuses them, pointing to ``clip_global_norm=`` and
 ``skip_nonfinite=``, which use the true global gradient norm. Transformations that
@@ -36,14 +36,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpipe.avals import is_differentiable
 from jaxpipe.build_times import BuildTimes
 from jaxpipe.compile_watch import CompileWatch
-from jaxpipe.optimizer_checks import check_optimizer, check_rows_separable, check_separable
-from jaxpipe.train_options import TrainOptions
+from jaxpipe.jaxpr.avals import is_differentiable
+from jaxpipe.train.optimizer_checks import check_optimizer, check_rows_separable, check_separable
+from jaxpipe.train.options import TrainOptions
 
 if TYPE_CHECKING:
-    from jaxpipe.runtime.base import Executor, RuntimeSpec
+    from jaxpipe.train.seams import ParamLayout, StepBuilder
 
 __all__ = ["StageOptimizer", "TrainState", "Trainer"]
 
@@ -72,7 +72,7 @@ class StageOptimizer:
       spec: the runtime spec (stages, parameter avals and treedef are read from it).
     """
 
-    def __init__(self, optimizer: optax.GradientTransformation, spec: RuntimeSpec) -> None:
+    def __init__(self, optimizer: optax.GradientTransformation, spec: ParamLayout) -> None:
         self.optimizer = optimizer
         self.spec = spec
         self.treedef = spec.params_treedef
@@ -138,7 +138,7 @@ class Trainer:
     structures.
     """
 
-    def __init__(self, executor: Executor, optimizer: optax.GradientTransformation,
+    def __init__(self, executor: StepBuilder, optimizer: optax.GradientTransformation,
                  options: TrainOptions, microbatches: Callable[[Any, Any], list],
                  times: BuildTimes | None = None) -> None:
         check_optimizer(optimizer)

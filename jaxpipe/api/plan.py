@@ -8,7 +8,7 @@ Two memory figures are shown per device:
 - *buffers*: what the lowered SPMD program actually allocates for parameters, gradients,
   residual pools and message slots (liveness-sized, padded to one shape on every device).
 
-Per stage the plan also shows its recomputation policy (:class:`jaxpipe.remat.Remat`),
+Per stage the plan also shows its recomputation policy (:class:`jaxpipe.stages.remat.Remat`),
 what the policy costs (recomputed FLOPs, as a share of the stage's forward) and the
 stage's predicted bytes; and which memory budget the cut was chosen under and where it
 came from (``jp.Cut(memory_budget=...)``, or the device's limit for ``cut="auto"``).
@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpipe.avals import aval_bytes, shard_bytes
-from jaxpipe.avals import format_bytes as _fmt
+from jaxpipe.jaxpr.avals import aval_bytes, shard_bytes
+from jaxpipe.jaxpr.avals import format_bytes as _fmt
 
 __all__ = ["Plan"]
 
@@ -46,7 +46,7 @@ class Plan:
     # seconds per build phase and per program's first compile, filled as they happen
     build_times: Any = None
     program: str | None = None  # the runtime's program, and where the stages' compute sits
-    auto: Any = None  # what schedule="auto" chose among (jaxpipe.auto.AutoChoice)
+    auto: Any = None  # what schedule="auto" chose among (jaxpipe.api.auto.AutoChoice)
 
     @classmethod
     def build(cls, pipe) -> Plan:
@@ -149,7 +149,7 @@ class Plan:
         pipe.check_batch(batch)
         # Compiled from the pipeline's abstract inputs (the shapes checked above): no
         # state is made, so this works on an ahead-of-time target's mesh too.
-        lowered = pipe.lower("train_step", optimizer=optimizer if optimizer is not None
+        lowered = pipe.lower("train_step", optimizer if optimizer is not None
                              else optax.adam(1e-3))
         ma = lowered.compile().memory_analysis()
         arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)

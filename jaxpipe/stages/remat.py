@@ -1,7 +1,7 @@
 """Recomputation policies: what a stage stores for its backward, and what it recomputes.
 
 A :class:`Remat` names one policy. The cutter (:mod:`jaxpipe.cut`) chooses one per
-stage, the cost model (:mod:`jaxpipe.cost`) measures each one's stored bytes and
+stage, the cost model (:mod:`jaxpipe.cut.cost`) measures each one's stored bytes and
 recompute FLOPs, and the stage splitter (:func:`jaxpipe.stages.split`) applies it with
 ``jax.checkpoint`` when it builds the stage's forward and backward, so the residuals a
 runtime stores (``StageFn.residual_avals``) are exactly the policy's.
@@ -26,7 +26,7 @@ policy              stored per microbatch (besides parameters and batch)      re
 
 A segment that already contains a user's own ``jax.checkpoint`` is left exactly as the
 user wrote it under every policy (it is never wrapped a second time), so their choice
-holds; :attr:`jaxpipe.cost.SegmentCost.user_remat` marks such segments.
+holds; :attr:`jaxpipe.cut.cost.SegmentCost.user_remat` marks such segments.
 
 Applying a policy (:func:`remat_groups`, :func:`run_groups`): a stage's equations run as
 groups, each evaluated as traced or wrapped in ``jax.checkpoint`` under the policy; the
@@ -42,8 +42,8 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jaxpipe.interpret import eval_eqns, read
-from jaxpipe.markers import boundary_p
+from jaxpipe.jaxpr.interpret import eval_eqns, read
+from jaxpipe.jaxpr.markers import boundary_p
 
 __all__ = ["Group", "Remat", "RematSpec", "group_io", "has_user_remat", "parse_remat",
            "remat_groups", "run_groups"]
@@ -92,7 +92,7 @@ def parse_remat(value: Any, what: str = "remat") -> Remat:
         return Remat(value)
     except ValueError:
         choices = ", ".join(repr(r.value) for r in Remat)
-        raise ValueError(f"{what} must be one of {choices} (or a jaxpipe.remat.Remat), "
+        raise ValueError(f"{what} must be one of {choices} (or a jaxpipe.stages.remat.Remat), "
                          f"got {value!r}") from None
 
 

@@ -5,7 +5,7 @@ NamedSharding(mesh, P(None, 'model')))``, or a bare ``P`` under ``jax.set_mesh``
 traced jaxpr holds each constraint on the user's mesh, whose axes are all automatic;
 inside the SPMD program's ``shard_map`` the pipe axis and the batch axes it splits by hand
 are Manual, and JAX requires a constraint's mesh to be the context's.
-:func:`jaxpr_as_fun` evaluates a stage's jaxpr with every constraint re-made on the
+:func:`stage_as_fun` evaluates a stage's jaxpr with every constraint re-made on the
 context's axis types (the same devices and names; jaxprs without constraints run as they
 are). :func:`constraint_axes` lists the mesh axes constraints name, so the frontend keeps
 them out of the batch axes the program splits by hand.
@@ -22,16 +22,16 @@ from jax.extend.core import jaxpr_as_fun as _jax_jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import gathers
 from jaxpipe.errors import PipelineError
-from jaxpipe.interpret import sub_jaxprs
 from jaxpipe.jax_compat import sharding_constraint_p
-from jaxpipe.sharding import MeshAxes
+from jaxpipe.jaxpr.interpret import sub_jaxprs
+from jaxpipe.sharding import gathers
+from jaxpipe.sharding.mesh_axes import MeshAxes
 
 #: the primitive of jax.lax.with_sharding_constraint (private in JAX)
 _CONSTRAINT = sharding_constraint_p()
 
-__all__ = ["constraint_axes", "entering", "for_context", "jaxpr_as_fun", "leaving",
+__all__ = ["constraint_axes", "entering", "for_context", "stage_as_fun", "leaving",
            "without_constrained_batch_axes"]
 
 
@@ -196,7 +196,7 @@ def _for_context(closed: ClosedJaxpr, names: tuple, types: tuple, sizes: tuple
 
 def for_context(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``closed`` as it runs in the current context (for an evaluator of its equations
-    that does not go through :func:`jaxpr_as_fun`): its constraints and recorded meshes
+    that does not go through :func:`stage_as_fun`): its constraints and recorded meshes
     with the context's Manual axes."""
     context = jax.sharding.get_abstract_mesh()
     if context.empty:
@@ -242,7 +242,7 @@ def leaving(outs: Sequence[Any]) -> list[Any]:
     return out
 
 
-def jaxpr_as_fun(closed: ClosedJaxpr) -> Callable[..., list[Any]]:
+def stage_as_fun(closed: ClosedJaxpr) -> Callable[..., list[Any]]:
     """``jax.extend.core.jaxpr_as_fun`` for a stage's jaxpr inside the program: the
     model's sharding constraints and the meshes its equations recorded are re-made with
     the context's Manual axes; values typed on other axis types (``auto_axes`` regions)

@@ -1,6 +1,6 @@
 """Which optimizers a pipeline can run per stage, found from the optimizer's own update.
 
-The optimizer runs per stage (:class:`jaxpipe.train.StageOptimizer`). That equals the
+The optimizer runs per stage (:class:`jaxpipe.train.state.StageOptimizer`). That equals the
 same optimizer on the whole tree when the update of every leaf reads only leaves its
 stage holds (:func:`check_separable`) and, for a scanned stack split over stages, when
 the update of a layer's rows reads only those rows (:func:`check_rows_separable`).
@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpipe.avals import is_differentiable
 from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.jax_compat import dce_jaxpr
+from jaxpipe.jaxpr.avals import is_differentiable
 
 if TYPE_CHECKING:
-    from jaxpipe.runtime.base import RuntimeSpec
+    from jaxpipe.train.seams import ParamLayout
 
 __all__ = ["check_optimizer", "check_rows_separable", "check_separable"]
 
@@ -51,10 +51,10 @@ def check_optimizer(optimizer: Any) -> None:
             "optax.adamw(1e-3).")
 
 
-def check_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) -> None:
+def check_separable(optimizer: optax.GradientTransformation, spec: ParamLayout) -> None:
     """Raise :class:`PipelineError` if ``optimizer`` couples leaves held by different stages.
 
-    The optimizer runs per stage (:class:`jaxpipe.train.StageOptimizer`); that equals
+    The optimizer runs per stage (:class:`jaxpipe.train.state.StageOptimizer`); that equals
     running it on the whole tree exactly when the update of every leaf reads only leaves
     its stage holds. This traces one ``optimizer.update`` on the whole trainable tree and
     asks, per output, which gradient / parameter / state inputs it reads; state carries
@@ -131,7 +131,7 @@ def check_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) 
         )
 
 
-def check_rows_separable(optimizer: optax.GradientTransformation, spec: RuntimeSpec) -> None:
+def check_rows_separable(optimizer: optax.GradientTransformation, spec: ParamLayout) -> None:
     """Raise :class:`PipelineError` if ``optimizer`` couples the layers of a split stack.
 
     A scanned stack's stacked weight split over stages is updated per stage, on that

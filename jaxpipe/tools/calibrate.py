@@ -34,8 +34,8 @@ def measure(devices: int | None = None, repeats: int = 5) -> Calibration:
     import jax
     import jax.numpy as jnp
 
-    from jaxpipe.frontend import pipeline
-    from jaxpipe.markers import boundary
+    from jaxpipe.api.pipeline import pipeline
+    from jaxpipe.jaxpr.markers import boundary
     from jaxpipe.runtime.spmd import SpmdRuntime
     from jaxpipe.runtime.spmd.backends import concurrent
     from jaxpipe.runtime.spmd.predict import program_work
@@ -62,10 +62,10 @@ def measure(devices: int | None = None, repeats: int = 5) -> Calibration:
         pipe = pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut="markers",
                         runtime=runtime)
         seconds = _median(pipe.value_and_grad, (params, batch), repeats)
-        work, _ = program_work(sched, pipe.cut_report.action_cost, backend, False,
+        work, _ = program_work(sched, pipe.inspect.cut_report.action_cost, backend, False,
                                runtime.resolve_split(mesh), runtime.resolve_refine(mesh),
                                together)
-        samples.append((seconds, work, pipe.executor.lowering.num_ticks))
+        samples.append((seconds, work, pipe.inspect.executor.lowering.num_ticks))
     return fit(machine_key(backend, jax.devices()[0].device_kind, together), samples)
 
 

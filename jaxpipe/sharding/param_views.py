@@ -1,7 +1,7 @@
 """Parameter views: the stages' parameter inputs as rows of the user's parameter leaves.
 
 The user passes one pytree of parameters; the stages read *views* of its leaves. Usually
-a view is a whole leaf. A scanned layer stack (:mod:`jaxpipe.stacks`) cut over several
+a view is a whole leaf. A scanned layer stack (:mod:`jaxpipe.stages.stacks`) cut over several
 stages splits its stacked weights: each stage's view is the rows ``[start, stop)`` of the
 leaf's leading axis (its own layers), so no stage holds another stage's layers.
 

@@ -18,7 +18,7 @@ from fractions import Fraction
 from typing import NoReturn
 
 from jaxpipe.aot.command import add_compile_parser
-from jaxpipe.calibrate import add_calibrate_parser
+from jaxpipe.tools.calibrate import add_calibrate_parser
 
 
 class CLIError(Exception):

@@ -3,7 +3,7 @@
 A batch built with numpy, committed to one device, placed on another mesh or restored
 from a checkpoint runs, and runs the *same* compiled program as a batch that was placed
 globally (:class:`Placement`). :func:`live_state` does the same for a
-:class:`~jaxpipe.train.TrainState` after checking it belongs to the pipeline.
+:class:`~jaxpipe.train.state.TrainState` after checking it belongs to the pipeline.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.device_memory import is_compile_only
+from jaxpipe.api.inputs import check_alive
 from jaxpipe.errors import PipelineError, PipelineTypeError
-from jaxpipe.inputs import check_alive
-from jaxpipe.sharding import Dims, MeshAxes, to_spec
-from jaxpipe.train import TrainState
+from jaxpipe.sharding.device_memory import is_compile_only
+from jaxpipe.sharding.mesh_axes import Dims, MeshAxes, to_spec
+from jaxpipe.train.state import TrainState
 
 __all__ = ["Placement", "live_state"]
 
@@ -119,7 +119,7 @@ class Placement:
 
 
 def live_state(state: Any, executor: Any, placement: Placement, what: str) -> Any:
-    """A :class:`~jaxpipe.train.TrainState` checked for ``executor`` and placed on its mesh.
+    """A :class:`~jaxpipe.train.state.TrainState` checked for ``executor`` and placed on its mesh.
 
     Refused: not a TrainState, a state of another pipeline, a state not in the stage
     layout, a state whose buffers were donated.

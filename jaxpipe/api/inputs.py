@@ -13,7 +13,7 @@ naming the argument and giving the fix:
   :func:`check_microbatch_rows`, :func:`check_no_keys`: what ``jp.pipeline`` is built
   from.
 
-Placing the checked inputs on the mesh is :mod:`jaxpipe.input_placement`'s job.
+Placing the checked inputs on the mesh is :mod:`jaxpipe.api.input_placement`'s job.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpipe.avals import is_key
 from jaxpipe.errors import PipelineError, PipelineTypeError
-from jaxpipe.objective import REDUCTIONS, Objective
+from jaxpipe.jaxpr.avals import is_key
+from jaxpipe.jaxpr.objective import REDUCTIONS, Objective
+from jaxpipe.jaxpr.trace import microbatch_like
 from jaxpipe.schedule import Schedule
-from jaxpipe.trace import microbatch_like
-from jaxpipe.train import TrainState
+from jaxpipe.train.state import TrainState
 
 __all__ = ["check_alive", "check_batch", "check_key", "check_mesh", "check_microbatch_rows",
            "check_no_keys", "check_objective", "check_params", "check_pipeline_args",

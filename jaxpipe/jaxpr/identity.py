@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxpipe.markers import boundary_p
+from jaxpipe.jaxpr.markers import boundary_p
 
 __all__ = ["fragment_key", "same_function", "unprinted"]
 

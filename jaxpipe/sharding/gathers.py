@@ -29,7 +29,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.interpret import eval_eqns, read, sub_jaxprs
+from jaxpipe.jaxpr.interpret import eval_eqns, read, sub_jaxprs
 
 __all__ = ["needed", "with_whole_operands"]
 

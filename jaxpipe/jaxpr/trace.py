@@ -1,11 +1,11 @@
 """Trace a per-microbatch loss function to one flat jaxpr and find its candidate cuts.
 
 The traced program has the parameter leaves and the microbatch leaves as inputs and the
-scalar loss as its first output (then, as the pipeline's :class:`~jaxpipe.objective.Objective`
+scalar loss as its first output (then, as the pipeline's :class:`~jaxpipe.jaxpr.objective.Objective`
 says, a weight and the aux leaves). ``jaxpipe_boundary`` equations at the top level are
 the candidate cut points. Boundaries hidden inside ``jit``-ted helpers are inlined to
 the top level. A top-level ``scan`` whose body holds boundaries is kept as it is: it is a
-scanned layer stack, cut between its iterations by :mod:`jaxpipe.stacks`. Boundaries
+scanned layer stack, cut between its iterations by :mod:`jaxpipe.stages.stacks`. Boundaries
 inside other control flow (``cond``, ``while``) or custom derivative rules cannot be cut
 there and raise a clear error.
 """
@@ -24,9 +24,9 @@ from jax import lax
 from jax.extend import core as jcore
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.interpret import eval_eqns, read
-from jaxpipe.markers import boundary_p
-from jaxpipe.objective import MEAN, Objective
+from jaxpipe.jaxpr.interpret import eval_eqns, read
+from jaxpipe.jaxpr.markers import boundary_p
+from jaxpipe.jaxpr.objective import MEAN, Objective
 
 __all__ = ["Traced", "trace", "trace_shard", "segments", "split_output", "microbatch_like",
            "with_key"]
@@ -76,7 +76,7 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts, args) -> list:
         if not (subs and any(_has_marker(s) for s in subs)):
             return None  # plain equation: bind it
         if eqn.primitive.name == "scan":
-            return None  # a scanned layer stack: jaxpipe.stacks cuts it between iterations
+            return None  # a scanned layer stack: jaxpipe.stages.stacks cuts it between iterations
         if eqn.primitive.name not in _INLINE:
             raise PipelineError(
                 f"jaxpipe.boundary / @jaxpipe.layer was used inside `{eqn.primitive.name}` "

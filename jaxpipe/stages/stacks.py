@@ -29,12 +29,12 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxpipe.avals import typed_sds
 from jaxpipe.errors import PipelineError
-from jaxpipe.interpret import read
-from jaxpipe.markers import boundary_p
-from jaxpipe.param_views import ParamView, ParamViews
-from jaxpipe.trace import Traced
+from jaxpipe.jaxpr.avals import typed_sds
+from jaxpipe.jaxpr.interpret import read
+from jaxpipe.jaxpr.markers import boundary_p
+from jaxpipe.jaxpr.trace import Traced
+from jaxpipe.sharding.param_views import ParamView, ParamViews
 
 __all__ = ["MarkerId", "ParamView", "Stack", "StackCut", "cut_stacks", "find_stacks",
            "per_layer", "for_stages"]
