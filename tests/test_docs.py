@@ -34,6 +34,7 @@ def test_readme_starts_with_the_commands_and_an_example():
     lines = README.splitlines()
     first_python = next(i for i, line in enumerate(lines) if line.startswith("```python"))
     assert first_python < 40
+    assert len((ROOT / "benchmarks" / "README.md").read_text().splitlines()) < 250
     assert "python examples/gpt.py" in "\n".join(lines[:first_python])
     assert "python -m pytest -q -n 2 --dist loadfile tests" in "\n".join(lines[:first_python])
     ci = (ROOT / ".ci" / "run").read_text()
