@@ -89,15 +89,21 @@ def test_a_family_of_your_own_is_a_candidate():
 
 def test_calibration_fits_the_rate_and_tick_cost_and_auto_reads_it(tmp_path, monkeypatch,
                                                                     capsys):
-    """``jaxpipe calibrate`` times two pipelines, fits time = work / rate + ticks * cost
-    and keeps it; the per-tick cost schedule='auto' adds is then the measured one. The
-    fit recovers known constants exactly and refuses measurements that give none."""
+    """``jaxpipe calibrate`` times small pipelines, fits time = work / rate + ticks * cost
+    and the cost a stored byte a tick (1F1B against GPipe of one model) and keeps them;
+    the costs schedule='auto' adds are then the measured ones. The fit recovers known
+    constants exactly and refuses measurements that give none."""
     from jaxpipe.runtime.spmd import calibrate as cal
     from jaxpipe.runtime.spmd.backends import TICK_OVERHEAD_FLOPS
     from jaxpipe.tools.cli import main
 
-    exact = cal.fit("k", [(1e-3 * 10 + 5e6 / 1e9, 5e6, 10), (1e-3 * 20 + 8e9 / 1e9, 8e9, 20)])
+    exact = cal.fit("k", [(1e-3 * 10 + 5e6 / 1e9, 5e6, 10), (1e-3 * 20 + 8e9 / 1e9, 8e9, 20)],
+                    stored=((1.0, 1e9), (1.5, 3e9)))
     assert abs(exact.flops_per_s - 1e9) < 1 and abs(exact.tick_overhead_s - 1e-3) < 1e-12
+    assert exact.stored_byte_tick_s == 0.5 / 2e9
+    assert abs(exact.stored_byte_tick_flops - 0.25) < 1e-12
+    noisy = cal.fit("k", exact.samples, stored=((1.5, 1e9), (1.0, 3e9)))  # storing more
+    assert noisy.stored_byte_tick_s == 0.0  # measured faster: noise, not a negative cost
     with pytest.raises(jp.PipelineError, match="no positive rate"):
         cal.fit("k", [(1.0, 1e9, 10), (0.5, 2e9, 10)])
 
@@ -110,6 +116,9 @@ def test_calibration_fits_the_rate_and_tick_cost_and_auto_reads_it(tmp_path, mon
     assert kept.key.startswith("cpu:") and kept.key.endswith(":turns")
     assert kept.flops_per_s > 0 and kept.tick_overhead_s > 0 and len(kept.samples) == 2
     assert cal.tick_overhead_flops("cpu", False) == kept.tick_overhead_flops
+    (fewer, more) = kept.stored_samples  # 1F1B and GPipe of one model: GPipe stores more
+    assert more[1] > fewer[1] and kept.stored_byte_tick_s >= 0
+    assert cal.stored_byte_flops("cpu", False) == kept.stored_byte_tick_flops
     assert main(["calibrate", "--devices", "0"]) == 2
 
 

@@ -13,7 +13,9 @@ three models:
 For each, every candidate ``jp.Auto()`` ranks (1F1B, GPipe, interleaved 1F1B with 2 and
 4 chunks, m = 16) is built and its ``value_and_grad`` timed (round-robin medians). Per
 model: the predicted and measured times, Spearman's rank correlation between them, and
-the auto choice's measured time over the best measured. The quick run (the test suite's
+the auto choice's measured time over the best measured; first with the default constants
+(per tick, per stored byte a tick), then with ``jaxpipe calibrate``'s measured on this
+machine in the same process. The quick run (the test suite's
 smoke run) records the section as skipped: ``tests/test_auto.py`` checks the choice.
 Not measured here yet: 2 processes (concurrent devices), and TPU/GPU targets.
 """
@@ -81,6 +83,28 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def _predicted(loss_fn: Any, params: Any, batch: Any, mesh: Any) -> tuple[dict, dict, Any]:
+    """Every candidate ``jp.Auto()`` ranks: predicted time and verdict, by key."""
+    import jaxpipe as jp
+
+    auto = jp.pipeline(loss_fn, params, batch, mesh=mesh,
+                       schedule=jp.Auto(microbatches=MICROBATCHES))
+    found = {f"{c.family} v={c.chunks}": c for c in auto.inspect.auto_choice.candidates
+             if c.schedule is not None and c.time is not None}
+    return ({k: c.time for k, c in found.items()}, {k: c.verdict for k, c in found.items()},
+            {k: c.schedule for k, c in found.items()})
+
+
+def _ranking(predicted: dict, verdict: dict, measured: dict) -> dict[str, Any]:
+    keys = list(measured)
+    chosen = next(k for k in keys if verdict[k] == "chosen")
+    best = min(keys, key=measured.__getitem__)
+    return {"spearman": spearman([predicted[k] for k in keys], [measured[k] for k in keys]),
+            "chosen": chosen, "best_measured": best,
+            "chosen_over_best": measured[chosen] / measured[best],
+            "best_in_predicted_top3": best in sorted(keys, key=predicted.__getitem__)[:3]}
+
+
 def _model_row(name: str, loss_fn: Any, params: Any, batch: Any, repeats: int
                ) -> dict[str, Any]:
     import jax
@@ -89,31 +113,23 @@ def _model_row(name: str, loss_fn: Any, params: Any, batch: Any, repeats: int
     from benchmarks import common as C
 
     mesh = jax.make_mesh((DEVICES,), ("pipe",), devices=jax.devices()[:DEVICES])
-    auto = jp.pipeline(loss_fn, params, batch, mesh=mesh,
-                       schedule=jp.Auto(microbatches=MICROBATCHES))
-    runs, predicted, verdict = {}, {}, {}
-    for c in auto.inspect.auto_choice.candidates:
-        if c.schedule is None or c.time is None:
-            continue
-        key = f"{c.family} v={c.chunks}"
-        pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=c.schedule)
-        runs[key] = (pipe.value_and_grad, (params, batch))
-        predicted[key], verdict[key] = c.time, c.verdict
+    predicted, verdict, schedules = _predicted(loss_fn, params, batch, mesh)
+    runs = {k: (jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=s).value_and_grad,
+                (params, batch)) for k, s in schedules.items()}
     times = C.time_interleaved(runs, warmup=1, repeats=repeats)
     measured = {k: times[k]["median_s"] for k in runs}
-    keys = list(runs)
-    chosen = next(k for k in keys if verdict[k] == "chosen")
-    best = min(keys, key=measured.__getitem__)
     return {"model": name, "microbatches": MICROBATCHES,
             "candidates": [{"candidate": k, "predicted": predicted[k],
-                            "measured_s": measured[k], "verdict": verdict[k]} for k in keys],
-            "spearman": spearman([predicted[k] for k in keys], [measured[k] for k in keys]),
-            "chosen": chosen, "best_measured": best,
-            "chosen_over_best": measured[chosen] / measured[best],
-            "best_in_predicted_top3": best in sorted(keys, key=predicted.__getitem__)[:3]}
+                            "measured_s": measured[k], "verdict": verdict[k]} for k in runs],
+            **_ranking(predicted, verdict, measured)}
 
 
 def measure(quick: bool = False) -> dict[str, Any]:
+    """Rank with the default constants, then with ``jaxpipe calibrate``'s measured on this
+    machine (kept in a temporary file, not the user's)."""
+    import os
+    import tempfile
+
     import jax
 
     res: dict[str, Any] = {"devices": DEVICES, "rows": []}
@@ -123,8 +139,33 @@ def measure(quick: bool = False) -> dict[str, Any]:
     if len(jax.devices()) < DEVICES:
         res["skipped"] = f"needs {DEVICES} devices, have {len(jax.devices())}"
         return res
-    for name, loss_fn, params, batch in _models():
-        res["rows"].append(_model_row(name, loss_fn, params, batch, repeats=5))
+    from jaxpipe.runtime.spmd import calibrate as cal
+    from jaxpipe.tools.calibrate import measure as calibrate
+
+    before = os.environ.get("JAXPIPE_CALIBRATION")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            os.environ["JAXPIPE_CALIBRATION"] = str(Path(tmp) / "calibration.json")
+            models = _models()
+            for name, loss_fn, params, batch in models:  # the defaults: nothing kept yet
+                res["rows"].append(_model_row(name, loss_fn, params, batch, repeats=5))
+            kept = calibrate(DEVICES)
+            cal.save(kept)
+            res["calibration"] = {"flops_per_s": kept.flops_per_s,
+                                  "tick_overhead_flops": kept.tick_overhead_flops,
+                                  "stored_byte_tick_flops": kept.stored_byte_tick_flops}
+            mesh = jax.make_mesh((DEVICES,), ("pipe",), devices=jax.devices()[:DEVICES])
+            for row, (_, loss_fn, params, batch) in zip(res["rows"], models, strict=True):
+                predicted, verdict, _ = _predicted(loss_fn, params, batch, mesh)
+                measured = {c["candidate"]: c["measured_s"] for c in row["candidates"]}
+                for c in row["candidates"]:
+                    c["predicted_calibrated"] = predicted[c["candidate"]]
+                row["calibrated"] = _ranking(predicted, verdict, measured)
+        finally:
+            if before is None:
+                os.environ.pop("JAXPIPE_CALIBRATION", None)
+            else:
+                os.environ["JAXPIPE_CALIBRATION"] = before
     return res
 
 
@@ -138,7 +179,9 @@ def summary(res: dict[str, Any]) -> str:
     return "\n".join(
         f"**auto on {r['model']}** (p={res['devices']}, m={r['microbatches']}): chose "
         f"{r['chosen']}, measured best {r['best_measured']}, chosen / best "
-        f"{r['chosen_over_best']:.3f}, Spearman {r['spearman']:.2f}" for r in res["rows"])
+        f"{r['chosen_over_best']:.3f}, Spearman {r['spearman']:.2f} (calibrated: chose "
+        f"{r['calibrated']['chosen']}, Spearman {r['calibrated']['spearman']:.2f})"
+        for r in res["rows"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -151,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in res["rows"]:
         for c in r["candidates"]:
             print(f"  {r['model']:>28} {c['candidate']:>16}  predicted {c['predicted']:.4g}"
-                  f"  measured {c['measured_s'] * 1e3:8.2f} ms  {c['verdict']}")
+                  f" (calibrated {c['predicted_calibrated']:.4g})  measured "
+                  f"{c['measured_s'] * 1e3:8.2f} ms  {c['verdict']}")
     print(summary(res))
     write_json(args.out, "auto.json", res)
     return res

@@ -155,9 +155,9 @@ class AutoChoice:
             mem = "-" if c.memory is None else f"{c.memory / 2**20:.2f} MiB"
             lines.append(f"{c.family:>12} {c.chunks:>2} {c.microbatches:>4} {t:>10} "
                          f"{mem:>10}  {c.verdict}")
-        lines.append(f"(time: the runtime's program simulated with the stages' costs and a "
-                     f"fixed cost a tick, in {self.time_unit}; memory: the cutter's "
-                     "prediction per device)")
+        lines.append(f"(time: the runtime's program simulated with the stages' costs, a "
+                     f"cost a tick and a cost a stored byte a tick, in {self.time_unit}; "
+                     "memory: the cutter's prediction per device)")
         return "\n".join(lines)
 
 

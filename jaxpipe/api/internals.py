@@ -83,8 +83,7 @@ class Internals:
 
     Attributes:
       loss_fn, schedule, mesh, axis: as passed to :func:`pipeline`.
-      batch_axes: the mesh axes the batch is split over (gradients are averaged over
-        them).
+      batch_axes: the mesh axes the batch is split over (gradients averaged over them).
       mesh_axes: the roles of the mesh axes (:class:`jaxpipe.sharding.mesh_axes.MeshAxes`).
       param_dims: per user parameter leaf, its sharding over the non-pipe axes
         (:data:`jaxpipe.sharding.mesh_axes.Dims`; :attr:`param_specs` as ``PartitionSpec`` s).
@@ -94,13 +93,12 @@ class Internals:
       cut_traced: the loss the cutter sees: ``traced`` with a cut marker after every
         iteration of every stack (``traced`` itself when there are none).
       cuts: marker indices (into ``cut_traced.markers``) after which a new stage begins.
-      views: the stages' parameter inputs over the user's leaves
-        (:class:`jaxpipe.sharding.param_views.ParamViews`; each stage gets its own rows of a stacked
-        weight).
+      views: the stages' parameter inputs over the user's leaves (:class:`jaxpipe.sharding.
+        param_views.ParamViews`; each stage gets its own rows of a stacked weight).
       cut_report: the cutter's :class:`jaxpipe.cut.CutResult` (predicted costs, memory).
       stages: the stage functions (:class:`jaxpipe.stages.stage_fn.StageFn`).
       runtime: the :class:`jaxpipe.runtime.Runtime` that runs them.
-      executor: the runtime bound to this pipeline (``pipe.executor.lowering`` holds the
+      executor: the runtime bound to this pipeline (``executor.lowering`` holds the
         SPMD runtime's tick tables).
       auto_choice: what ``schedule="auto"`` chose and why (``None``: the schedule was
         given).
@@ -158,8 +156,9 @@ class Internals:
                     auto, schedule.num_devices, schedule.num_microbatches,
                     lambda s: cut_only(self.traced, s, cut, memory, mesh, self.param_dims,
                                        self.runtime.in_flight(s, mesh, self.mesh_axes)),
-                    lambda s, r: self.runtime.predicted_time(s, r.action_cost, mesh,
-                                                             self.mesh_axes))
+                    lambda s, r: self.runtime.predicted_time(
+                        s, r.action_cost, mesh, self.mesh_axes,
+                        stored_bytes=r.padded_memory.residuals))
             self.schedule = schedule = self.auto_choice.schedule
         with trace_context(mesh, self.mesh_axes), self._times.phase("cut"):
             st = cut_and_split(self.traced, schedule, cut,

@@ -293,10 +293,12 @@ class Runtime(abc.ABC):
         return None
 
     def predicted_time(self, schedule: Any, action_cost: Callable[[Any], float] | None,
-                       mesh: Mesh | None = None, mesh_axes: Any = None) -> float | None:
+                       mesh: Mesh | None = None, mesh_axes: Any = None,
+                       stored_bytes: float = 0.0) -> float | None:
         """This runtime's time for ``schedule`` under per-action ``action_cost``, before
-        anything is built (``schedule="auto"`` ranks by it); ``None``: the schedule's own
-        simulated makespan is the best guess."""
+        anything is built (``schedule="auto"`` ranks by it); ``stored_bytes``: what a
+        device stores for its backwards under the cut (the cutter's prediction). ``None``:
+        the schedule's own simulated makespan is the best guess."""
         return None
 
     def splits_backward(self, mesh: Mesh | None = None, mesh_axes: Any = None) -> bool:

@@ -1,9 +1,12 @@
-"""``jaxpipe calibrate``: measure this machine's compute rate and cost a tick.
+"""``jaxpipe calibrate``: measure this machine's compute rate and costs a tick.
 
-``schedule="auto"`` ranks schedules by the program's work plus a fixed cost a tick
-(:mod:`jaxpipe.runtime.spmd.predict`); the defaults are estimates. This times two small
-1F1B pipelines of tanh layers on the local devices, one so small that the ticks' cost
-dominates and one whose work does, fits ``time = work / rate + ticks * cost``
+``schedule="auto"`` ranks schedules by the program's work plus a fixed cost a tick and a
+cost a stored byte a tick (:mod:`jaxpipe.runtime.spmd.predict`); the defaults are
+estimates. This times small pipelines on the local devices (:data:`PIPELINES`): 1F1B on
+tanh layers so small that the ticks' cost dominates and on ones whose work does, and an
+attention stack as 1F1B and as GPipe (the same work in the same ticks, several times the
+stored bytes), fits ``time = work / rate + ticks * cost`` to the first two and the cost of
+a stored byte a tick to the difference of the last two
 (:func:`jaxpipe.runtime.spmd.calibrate.fit`) and keeps the result for this backend and
 device kind (``$JAXPIPE_CALIBRATION``, default ``~/.cache/jaxpipe/calibration.json``),
 where every later ``schedule="auto"`` reads it::
@@ -22,51 +25,79 @@ from typing import Any
 
 from jaxpipe.runtime.spmd.calibrate import Calibration, fit, machine_key, save
 
-__all__ = ["add_calibrate_parser", "measure"]
+__all__ = ["PIPELINES", "add_calibrate_parser", "measure"]
 
-#: (width, rows) of the two models: the first's ticks dominate, the second's work.
-SIZES = ((8, 16), (512, 512))
+#: The measured pipelines, ``(model, width, rows, schedule, microbatches per device)``:
+#: tanh layers whose ticks dominate, then whose work does; an attention stack (what
+#: stores many values a microbatch) as 1F1B and as GPipe, the same work in the same
+#: ticks but several times the stored bytes.
+PIPELINES = (("tanh", 8, 16, "1f1b", 2), ("tanh", 512, 512, "1f1b", 2),
+             ("attention", 64, 32, "1f1b", 4), ("attention", 64, 32, "gpipe", 4))
 
 
-def measure(devices: int | None = None, repeats: int = 5) -> Calibration:
-    """Time the two pipelines on the first ``devices`` local devices (default: up to 4)
-    and fit the rate and cost a tick (see the module docstring)."""
+def _tanh_loss(params: Any, batch: Any) -> Any:
+    import jax.numpy as jnp
+
+    from jaxpipe.jaxpr.markers import boundary
+
+    h = batch["x"]
+    for w in params:
+        h = boundary(jnp.tanh(h @ w))
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def _attention_loss(params: Any, batch: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from jaxpipe.api.pipeline import pipeline
     from jaxpipe.jaxpr.markers import boundary
+
+    h = batch["x"]  # [rows, sequence 32, width]
+    for w in params:
+        q, k, v = h @ w, h @ w.T, jnp.tanh(h @ w)
+        a = jax.nn.softmax(jnp.einsum("bsd,btd->bst", q, k) / h.shape[-1] ** 0.5, axis=-1)
+        h = boundary(h + jnp.einsum("bst,btd->bsd", a, v))
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def measure(devices: int | None = None, repeats: int = 5) -> Calibration:
+    """Time the pipelines on the first ``devices`` local devices (default: up to 4) and
+    fit the rate and costs a tick (see the module docstring)."""
+    import jax
+
+    from jaxpipe.api.pipeline import pipeline
     from jaxpipe.runtime.spmd import SpmdRuntime
     from jaxpipe.runtime.spmd.backends import concurrent
     from jaxpipe.runtime.spmd.predict import program_work
-    from jaxpipe.schedule import OneFOneB
+    from jaxpipe.schedule import GPipe, OneFOneB
 
     p = devices or min(len(jax.devices()), 4)
     mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
     runtime = SpmdRuntime()
     backend, together = runtime.resolve_backend(mesh), concurrent(mesh)
-
-    def loss_fn(params, batch):
-        h = batch["x"]
-        for w in params:
-            h = boundary(jnp.tanh(h @ w))
-        return jnp.mean((h - batch["y"]) ** 2)
-
-    samples = []
-    for width, rows in SIZES:
+    samples, stored_pair = [], []
+    for model, width, rows, family, per_device in PIPELINES:
+        m = per_device * p
         keys = jax.random.split(jax.random.key(0), 2 * p + 2)
         params = [jax.random.normal(k, (width, width)) / width ** 0.5 for k in keys[:2 * p]]
-        batch = {"x": jax.random.normal(keys[-2], (rows, width)),
-                 "y": jax.random.normal(keys[-1], (rows, width))}
-        sched = OneFOneB(p, 2 * p)
-        pipe = pipeline(loss_fn, params, batch, mesh=mesh, schedule=sched, cut="markers",
-                        runtime=runtime)
+        shape = (rows, width) if model == "tanh" else (rows * m, 32, width)
+        batch = {"x": jax.random.normal(keys[-2], shape),
+                 "y": jax.random.normal(keys[-1], shape)}
+        sched = (OneFOneB if family == "1f1b" else GPipe)(p, m)
+        pipe = pipeline(_tanh_loss if model == "tanh" else _attention_loss, params, batch,
+                        mesh=mesh, schedule=sched, cut="markers", runtime=runtime)
         seconds = _median(pipe.value_and_grad, (params, batch), repeats)
         work, _ = program_work(sched, pipe.inspect.cut_report.action_cost, backend, False,
                                runtime.resolve_split(mesh), runtime.resolve_refine(mesh),
                                together)
-        samples.append((seconds, work, pipe.inspect.executor.lowering.num_ticks))
-    return fit(machine_key(backend, jax.devices()[0].device_kind, together), samples)
+        ticks = pipe.inspect.executor.lowering.num_ticks
+        stored = pipe.inspect.cut_report.padded_memory.residuals
+        if model == "tanh":
+            samples.append((seconds, work, ticks))
+        else:  # a device carries its stored bytes every tick (each, where they take turns)
+            stored_pair.append((seconds, ticks * stored * (1 if together else p)))
+    return fit(machine_key(backend, jax.devices()[0].device_kind, together), samples,
+               stored=tuple(stored_pair))
 
 
 def _median(fn: Any, args: tuple, repeats: int) -> float:
@@ -103,6 +134,6 @@ def _run(args: argparse.Namespace) -> int:
     cal = measure(args.devices, args.repeats)
     path = save(cal, args.out)
     print(f"calibrated {cal.key}: {cal.flops_per_s:.3g} FLOP/s, "
-          f"{cal.tick_overhead_s * 1e6:.1f} us a tick ({cal.tick_overhead_flops:.3g} FLOPs); "
-          f"kept in {path}")
+          f"{cal.tick_overhead_s * 1e6:.1f} us a tick ({cal.tick_overhead_flops:.3g} FLOPs), "
+          f"{cal.stored_byte_tick_flops:.3g} FLOPs a stored byte a tick; kept in {path}")
     return 0

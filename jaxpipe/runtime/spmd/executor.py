@@ -220,12 +220,12 @@ class SpmdRuntime(Runtime):
         return lanes_in_flight(schedule, self.resolve_split(mesh, mesh_axes))
 
     def predicted_time(self, schedule: Any, action_cost: Any, mesh: Any = None,
-                       mesh_axes: Any = None) -> float:
-        """The lowered program's time plus a fixed cost a tick (:mod:`.predict`)."""
+                       mesh_axes: Any = None, stored_bytes: float = 0.0) -> float:
+        """The lowered program's time plus its costs a tick (:mod:`.predict`)."""
         return predicted_time(schedule, action_cost, self.resolve_backend(mesh),
                               self.wants_lanes(mesh, mesh_axes),
                               self.resolve_split(mesh, mesh_axes), self.resolve_refine(mesh),
-                              concurrent(mesh))[0]
+                              concurrent(mesh), stored_bytes=stored_bytes)[0]
 
     def __repr__(self) -> str:
         return (f"SpmdRuntime(backend={self.backend!r}, overlap={self.overlap!r}, "

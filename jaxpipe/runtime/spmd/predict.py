@@ -4,8 +4,11 @@ What ``schedule="auto"`` (:mod:`jaxpipe.api.auto`) ranks candidates by: the sche
 the way the runtime would lower it (numpy only; no buffers are sized), its time under
 the stages' costs in the program's sync model (devices meet at the end of every tick;
 the lanes program runs every lane of a tick on every device), plus a fixed overhead per
-tick (dispatch, the exchange's latency: measured by ``jaxpipe calibrate``,
-:mod:`.calibrate`, or :data:`~.backends.TICK_OVERHEAD_FLOPS`).
+tick (dispatch, the exchange's latency) and a cost per byte a device stores per tick (the
+tick loop carries its residual buffers through every tick: GPipe, which stores every
+microbatch's residuals, runs the same work in the same ticks as 1F1B, and measured
+slower). Both constants are measured by ``jaxpipe calibrate`` (:mod:`.calibrate`), else
+:data:`~.backends.TICK_OVERHEAD_FLOPS` and :data:`~.backends.STORED_BYTE_TICK_FLOPS`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxpipe.runtime.spmd.backends import exchange_flops
-from jaxpipe.runtime.spmd.calibrate import tick_overhead_flops
+from jaxpipe.runtime.spmd.calibrate import stored_byte_flops, tick_overhead_flops
 from jaxpipe.runtime.spmd.lowering import lower, lower_accelerator
 from jaxpipe.runtime.spmd.lowering.lanes import lanes_makespan, lanes_refusal, lower_lanes
 from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan
@@ -25,13 +28,17 @@ __all__ = ["predicted_time", "program_work"]
 
 def predicted_time(schedule: Schedule, action_cost: Callable[[Action], float] | None,
                    backend: str, lanes: bool, split_backward: bool, refine: int,
-                   concurrent: bool = True, message_bytes: int = 0) -> tuple[float, int]:
-    """``(time, ticks)``: :func:`program_work` plus the fixed cost of every tick, in
-    FLOPs of compute time (calibrated on this machine where ``jaxpipe calibrate`` ran,
-    :mod:`.calibrate`; else :data:`~.backends.TICK_OVERHEAD_FLOPS`)."""
+                   concurrent: bool = True, message_bytes: int = 0,
+                   stored_bytes: float = 0.0) -> tuple[float, int]:
+    """``(time, ticks)``: :func:`program_work` plus the fixed cost of every tick and the
+    cost of carrying ``stored_bytes`` (a device's residual buffers) through every tick,
+    in FLOPs of compute time (calibrated on this machine where ``jaxpipe calibrate`` ran,
+    :mod:`.calibrate`). Devices that take turns (``concurrent=False``) each carry theirs."""
     work, ticks = program_work(schedule, action_cost, backend, lanes, split_backward, refine,
                                concurrent, message_bytes)
-    return work + ticks * tick_overhead_flops(backend, concurrent), ticks
+    carriers = 1 if concurrent else schedule.num_devices
+    return (work + ticks * tick_overhead_flops(backend, concurrent)
+            + ticks * carriers * stored_bytes * stored_byte_flops(backend, concurrent)), ticks
 
 
 def program_work(schedule: Schedule, action_cost: Callable[[Action], float] | None,
