@@ -83,7 +83,9 @@ def measure(target_name: str, size: dict[str, int], schedules: list[str],
     batch = {"x": tokens, "y": tokens}
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     make = {"GPipe": lambda: jp.GPipe(p, m), "1F1B": lambda: jp.OneFOneB(p, m),
-            "Interleaved1F1B": lambda: jp.Interleaved1F1B(p, m, stages_per_device=2)}
+            "Interleaved1F1B": lambda: jp.Interleaved1F1B(p, m, stages_per_device=2),
+            # schedule="auto" for the target's memory: what it chose, compiled
+            "Auto": lambda: jp.Auto(microbatches=m)}
     rows = []
     for name in schedules:
         t0 = time.perf_counter()
@@ -91,13 +93,18 @@ def measure(target_name: str, size: dict[str, int], schedules: list[str],
                            cut="auto")
         build_s = time.perf_counter() - t0
         report = compile_report(pipe, optimizer=optax.adamw(1e-4))
+        chosen = type(pipe.schedule).__name__
+        if name == "Auto":
+            chosen += f" v={pipe.schedule.stages_per_device} (chosen by Auto)"
         rows.append({**report.to_dict(), "step": report.program, "target": target_name,
-                     "program": "jaxpipe", "schedule": name, "params": n_params,
+                     "program": "jaxpipe", "schedule": name if name != "Auto" else chosen,
+                     "params": n_params,
                      "build_s": build_s,
                      "permutes_overlapping_compute": _overlapping(report.census)})
-        print(f"{target_name} {name}: {report.total_bytes and report.total_bytes / 2**30:.2f}"
-              f" GiB compiled, predicted/compiled {report.predicted_ratio}, fits "
-              f"{report.fits}, compile {report.compile_s:.1f} s", flush=True)
+        used = report.total_bytes and report.total_bytes / 2**30
+        print(f"{target_name} {rows[-1]['schedule']}: {used:.2f} GiB compiled, "
+              f"predicted/compiled {report.predicted_ratio}, fits {report.fits}, compile "
+              f"{report.compile_s:.1f} s", flush=True)
 
     if not comparisons:
         return rows
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--targets", default=None, help="comma separated target names")
-    ap.add_argument("--schedules", default=None, help="GPipe,1F1B,Interleaved1F1B")
+    ap.add_argument("--schedules", default=None, help="GPipe,1F1B,Interleaved1F1B,Auto")
     for key in FULL:
         ap.add_argument(f"--{key}", type=int, default=None)
     ap.add_argument("--out", default="results", help="folder for aot.json")
