@@ -6,3 +6,30 @@ from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
 
 cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+#: Files whose tests run whole models end to end (examples, flax's models, several
+#: processes, the benchmarks' smoke run, ahead-of-time TPU/GPU compiles, every schedule of
+#: the gallery, the reference executor): the slow tier. ``pytest -m "not slow"`` runs the
+#: rest (schedules, cutter, lowering, the SPMD program's exactness, input checks, docs) in
+#: about three minutes on 2 cores: the inner loop (README, Development).
+SLOW_FILES = frozenset({
+    "test_accelerator.py", "test_aot.py", "test_benchmarks.py", "test_examples.py",
+    "test_flax.py", "test_flax_examples.py", "test_gallery.py", "test_lanes.py",
+    "test_multiprocess.py", "test_objective.py", "test_readme.py", "test_remat.py",
+    "test_sharded.py", "test_stacks.py", "test_stages.py", "test_stateful.py",
+    "test_train_state.py",
+})
+
+
+_missing = SLOW_FILES - {p.name for p in Path(__file__).parent.glob("test_*.py")}
+assert not _missing, f"SLOW_FILES names test files that do not exist: {sorted(_missing)}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
