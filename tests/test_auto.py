@@ -38,6 +38,8 @@ def test_auto_is_exact_and_its_plan_explains_the_choice():
     fitting = [c for c in choice.candidates if c.time is not None
                and not c.verdict.startswith(("does not", "cannot", "needs"))]
     assert chosen[0].time == min(c.time for c in fitting)
+    by_family = {c.family: c for c in choice.candidates}  # same work and ticks; GPipe
+    assert by_family["gpipe"].time > by_family["1f1b"].time  # stores more, priced per tick
     assert all(c.verdict for c in choice.candidates)
     assert {c.family for c in choice.candidates} == {"1f1b", "gpipe", "interleaved"}
     text = str(pipe.plan)
@@ -135,3 +137,18 @@ def test_a_budget_only_recomputation_meets_gets_it_and_one_none_meets_is_refused
     with pytest.raises(jp.PipelineError, match=r"no candidate that can run: 1f1b v=1: does "
                                                 r"not fit.*gpipe v=1"):
         _pipe("auto", cut=jp.Cut(memory_budget=low * 0.5))
+
+
+def test_auto_ranks_the_users_schedule_classes_and_runs_the_choice_exact():
+    """Schedule classes of one's own (the gallery's zero-bubble and V schedules, split
+    backwards and V placements) are candidates like the built-ins: cut, priced, listed with
+    their stages per device, and the chosen one runs exact."""
+    zb = jp.load_schedule("schedules/zero_bubble.py:ZeroBubbleH1")
+    dv = jp.load_schedule("schedules/dualpipe_v.py:DualPipeV")
+    pipe, loss_fn, params, batch = _pipe(jp.Auto(families=(zb, dv)))
+    rows = {c.family: c for c in pipe.inspect.auto_choice.candidates}
+    assert set(rows) == {"ZeroBubbleH1", "DualPipeV"}
+    assert (rows["ZeroBubbleH1"].chunks, rows["DualPipeV"].chunks) == (1, 2)
+    assert all(c.time is not None for c in rows.values())
+    assert type(pipe.schedule) in (zb, dv)
+    assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))

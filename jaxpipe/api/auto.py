@@ -120,7 +120,7 @@ class Auto:
                 except Exception as err:  # a family's own rule (e.g. m a multiple of p)
                     out.append((name, v, f"cannot be built: {err}"))
                     continue
-                out.append((name, v, sched))
+                out.append((name, sched.stages_per_device, sched))
         return out
 
 
