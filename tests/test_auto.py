@@ -70,6 +70,7 @@ def test_auto_under_a_budget_and_by_memory():
     (lambda: jp.Auto(families=()), "empty"),
     (lambda: jp.Auto(objective="speed"), "objective"),
     (lambda: jp.Auto(microbatches=0), "positive int"),
+    (lambda: jp.Auto(microbatches="some"), "positive int, 'auto' or None"),
     (lambda: jp.Auto(microbatches=5), r"does not divide the batch's 16 rows"),
     (lambda: jp.Auto(num_devices=4), r"num_devices=4.*has 2 devices"),
     (lambda: jp.Auto(families=(int,)), "Schedule subclasses"),
@@ -151,4 +152,18 @@ def test_auto_ranks_the_users_schedule_classes_and_runs_the_choice_exact():
     assert (rows["ZeroBubbleH1"].chunks, rows["DualPipeV"].chunks) == (1, 2)
     assert all(c.time is not None for c in rows.values())
     assert type(pipe.schedule) in (zb, dv)
+    assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_auto_microbatches_tries_every_divisor_from_p_to_4p_and_takes_the_best():
+    """microbatches="auto": the pipeline is traced and cut for every divisor of the batch
+    from p to 4p; the table lists every m's candidates, the chosen one is the best over
+    all of them, the others' best rows say which m won, and the choice runs exact."""
+    pipe, loss_fn, params, batch = _pipe(jp.Auto(microbatches="auto"))
+    rows = pipe.inspect.auto_choice.candidates
+    assert sorted({c.microbatches for c in rows}) == [2, 4, 8]  # 16 rows, p=2
+    (chosen,) = [c for c in rows if c.verdict == "chosen"]
+    assert chosen.time == min(c.time for c in rows if c.time is not None)
+    assert pipe.num_microbatches == chosen.microbatches == pipe.schedule.num_microbatches
+    assert sum(c.verdict == f"slower than m={chosen.microbatches}" for c in rows) == 2
     assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))

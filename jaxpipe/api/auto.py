@@ -26,8 +26,8 @@ from jaxpipe.cut import CutError
 from jaxpipe.errors import PipelineError
 from jaxpipe.schedule import GPipe, Interleaved1F1B, OneFOneB, Schedule
 
-__all__ = ["FAMILIES", "Auto", "AutoChoice", "Candidate", "choose", "placeholder",
-           "resolve_auto"]
+__all__ = ["FAMILIES", "Auto", "AutoChoice", "Candidate", "choose", "choose_microbatches",
+           "placeholder", "resolve_auto"]
 
 #: The built-in families :class:`Auto` chooses among by default, in tie-break order:
 #: name -> ``(schedule class, chunk counts it tries)``.
@@ -50,7 +50,9 @@ class Auto:
       microbatches: the number of microbatches ``m`` (the batch splits into ``m`` along
         axis 0). ``None``: the largest divisor of the batch that is at most ``4 * p``
         (``p`` the mesh's pipe size): more microbatches shrink the bubble, and the
-        per-microbatch work stays large enough to use a device.
+        per-microbatch work stays large enough to use a device. ``"auto"``: try every
+        divisor of the batch from ``p`` to ``4 * p`` (the pipeline is traced and cut for
+        each) and choose ``m`` with the schedule.
       families: which of :data:`FAMILIES` to try (names), and any schedule classes of
         your own, constructed as ``cls(p, m)``.
       objective: ``"time"`` (the fastest that fits) or ``"memory"`` (the smallest peak).
@@ -63,7 +65,7 @@ class Auto:
     """
 
     num_devices: int | None = None
-    microbatches: int | None = None
+    microbatches: int | str | None = None
     families: tuple[str | type[Schedule], ...] = tuple(FAMILIES)
     objective: str = "time"
 
@@ -83,14 +85,27 @@ class Auto:
                                                and issubclass(f, Schedule)):
                 raise PipelineError(f"Auto(families=...) holds {f!r}: give family names or "
                                     "Schedule subclasses constructible as cls(p, m).")
-        if self.microbatches is not None and (isinstance(self.microbatches, bool) or
-                                              not isinstance(self.microbatches, int)
-                                              or self.microbatches < 1):
-            raise PipelineError(f"Auto(microbatches=...) must be a positive int or None, got "
-                                f"{self.microbatches!r}.")
+        if self.microbatches not in (None, "auto") and (
+                isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int)
+                or self.microbatches < 1):
+            raise PipelineError(f"Auto(microbatches=...) must be a positive int, 'auto' or "
+                                f"None, got {self.microbatches!r}.")
+
+    def microbatch_options(self, num_devices: int, batch_size: int) -> list[int]:
+        """The ``m`` to try: the one :meth:`num_microbatches` gives, or with ``"auto"``
+        every divisor of the batch from ``num_devices`` to ``4 * num_devices`` (the
+        largest divisor below ``num_devices`` where none is)."""
+        if self.microbatches != "auto":
+            return [self.num_microbatches(num_devices, batch_size)]
+        found = [d for d in range(num_devices, min(batch_size, 4 * num_devices) + 1)
+                 if batch_size % d == 0]
+        return found or [max(d for d in range(1, num_devices) if batch_size % d == 0)]
 
     def num_microbatches(self, num_devices: int, batch_size: int) -> int:
-        """``m`` for a pipe of ``num_devices`` and a batch of ``batch_size`` rows."""
+        """``m`` for a pipe of ``num_devices`` and a batch of ``batch_size`` rows (with
+        ``"auto"``: the largest of :meth:`microbatch_options`)."""
+        if self.microbatches == "auto":
+            return max(self.microbatch_options(num_devices, batch_size))
         if self.microbatches is not None:
             if batch_size % self.microbatches:
                 raise PipelineError(
@@ -217,6 +232,42 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
                        else "slower" if r[3] > best[3] else "equal; an earlier family won")
         candidates.append(Candidate(r[0], r[1], num_microbatches, r[3], r[4], verdict, r[6]))
     return AutoChoice(best[2], tuple(candidates), auto.objective, unit, reports[id(best[2])])
+
+
+def choose_microbatches(auto: Auto, num_devices: int, batch_size: int,
+                        build: Callable[[Auto], Any]) -> Any:
+    """With ``Auto(microbatches="auto")``: ``build(Auto(microbatches=m, ...))`` (a built
+    pipeline's parts, with its ``auto_choice``) for every ``m`` of
+    :meth:`Auto.microbatch_options`, and the one whose choice is best by the objective,
+    its ``auto_choice`` listing every ``m``'s candidates. A ``m`` that cannot be built
+    (e.g. its microbatch does not split over the data shards) is listed with the reason."""
+    import dataclasses
+
+    built, refused = [], []
+    for m in auto.microbatch_options(num_devices, batch_size):
+        try:
+            built.append((m, build(dataclasses.replace(auto, microbatches=m))))
+        except PipelineError as err:
+            refused.append(Candidate("-", 0, m, None, None, f"m={m}: {_first(err)}"))
+    if not built:
+        raise PipelineError("schedule='auto' found no number of microbatches that can run: "
+                            + "; ".join(c.verdict for c in refused))
+
+    def best(c: Candidate) -> tuple:
+        return (c.time, c.memory) if auto.objective == "time" else (c.memory, c.time)
+
+    def chosen(parts: Any) -> Candidate:
+        return next(c for c in parts.auto_choice.candidates if c.verdict == "chosen")
+
+    m, parts = min(built, key=lambda b: best(chosen(b[1])))
+    lost = f"{'slower' if auto.objective == 'time' else 'more memory'} than m={m}"
+    rows = []
+    for other, p in built:
+        rows += [c if other == m or c.verdict != "chosen" else
+                 dataclasses.replace(c, verdict=lost) for c in p.auto_choice.candidates]
+    parts.auto_choice = dataclasses.replace(parts.auto_choice,
+                                            candidates=tuple(rows + refused))
+    return parts
 
 
 def _first(err: Exception) -> str:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpipe.api.auto import choose_microbatches, placeholder, resolve_auto
 from jaxpipe.api.internals import Internals
 from jaxpipe.errors import PipelineTypeError
 from jaxpipe.runtime import Runtime
@@ -42,7 +43,14 @@ class Pipeline:
 
     def __init__(self, loss_fn: Callable[..., jax.Array], params: Any, batch: Any,
                  **options: Any) -> None:
-        self._internals = Internals(loss_fn, params, batch, **options)
+        auto = resolve_auto(options.get("schedule"))
+        if auto is not None and auto.microbatches == "auto":  # built once per m
+            first = placeholder(auto, options["mesh"], options.get("axis", "pipe"), batch)
+            self._internals = choose_microbatches(
+                auto, first.num_devices, int(jax.tree.leaves(batch)[0].shape[0]),
+                lambda a: Internals(loss_fn, params, batch, **{**options, "schedule": a}))
+        else:
+            self._internals = Internals(loss_fn, params, batch, **options)
 
     def __getattr__(self, name: str) -> Any:
         # reached only for names a Pipeline lacks: point to where an inspected one lives
