@@ -167,3 +167,35 @@ def test_auto_microbatches_tries_every_divisor_from_p_to_4p_and_takes_the_best()
     assert pipe.num_microbatches == chosen.microbatches == pipe.schedule.num_microbatches
     assert sum(c.verdict == f"slower than m={chosen.microbatches}" for c in rows) == 2
     assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_a_budget_only_a_v_schedule_meets_gets_it_chosen():
+    """On 4 devices 1F1B's first device holds 4 microbatches' activations; a V placement
+    (the gallery's DualPipeV) holds fewer. Under a budget between the two, without
+    recomputation, only the V schedule fits: it is chosen, 1F1B is rejected with the
+    reason, and the choice runs exact."""
+    import jax.numpy as jnp
+
+    def loss_fn(ws, batch):
+        h = batch["x"]
+        for w in ws:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    params = [jax.random.normal(jax.random.key(i), (64, 64)) / 8 for i in range(16)]
+    batch = {"x": jnp.ones((64, 64)), "y": jnp.zeros((64, 64))}
+    dv = jp.load_schedule("schedules/dualpipe_v.py:DualPipeV")
+    mesh = jax.make_mesh((4,), ("pipe",))
+
+    def build(cut):
+        return jp.pipeline(loss_fn, params, batch, mesh=mesh, cut=cut,
+                           schedule=jp.Auto(families=("1f1b", dv)))
+
+    free = {c.family: c.memory for c in build(jp.Cut(remat="none")).inspect.auto_choice
+            .candidates}
+    assert free["DualPipeV"] < free["1f1b"]
+    pipe = build(jp.Cut(remat="none", memory_budget=(free["DualPipeV"] + free["1f1b"]) / 2))
+    rows = {c.family: c for c in pipe.inspect.auto_choice.candidates}
+    assert rows["DualPipeV"].verdict == "chosen" and type(pipe.schedule) is dv
+    assert rows["1f1b"].verdict.startswith("does not fit"), rows["1f1b"].verdict
+    assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
