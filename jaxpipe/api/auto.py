@@ -6,9 +6,11 @@ mesh's pipe size and the model allow, cuts the model for each with the memory-aw
 cutter (which chooses recomputation under the memory budget: ``jp.Cut(memory_budget=)``,
 or the device's memory), and takes the fastest whose predicted per-device memory fits
 (``objective="memory"``: the smallest). A candidate's time is the runtime's program
-for it, lowered and simulated with the stages' costs, plus a fixed cost a tick
-(``Runtime.predicted_time``; the SPMD runtime's, :mod:`jaxpipe.runtime.spmd.predict`,
-uses per-backend estimates, not yet calibrated on the user's machine).
+for it, lowered and simulated with the stages' costs, plus its costs a tick: a fixed one
+and one per byte a device stores (``Runtime.predicted_time``; the SPMD runtime's,
+:mod:`jaxpipe.runtime.spmd.predict`, uses what ``jaxpipe calibrate`` measured on this
+machine, else per-backend estimates). ``Auto(microbatches="auto")`` also chooses ``m``
+(:func:`choose_microbatches`).
 
 ``pipe.plan`` lists every candidate: family, chunks, microbatches, predicted time and
 memory, and why each one not chosen was not (slower, more memory, does not fit, cannot
@@ -38,6 +40,11 @@ FAMILIES: dict[str, tuple[type[Schedule], tuple[int, ...]]] = {
 }
 
 _OBJECTIVES = ("time", "memory")
+
+
+def _order(objective: str, time: float | None, memory: float | None) -> tuple:
+    """What ``objective`` ranks by: time then memory, or memory then time."""
+    return (time, memory) if objective == "time" else (memory, time)
 
 
 @dataclass(frozen=True)
@@ -217,10 +224,8 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
                             "Give a memory budget that fits (jp.Cut(memory_budget=...)), "
                             "fewer microbatches, or a schedule.")
 
-    def key(r: tuple) -> tuple:
-        return (r[3], r[4]) if auto.objective == "time" else (r[4], r[3])
-
-    best = min(fitting, key=key)  # (min keeps the first of equals: FAMILIES order)
+    # (min keeps the first of equals: FAMILIES order)
+    best = min(fitting, key=lambda r: _order(auto.objective, r[3], r[4]))
     candidates = []
     for r in rows:
         verdict = r[5]
@@ -253,13 +258,11 @@ def choose_microbatches(auto: Auto, num_devices: int, batch_size: int,
         raise PipelineError("schedule='auto' found no number of microbatches that can run: "
                             + "; ".join(c.verdict for c in refused))
 
-    def best(c: Candidate) -> tuple:
-        return (c.time, c.memory) if auto.objective == "time" else (c.memory, c.time)
+    def rank(parts: Any) -> tuple:
+        c = next(c for c in parts.auto_choice.candidates if c.verdict == "chosen")
+        return _order(auto.objective, c.time, c.memory)
 
-    def chosen(parts: Any) -> Candidate:
-        return next(c for c in parts.auto_choice.candidates if c.verdict == "chosen")
-
-    m, parts = min(built, key=lambda b: best(chosen(b[1])))
+    m, parts = min(built, key=lambda b: rank(b[1]))
     lost = f"{'slower' if auto.objective == 'time' else 'more memory'} than m={m}"
     rows = []
     for other, p in built:
