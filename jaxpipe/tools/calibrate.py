@@ -66,6 +66,7 @@ def measure(devices: int | None = None, repeats: int = 5) -> Calibration:
     import jax
 
     from jaxpipe.api.pipeline import pipeline
+    from jaxpipe.distributed import replicate
     from jaxpipe.runtime.spmd import SpmdRuntime
     from jaxpipe.runtime.spmd.backends import concurrent
     from jaxpipe.runtime.spmd.predict import program_work
@@ -83,6 +84,9 @@ def measure(devices: int | None = None, repeats: int = 5) -> Calibration:
         shape = (rows, width) if model == "tanh" else (rows * m, 32, width)
         batch = {"x": jax.random.normal(keys[-2], shape),
                  "y": jax.random.normal(keys[-1], shape)}
+        # on the mesh once (every process holds the same values: one seed), so a timed
+        # call moves nothing and a run of several processes (jaxpipe.launch) works too
+        params, batch = replicate((params, batch), mesh)
         sched = (OneFOneB if family == "1f1b" else GPipe)(p, m)
         pipe = pipeline(_tanh_loss if model == "tanh" else _attention_loss, params, batch,
                         mesh=mesh, schedule=sched, cut="markers", runtime=runtime)

@@ -39,18 +39,19 @@ def exchange_flops(backend: str, message_bytes: int) -> float:
 
 #: The fixed time of one tick of the program, in FLOPs of compute time, that
 #: ``schedule="auto"`` adds per tick when it ranks schedules (:mod:`.predict`): CPU,
-#: ~100 us a tick (a collective between virtual devices ~75 us, the loop's dispatch) at
-#: ~2e10 FLOP/s of one core; GPU and TPU, the latency of a permutation
-#: (:data:`EXCHANGE_LATENCY_FLOPS`). Estimates, not calibrated on your machine.
-TICK_OVERHEAD_FLOPS = {"cpu": 2.0e6, "gpu": 4.0e9, "tpu": 2.0e9}
+#: what ``jaxpipe calibrate`` measured on a 2-core Xeon, ~150 us a tick at ~8e10 FLOP/s
+#: (1.22e7 with 4 virtual devices taking turns, 1.23e7 with 2 processes of one core
+#: each, gloo; benchmarks/sections/auto.py); GPU and TPU, the latency of a permutation
+#: (:data:`EXCHANGE_LATENCY_FLOPS`), estimates: no device was measured.
+TICK_OVERHEAD_FLOPS = {"cpu": 1.2e7, "gpu": 4.0e9, "tpu": 2.0e9}
 
 #: What every byte a device stores (its residual buffers) costs a tick, in FLOPs of
-#: compute time: the tick loop carries the buffers through every tick. CPU: 0.5, fitted
-#: on a 2-core Xeon to GPipe against 1F1B (the same work and ticks; GPipe stores 4x the
-#: bytes and measured 1.16-1.32x slower on 4 virtual devices; 0.08-0.65 across three
-#: models). GPU and TPU: 0, an assumption (no device measured). ``jaxpipe calibrate``
-#: measures it.
-STORED_BYTE_TICK_FLOPS = {"cpu": 0.5, "gpu": 0.0, "tpu": 0.0}
+#: compute time: the tick loop carries the buffers through every tick. CPU: 1.0, what
+#: ``jaxpipe calibrate`` measured on a 2-core Xeon from GPipe against 1F1B (the same work
+#: and ticks; GPipe stores 4x the bytes): 0.99 with 4 virtual devices taking turns, 2.6
+#: with 2 processes. GPU and TPU: 0, an assumption (no device measured). ``jaxpipe
+#: calibrate`` measures it on yours.
+STORED_BYTE_TICK_FLOPS = {"cpu": 1.0, "gpu": 0.0, "tpu": 0.0}
 
 
 #: Local-search evaluations over the ticks where devices run concurrently
