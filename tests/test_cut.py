@@ -417,6 +417,7 @@ class _FakeTimeline:
             s: min(schedule.num_microbatches, schedule.num_stages - s)
             for s in range(schedule.num_stages)
         }
+        self.peak_in_flight = list(self.stage_peak_in_flight.values())  # a stage a device
         per_stage = [costs(_A("F", s)) + costs(_A("B", s)) for s in range(schedule.num_stages)]
         self.makespan = sum(per_stage) + (schedule.num_microbatches - 1) * max(per_stage)
         self.bubble_fraction = 0.0

@@ -22,6 +22,25 @@ def test_plan_predicts_compiled_memory_within_15_percent(model):
     assert abs(ratio - 1.0) <= 0.15, r
 
 
+def test_interleaved_prediction_stores_what_the_device_peaks_at():
+    """A device's stages of an interleaved schedule peak at different ticks and share
+    the device's residual storage: the cutter budgets each device's peak of live sets
+    (11, 9, 7, 5 for p=4, m=8, v=2), not the sum of its stages' peaks (12, 12, 10, 6),
+    so predicted residual bytes are what the lowered program allocates (to the stages'
+    unequal sets: the first reads the input, the last the loss's)."""
+    loss_fn, params, batch = mlp(8, width=64, batch=64)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
+                       schedule=jp.Interleaved1F1B(4, 8, stages_per_device=2))
+    plan = pipe.plan
+    peaks = [r["residual_peak"] for r in plan.device_rows]
+    assert peaks == [11, 9, 7, 5]
+    res = pipe.inspect.cut_report
+    for d, row in enumerate(plan.device_rows):
+        assert sum(res.in_flight[s] for s in row["stages"]) == pytest.approx(peaks[d])
+        predicted = sum(res.stage_memory[s].residuals for s in row["stages"])
+        assert predicted == pytest.approx(row["residual_bytes"], rel=0.03)
+
+
 def test_plan_table_lists_stages_devices_and_bubble():
     loss_fn, params, batch = tiny_lm(6)
     pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),

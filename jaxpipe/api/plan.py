@@ -103,7 +103,7 @@ class Plan:
             layers = r["layers"] if len(r["layers"]) <= 40 else r["layers"][:37] + "..."
             lines.append(f"{r['stage']:>5} {r['device']:>3} {r['flops_share']:>6.1%} "
                          f"{_fmt(r['param_bytes']):>10} {_fmt(r['residual_bytes']):>10} "
-                         f"{r['in_flight']:>9} {r['remat']:>13} {r['recompute_share']:>6.0%} "
+                         f"{r['in_flight']:>9.4g} {r['remat']:>13} {r['recompute_share']:>6.0%} "
                          f"{_fmt(r['predicted_bytes']):>10}  {layers}")
         lines.append(f"{'dev':>5} {'stages':>10} {'predicted':>11} {'live resid':>10} "
                      f"{'resid bytes':>11}")

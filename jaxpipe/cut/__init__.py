@@ -26,11 +26,12 @@ interleaved / V placements, via ``schedule.placement``)::
                                                      (MemoryModel.workspace_bytes)
 
 ``in_flight(s)`` is the stage's peak number of live residual sets under the
-schedule (from the simulator; 1F1B: ``min(m, p - s)``). The workspace is what a
-device holds while it runs one action beyond what is stored: the slices of the
-residual storage a backward reads, or the activations it recomputes -- about the
-same whatever the policy -- and the parameter gradients it produces and their
-accumulated sums (measured on CPU with jaxpipe's SPMD runtime: 0.2-0.8 of the full
+schedule (from the simulator; 1F1B: ``min(m, p - s)``), scaled where a device holds
+several stages so that they add up to the device's own peak (:func:`pooled_in_flight`).
+The workspace is what a device holds while it runs one action beyond what is stored:
+the slices of the residual storage a backward reads, or the activations it recomputes
+-- about the same whatever the policy -- and the parameter gradients it produces and
+their accumulated sums (measured on CPU with jaxpipe's SPMD runtime: 0.2-0.8 of the full
 residual set for GPT stages plus about twice the stage's parameter bytes; see
 :data:`SPMD_MEMORY`). A device *needs* the sum over its stages, with the workspace
 of its largest stage only (``CutResult.device_memory``).
@@ -120,13 +121,14 @@ __all__ = [
     "DEVICE_MEMORY",
     "choose_cuts",
     "partition",
+    "pooled_in_flight",
     "auto_cut",
     "device_memory_limit",
     "AUTO_RESERVE",
 ]
 
 
-def _check_inputs(n: int, S: int, placement: Sequence[int], in_flight: Sequence[int]) -> None:
+def _check_inputs(n: int, S: int, placement: Sequence[int], in_flight: Sequence[float]) -> None:
     if S < 1:
         raise CutError("the schedule has no stages")
     if n < S:
@@ -214,7 +216,7 @@ def _explicit(pb: Problem, bounds: list[int]) -> tuple[Remat, ...]:
 def partition(
     costs: Sequence[SegmentCost],
     placement: Sequence[int],
-    in_flight: Sequence[int],
+    in_flight: Sequence[float],
     cut: Cut | None = None,
     *,
     memory_model: MemoryModel = SPMD_MEMORY,
@@ -256,13 +258,33 @@ def partition(
     return describe(pb, costs, bounds, policies, objective, exact, t_opt)
 
 
+def pooled_in_flight(peaks: Any, placement: Sequence[int]) -> list[float]:
+    """Per stage, the residual sets it holds at its device's peak (what the cutter
+    budgets as ``in_flight``), from ``peaks`` (a schedule's ``graph()`` or a
+    ``Timeline``: ``peak_in_flight`` per device, ``stage_peak_in_flight`` per stage).
+
+    A device's stages peak at different times (interleaved: one chunk's warm-up runs
+    while another drains), and the runtimes pool a device's residual storage, so a
+    device stores its own peak of live sets, not the sum of its stages' peaks
+    (Interleaved1F1B p=8, m=16, v=4: 39 on device 0, not 48). Each stage's peak is
+    scaled so that its device's stages add up to the device's peak: exact when a
+    device's stages store sets of one size. One stage per device: the stage's peak.
+    """
+    stage_peaks, device_peaks = peaks.stage_peak_in_flight, peaks.peak_in_flight
+    total = [0] * len(device_peaks)
+    for s, d in enumerate(placement):
+        total[d] += int(stage_peaks[s])
+    return [int(stage_peaks[s]) * device_peaks[d] / total[d] if total[d] else 0.0
+            for s, d in enumerate(placement)]
+
+
 def choose_cuts(
     costs: Sequence[SegmentCost],
     schedule: Any,
     cut: Cut | None = None,
     *,
     memory_model: MemoryModel = SPMD_MEMORY,
-    in_flight: Sequence[int] | None = None,
+    in_flight: Sequence[float] | None = None,
 ) -> CutResult:
     """Choose the stages of a pipeline for ``schedule`` (what ``cut="auto"`` runs).
 
@@ -270,7 +292,8 @@ def choose_cuts(
       costs: one :class:`~jaxpipe.cut.cost.SegmentCost` per segment, in program order
         (:func:`jaxpipe.cut.cost.segment_costs`).
       schedule: a ``jp.Schedule``; supplies ``num_stages``, ``placement(stage)``,
-        and, through ``simulate()``, every stage's peak in-flight microbatches.
+        and, through ``simulate()``, every stage's and every device's peak in-flight
+        microbatches (``stage_peak_in_flight``, ``peak_in_flight``).
       cut: options (objective, memory budget, explicit indices); default
         ``Cut()`` balances compute.
       memory_model: how the runtime that will run the pipeline lays out memory
@@ -285,8 +308,7 @@ def choose_cuts(
     S = schedule.num_stages
     placement = [int(schedule.placement(s)) for s in range(S)]
     if in_flight is None:
-        peaks = schedule.simulate(costs=None).stage_peak_in_flight
-        counts = [int(peaks[s]) for s in range(S)]
+        counts = pooled_in_flight(schedule.simulate(costs=None), placement)
     else:
         counts = list(in_flight)
     result = partition(costs, placement, counts, cut, memory_model=memory_model)
@@ -294,9 +316,8 @@ def choose_cuts(
     if in_flight is None:
         # In-flight counts follow from each device's action order, not from timing,
         # but a simulator is free to differ: re-cut once if the chosen costs change them.
-        peaks = timeline.stage_peak_in_flight
-        if [int(peaks[s]) for s in range(S)] != counts:
-            counts = [int(peaks[s]) for s in range(S)]
+        if pooled_in_flight(timeline, placement) != counts:
+            counts = pooled_in_flight(timeline, placement)
             result = partition(costs, placement, counts, cut, memory_model=memory_model)
             timeline = schedule.simulate(costs=result.action_cost)
     return replace(result, makespan=float(timeline.makespan),

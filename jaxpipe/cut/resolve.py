@@ -42,7 +42,7 @@ def even_cuts(n_seg: int, num_stages: int) -> list[int]:
 
 def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
                  devices: tuple = (), param_shards: Sequence[int] = (),
-                 in_flight: Sequence[int] | None = None) -> tuple[list[int], Any]:
+                 in_flight: Sequence[float] | None = None) -> tuple[list[int], Any]:
     """Marker positions after which a new stage starts, plus the cutter's report.
 
     ``cut="auto"`` budgets the memory ``devices`` report (``jaxpipe.cut.auto_cut``).
@@ -83,8 +83,8 @@ def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Mem
         # alone: read them off the schedule's cached graph instead of having the cutter
         # simulate for them (it simulates once, with the chosen stage costs).
         if in_flight is None:
-            peaks = schedule.graph().stage_peak_in_flight
-            in_flight = [peaks[s] for s in range(S)]
+            in_flight = cutmod.pooled_in_flight(
+                schedule.graph(), [schedule.placement(s) for s in range(S)])
         costs = costed(policies[:1])
         if len(policies) > 1 and cut.remat == "auto" and cut.memory_budget is not None:
             # Recomputation only adds time: when placement alone reaches the fastest

@@ -52,7 +52,8 @@ class CutResult:
       cuts: marker indices after which a new stage begins (``num_stages - 1``).
       stage_segments: ``[start, end)`` segment range of every stage.
       stage_devices: device of every stage (``schedule.placement``).
-      in_flight: peak live residual sets of every stage under the schedule.
+      in_flight: live residual sets of every stage at its device's peak under the
+        schedule (:func:`jaxpipe.cut.pooled_in_flight`; one stage per device: its peak).
       stage_fwd, stage_bwd: forward / backward cost of every stage (FLOPs, or
         seconds when profiled), recomputation excluded.
       stage_recompute: what every stage's backward spends recomputing under its
@@ -84,7 +85,7 @@ class CutResult:
     cuts: tuple[int, ...]
     stage_segments: tuple[tuple[int, int], ...]
     stage_devices: tuple[int, ...]
-    in_flight: tuple[int, ...]
+    in_flight: tuple[float, ...]
     stage_fwd: tuple[float, ...]
     stage_bwd: tuple[float, ...]
     stage_memory: tuple[MemoryBreakdown, ...]
@@ -168,15 +169,15 @@ def describe(
     for k in range(pb.S):
         a, b = bounds[k], bounds[k + 1]
         p = float(pb.params[a, b])
+        stored = pb.policy_residual[rows[k], a, b]
         stage_mem.append(
             MemoryBreakdown(
                 params=p,
                 grads=cut.grad_bytes_per_param_byte * p,
                 optimizer=cut.optimizer_bytes_per_param_byte * p,
-                residuals=float(pb.model.residual_bytes(pb.in_flight[k],
-                                                        pb.policy_residual[rows[k], a, b])),
+                residuals=float(pb.model.residual_bytes(pb.in_flight[k], stored)),
                 transfers=float(pb.transfers[a, b]),
-                workspace=float(pb.work[a, b]),
+                workspace=float(pb.stage_work(a, b, stored)),
             )
         )
     device_mem = [MemoryBreakdown() for _ in range(pb.D)]
@@ -196,7 +197,7 @@ def describe(
         cuts=tuple(int(b) - 1 for b in bounds[1:-1]),
         stage_segments=tuple((int(bounds[k]), int(bounds[k + 1])) for k in range(pb.S)),
         stage_devices=tuple(int(d) for d in pb.placement),
-        in_flight=tuple(int(c) for c in pb.in_flight),
+        in_flight=tuple(float(c) for c in pb.in_flight),
         stage_fwd=tuple(float(pb.fwd_p[bounds[k + 1]] - pb.fwd_p[bounds[k]])
                         for k in range(pb.S)),
         stage_bwd=tuple(float(pb.bwd_p[bounds[k + 1]] - pb.bwd_p[bounds[k]])

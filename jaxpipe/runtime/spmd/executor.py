@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.cut.memory_model import ACCELERATOR_MEMORY, SPMD_MEMORY, MemoryModel
+from jaxpipe.cut.memory_model import ACCELERATOR_MEMORY, SPMD_MEMORY, TPU_MEMORY, MemoryModel
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.runtime.spmd.backends import (
@@ -159,9 +159,11 @@ class SpmdRuntime(Runtime):
         return SPMD_MEMORY
 
     def memory_model_for(self, mesh: Any = None) -> MemoryModel:
-        """The CPU program's :data:`SPMD_MEMORY`, or the accelerator program's
-        :data:`ACCELERATOR_MEMORY` (its switch's outputs are buffers of their own)."""
-        return ACCELERATOR_MEMORY if self.accelerated(mesh) else SPMD_MEMORY
+        """:data:`SPMD_MEMORY` (CPU program), :data:`ACCELERATOR_MEMORY` (the accelerator
+        program's switch outputs are buffers of their own), XLA:TPU's :data:`TPU_MEMORY`."""
+        if not self.accelerated(mesh):
+            return SPMD_MEMORY
+        return TPU_MEMORY if platform_of(mesh) == "tpu" else ACCELERATOR_MEMORY
 
     def build(self, spec: RuntimeSpec) -> SpmdExecutor:
         return SpmdExecutor(spec, self)
