@@ -1,0 +1,128 @@
+"""A pipeline's first call against plain JAX's, in a fresh process, cold and from the
+persistent compilation cache.
+
+    python benchmarks/probes/first_call.py                # L=16, both stacks, ~40 s
+    python benchmarks/probes/first_call.py --layers 16,64 --out benchmarks/results/first_call
+
+The issue's model: a tanh MLP of ``L`` blocks (width 64, 64 rows), 1F1B over 4 virtual
+CPU devices, m=8, ``cut="markers"``; written unrolled (a Python loop) and scanned (one
+``lax.scan`` over stacked weights). Each point runs in fresh processes (imports done
+before the clock starts): plain ``jit(value_and_grad)`` accumulating the same
+microbatches, first call minus a steady call; jaxpipe ``jp.pipeline(...)`` + first
+``value_and_grad`` minus a steady call, with ``pipe.plan``'s phases (build: trace, cut,
+schedule; program + lower; XLA compile). Then the same in a second process whose
+``jax_compilation_cache_dir`` the first one filled (both programs load from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+WORKER = r"""
+import json, sys, time
+from jaxpipe.xla_flags import cpu_devices
+cpu_devices(4)
+import jax, jax.numpy as jnp
+import jaxpipe as jp
+import jaxpipe.api.pipeline  # noqa: F401 - imports before the clock starts
+from benchmarks import common as C
+
+L, scanned, cache = int(sys.argv[1]), sys.argv[2] == "scanned", sys.argv[3]
+jax.config.update("jax_compilation_cache_dir", cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+W, m = 64, 8
+keys = jax.random.split(jax.random.key(0), L + 2)
+params = [jax.random.normal(k, (W, W)) / 8 for k in keys[:L]]
+batch = {"x": jax.random.normal(keys[-2], (8 * m, W)),
+         "y": jax.random.normal(keys[-1], (8 * m, W))}
+if scanned:
+    params = jnp.stack(params)
+
+    def loss_fn(params, batch):
+        def body(h, w):
+            return jp.boundary(jnp.tanh(h @ w)), None
+        h, _ = jax.lax.scan(body, batch["x"], params)
+        return jnp.mean((h - batch["y"]) ** 2)
+else:
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for w in params:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean((h - batch["y"]) ** 2)
+
+
+def wall(f, *a):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*a))
+    return time.perf_counter() - t0
+
+
+plain = jax.jit(C.plain_value_and_grad(loss_fn, m))
+first = wall(plain, params, batch)
+plain_s = first - wall(plain, params, batch)
+mesh = jax.make_mesh((4,), ("pipe",))
+t0 = time.perf_counter()
+pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, m),
+                   cut="markers")
+build = time.perf_counter() - t0
+first = wall(pipe.value_and_grad, params, batch)
+jaxpipe_s = build + first - wall(pipe.value_and_grad, params, batch)
+times = pipe.inspect.build_times
+(lower_s, xla_s), = times.programs.values()
+print(json.dumps({"plain_s": plain_s, "jaxpipe_s": jaxpipe_s, "build_s": build,
+                  "phases": times.build, "program_lower_s": lower_s, "xla_s": xla_s}))
+"""
+
+
+def _run(layers: int, variant: str, cache: str) -> dict[str, Any]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"),
+                                                      str(REPO)) if x)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(layers), variant, cache],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-2000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(layers: list[int], variants: list[str]) -> dict[str, Any]:
+    rows = []
+    for variant in variants:
+        for L in layers:
+            with tempfile.TemporaryDirectory() as cache:
+                for run in ("cold", "cached"):
+                    r = _run(L, variant, cache)
+                    rows.append({"variant": variant, "layers": L, "run": run, **r,
+                                 "ratio": r["jaxpipe_s"] / r["plain_s"]})
+                    print(f"{variant:8s} L={L:3d} {run:6s}: jaxpipe {r['jaxpipe_s']:.2f} s "
+                          f"(build {r['build_s']:.2f}, program + lower "
+                          f"{r['program_lower_s']:.2f}, XLA {r['xla_s']:.2f}) plain "
+                          f"{r['plain_s']:.2f} s, ratio {rows[-1]['ratio']:.2f}", flush=True)
+    return {"model": "tanh MLP width 64, 1F1B p=4 m=8", "rows": rows, "target_ratio": 1.3}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", default="16")
+    ap.add_argument("--variants", default="unrolled,scanned")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "first_call"))
+    a = ap.parse_args(argv)
+    res = measure([int(x) for x in a.layers.split(",")], a.variants.split(","))
+    sys.path.insert(0, str(REPO))
+    from benchmarks.common import write_json
+
+    write_json(a.out, "first_call.json", res)
+
+
+if __name__ == "__main__":
+    main()
