@@ -2,11 +2,12 @@
 persistent compilation cache.
 
     python benchmarks/probes/first_call.py                # L=16, both stacks, ~40 s
-    python benchmarks/probes/first_call.py --layers 16,64 --out benchmarks/results/first_call
+    python benchmarks/probes/first_call.py --layers 8,16,32,64 --ms 4,8,16,32,64
 
-The issue's model: a tanh MLP of ``L`` blocks (width 64, 64 rows), 1F1B over 4 virtual
-CPU devices, m=8, ``cut="markers"``; written unrolled (a Python loop) and scanned (one
-``lax.scan`` over stacked weights). Each point runs in fresh processes (imports done
+The issue's model: a tanh MLP of ``L`` blocks (width 64, 8 rows a microbatch), 1F1B over
+4 virtual CPU devices, m microbatches (default 8; ``--ms`` sweeps m at L=16),
+``cut="markers"``; written unrolled (a Python loop) and scanned (one ``lax.scan`` over
+stacked weights). Each point runs in fresh processes (imports done
 before the clock starts): plain ``jit(value_and_grad)`` accumulating the same
 microbatches, first call minus a steady call; jaxpipe ``jp.pipeline(...)`` + first
 ``value_and_grad`` minus a steady call, with ``pipe.plan``'s phases (build: trace, cut,
@@ -36,10 +37,10 @@ import jaxpipe as jp
 import jaxpipe.api.pipeline  # noqa: F401 - imports before the clock starts
 from benchmarks import common as C
 
-L, scanned, cache = int(sys.argv[1]), sys.argv[2] == "scanned", sys.argv[3]
+L, scanned, cache, m = int(sys.argv[1]), sys.argv[2] == "scanned", sys.argv[3], int(sys.argv[4])
 jax.config.update("jax_compilation_cache_dir", cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-W, m = 64, 8
+W = 64
 keys = jax.random.split(jax.random.key(0), L + 2)
 params = [jax.random.normal(k, (W, W)) / 8 for k in keys[:L]]
 batch = {"x": jax.random.normal(keys[-2], (8 * m, W)),
@@ -83,41 +84,44 @@ print(json.dumps({"plain_s": plain_s, "jaxpipe_s": jaxpipe_s, "build_s": build,
 """
 
 
-def _run(layers: int, variant: str, cache: str) -> dict[str, Any]:
+def _run(layers: int, variant: str, cache: str, m: int) -> dict[str, Any]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"),
                                                       str(REPO)) if x)}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(layers), variant, cache],
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(layers), variant, cache, str(m)],
                           capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-2000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(layers: list[int], variants: list[str]) -> dict[str, Any]:
+def measure(layers: list[int], variants: list[str], ms: list[int]) -> dict[str, Any]:
     rows = []
-    for variant in variants:
-        for L in layers:
-            with tempfile.TemporaryDirectory() as cache:
-                for run in ("cold", "cached"):
-                    r = _run(L, variant, cache)
-                    rows.append({"variant": variant, "layers": L, "run": run, **r,
-                                 "ratio": r["jaxpipe_s"] / r["plain_s"]})
-                    print(f"{variant:8s} L={L:3d} {run:6s}: jaxpipe {r['jaxpipe_s']:.2f} s "
-                          f"(build {r['build_s']:.2f}, program + lower "
-                          f"{r['program_lower_s']:.2f}, XLA {r['xla_s']:.2f}) plain "
-                          f"{r['plain_s']:.2f} s, ratio {rows[-1]['ratio']:.2f}", flush=True)
-    return {"model": "tanh MLP width 64, 1F1B p=4 m=8", "rows": rows, "target_ratio": 1.3}
+    points = [(v, L, 8) for v in variants for L in layers]
+    points += [(v, 16, m) for v in variants for m in ms if (v, 16, m) not in points]
+    for variant, L, m in points:
+        with tempfile.TemporaryDirectory() as cache:
+            for run in ("cold", "cached"):
+                r = _run(L, variant, cache, m)
+                rows.append({"variant": variant, "layers": L, "microbatches": m, "run": run,
+                             **r, "ratio": r["jaxpipe_s"] / r["plain_s"]})
+                print(f"{variant:8s} L={L:3d} m={m:2d} {run:6s}: jaxpipe {r['jaxpipe_s']:.2f} s "
+                      f"(build {r['build_s']:.2f}, program + lower "
+                      f"{r['program_lower_s']:.2f}, XLA {r['xla_s']:.2f}) plain "
+                      f"{r['plain_s']:.2f} s, ratio {rows[-1]['ratio']:.2f}", flush=True)
+    return {"model": "tanh MLP width 64, 1F1B p=4", "rows": rows, "target_ratio": 1.3}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default="16")
     ap.add_argument("--variants", default="unrolled,scanned")
+    ap.add_argument("--ms", default="8", help="microbatch counts (at L=16)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "first_call"))
     a = ap.parse_args(argv)
-    res = measure([int(x) for x in a.layers.split(",")], a.variants.split(","))
+    res = measure([int(x) for x in a.layers.split(",")], a.variants.split(","),
+                  [int(x) for x in a.ms.split(",")])
     sys.path.insert(0, str(REPO))
     from benchmarks.common import write_json
 
