@@ -113,19 +113,22 @@ SPMD_MEMORY = MemoryModel("spmd", True, lambda shape, dtype: (shape, dtype), 0.5
 #: backward reads, and one of its transient activations. Gradients are added after the
 #: switch into the accumulators, so one parameter set of transients, not two. Measured
 #: from XLA's CUDA compiler (deviceless, H200 target; ``compile_report``'s arguments +
-#: temporaries of the train step): 2.8-3.7 full residual sets on tiny LMs of width
-#: 128-1024 (GPipe, 1F1B), about 1.0 parameter set on MLPs of width 1024-8192; with
-#: 3.3 and 1.0 the predictions of those eight programs are within 10% of compiled.
-ACCELERATOR_MEMORY = MemoryModel("spmd-accelerator", True, SPMD_MEMORY.param_class, 3.3,
+#: temporaries of the train step), about 1.0 parameter set on MLPs of width 1024-8192;
+#: 2.3 full residual sets puts tiny fp32 LMs (width 512-1024, GPipe and 1F1B, 4 devices)
+#: within 3% of compiled and the 6.5B bf16 GPT of ``benchmarks/sections/aot.py`` (p=8:
+#: GPipe, 1F1B, Interleaved1F1B v=2 and 4) within 1-9%, all over. (3.3, fitted to the
+#: tiny LMs alone before a device's stages shared their storage, over-predicted the GPT
+#: by 10-23%.)
+ACCELERATOR_MEMORY = MemoryModel("spmd-accelerator", True, SPMD_MEMORY.param_class, 2.3,
                                  1.0)
 
-#: The accelerator program compiled by XLA:TPU: :data:`ACCELERATOR_MEMORY` plus 4.5 more
-#: residual sets of a stage as its policy stores them. Measured from XLA:TPU
-#: (deviceless, v5p target), 6.5B-parameter bf16 GPT (32 blocks, width 4096, seq 2048),
-#: p=8, m=16, AdamW step: beyond the GPU model, 1F1B held 4.2 stored sets of its
-#: 4-block stage, Interleaved1F1B v=2 4.9 of its 2-block stage, v=4 5.6 of its block,
-#: GPipe whose stages recompute (storing only their inputs) none
-#: (``benchmarks/sections/aot.py``). With 4.5 the four are within 3% of compiled.
+#: The accelerator program compiled by XLA:TPU: 3.3 full residual sets and one parameter
+#: set of workspace plus 4.5 residual sets of a stage as its policy stores them.
+#: Measured from XLA:TPU (deviceless, v5p target), 6.5B-parameter bf16 GPT (32 blocks,
+#: width 4096, seq 2048), p=8, m=16, AdamW step: beyond 3.3 full sets, 1F1B held 4.2
+#: stored sets of its 4-block stage, Interleaved1F1B v=2 4.9 of its 2-block stage, v=4
+#: 5.6 of its block, GPipe whose stages recompute (storing little) none
+#: (``benchmarks/sections/aot.py``): 0.93-1.15 of compiled with 4.5.
 TPU_MEMORY = MemoryModel("spmd-tpu", True, SPMD_MEMORY.param_class, 3.3, 1.0, 4.5)
 
 #: Each device holds only its own stages' bytes, as an MPMD runtime would.
