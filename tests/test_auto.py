@@ -140,6 +140,22 @@ def test_a_budget_only_recomputation_meets_gets_it_and_one_none_meets_is_refused
         _pipe("auto", cut=jp.Cut(memory_budget=low * 0.5))
 
 
+def test_auto_costs_the_model_once_for_every_candidate(monkeypatch):
+    """The segments' costs do not depend on the schedule: under a budget (which costs the
+    recomputation policies too) every candidate reuses one costing per policy set."""
+    import jaxpipe.cut.resolve as resolve
+
+    free = _pipe("auto")[0].inspect.auto_choice
+    low = min(c.memory for c in free.candidates if c.memory is not None)
+    calls = []
+    original = resolve.segment_costs
+    monkeypatch.setattr(resolve, "segment_costs",
+                        lambda *a, **k: calls.append(k.get("remat")) or original(*a, **k))
+    choice = _pipe("auto", cut=jp.Cut(memory_budget=low * 0.9))[0].inspect.auto_choice
+    assert sum(c.schedule is not None for c in choice.candidates) >= 3
+    assert len(calls) == len({tuple(r) for r in calls}) <= 2, calls
+
+
 def test_auto_ranks_the_users_schedule_classes_and_runs_the_choice_exact():
     """Schedule classes of one's own (the gallery's zero-bubble and V schedules, split
     backwards and V placements) are candidates like the built-ins: cut, priced, listed with

@@ -97,14 +97,15 @@ def _cut_view(traced: Traced, mesh: Mesh, param_dims: Sequence[Dims]) -> tuple:
 
 
 def cut_only(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
-             mesh: Mesh, param_dims: Sequence[Dims], in_flight: Sequence[int] | None = None
-             ) -> Any:
+             mesh: Mesh, param_dims: Sequence[Dims], in_flight: Sequence[float] | None = None,
+             costs_cache: dict | None = None) -> Any:
     """The cutter's report (:class:`jaxpipe.cut.CutResult`) of ``traced`` under
     ``schedule``, without splitting it into stages: what choosing among schedules costs
-    (:mod:`jaxpipe.api.auto`)."""
+    (:mod:`jaxpipe.api.auto`). ``costs_cache``: one dict for every call on ``traced``
+    with these ``mesh`` and ``param_dims`` (segment costs measured once)."""
     _, _, cut_traced, shards = _cut_view(traced, mesh, param_dims)
     return resolve_cuts(cut_traced, schedule, cut, memory_model, tuple(mesh.devices.flat),
-                        shards, in_flight)[1]
+                        shards, in_flight, costs_cache)[1]
 
 
 def cut_and_split(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,

@@ -151,11 +151,12 @@ class Internals:
         self.auto_choice: AutoChoice | None = None
         if auto is not None:
             with trace_context(mesh, self.mesh_axes), self._times.phase("cut"):
-                memory = self.runtime.memory_model_for(mesh)
+                memory, costs = self.runtime.memory_model_for(mesh), {}
                 self.auto_choice = choose(
                     auto, schedule.num_devices, schedule.num_microbatches,
                     lambda s: cut_only(self.traced, s, cut, memory, mesh, self.param_dims,
-                                       self.runtime.in_flight(s, mesh, self.mesh_axes)),
+                                       self.runtime.in_flight(s, mesh, self.mesh_axes),
+                                       costs),
                     lambda s, r: self.runtime.predicted_time(
                         s, r.action_cost, mesh, self.mesh_axes,
                         stored_bytes=r.padded_memory.residuals))

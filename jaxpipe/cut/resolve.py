@@ -42,7 +42,8 @@ def even_cuts(n_seg: int, num_stages: int) -> list[int]:
 
 def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
                  devices: tuple = (), param_shards: Sequence[int] = (),
-                 in_flight: Sequence[float] | None = None) -> tuple[list[int], Any]:
+                 in_flight: Sequence[float] | None = None,
+                 costs_cache: dict | None = None) -> tuple[list[int], Any]:
     """Marker positions after which a new stage starts, plus the cutter's report.
 
     ``cut="auto"`` budgets the memory ``devices`` report (``jaxpipe.cut.auto_cut``).
@@ -50,12 +51,21 @@ def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Mem
     position its sharding splits it over; the cutter counts the bytes one device holds.
     ``in_flight``: per stage, the live residual sets the runtime's program holds at its
     peak where that is not the schedule's own (``Runtime.in_flight``).
+    ``costs_cache``: a dict shared by calls on one model, shards and profile setting
+    (``schedule="auto"`` cuts one model for every candidate schedule): the segments'
+    costs do not depend on the schedule, so they are measured once per policy set.
     """
     shards = dict(enumerate(param_shards))
 
     def costed(policies: Sequence[Any]) -> list[Any]:
+        key = (cut.profile, tuple(policies))
+        if costs_cache is not None and key in costs_cache:
+            return costs_cache[key]
         costs = segment_costs(traced, profile=cut.profile, remat=policies)
-        return [c.per_device(shards) for c in costs]
+        out = [c.per_device(shards) for c in costs]
+        if costs_cache is not None:
+            costs_cache[key] = out
+        return out
 
     S = schedule.num_stages
     n_seg = len(traced.markers) + 1
