@@ -9,8 +9,9 @@ dynamic programs over stages (``O(stages * segments^2)``, vectorised).
 recomputation policy, so they are kept per policy (``policy_time``,
 ``policy_residual``). A search never handles policies itself: it runs on a *view*
 (:meth:`Problem.view`) for a time cap, in which every range uses, among the policies
-that keep its time within the cap, the one that stores least. Parameters, transfers
-and the workspace do not depend on the policy, and a stage's stored bytes only grow
+that keep its time within the cap, the one that stores least. Parameters and
+transfers do not depend on the policy, the workspace only through what the policy
+stores (``MemoryModel.workspace_stored_sets``), and a stage's stored bytes only grow
 with its residual set, so this choice minimises every memory objective at that cap:
 searching min-memory cuts on the view is exact for cut and policies together.
 """
