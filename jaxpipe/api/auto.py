@@ -28,8 +28,8 @@ from jaxpipe.cut import CutError
 from jaxpipe.errors import PipelineError
 from jaxpipe.schedule import GPipe, Interleaved1F1B, OneFOneB, Schedule
 
-__all__ = ["FAMILIES", "Auto", "AutoChoice", "Candidate", "choose", "choose_microbatches",
-           "placeholder", "resolve_auto"]
+__all__ = ["FAMILIES", "Auto", "AutoChoice", "Candidate", "batch_rows", "choose",
+           "choose_microbatches", "placeholder", "resolve_auto"]
 
 #: The built-in families :class:`Auto` chooses among by default, in tie-break order:
 #: name -> ``(schedule class, chunk counts it tries)``.
@@ -282,21 +282,27 @@ def placeholder(auto: Auto, mesh: Any, axis: str, batch: Any) -> Schedule:
     """The schedule a pipeline checks its arguments and traces with before it chooses:
     1F1B over the mesh's pipe size and :meth:`Auto.num_microbatches` (the choice keeps
     ``m``; only the family and chunks change)."""
-    import jax
-
     if not hasattr(mesh, "axis_names") or axis not in mesh.axis_names:
         raise PipelineError(f"schedule='auto' takes the pipe size from the mesh's '{axis}' "
                             f"axis; the mesh has {tuple(getattr(mesh, 'axis_names', ()))}. "
                             f"Build it with jax.make_mesh((p,), ('{axis}',)) or pass axis=.")
-    leaves = jax.tree.leaves(batch)
-    if not leaves or not getattr(leaves[0], "shape", ()):
-        raise PipelineError("schedule='auto' splits the batch along axis 0; give a batch "
-                            "of arrays with a leading batch axis.")
+    rows = batch_rows(batch)
     p = int(mesh.shape[axis])
     if auto.num_devices is not None and auto.num_devices != p:
         raise PipelineError(f"Auto(num_devices={auto.num_devices}) but the mesh's '{axis}' "
                             f"axis has {p} devices; drop num_devices or match the mesh.")
-    return OneFOneB(p, auto.num_microbatches(p, int(leaves[0].shape[0])))
+    return OneFOneB(p, auto.num_microbatches(p, rows))
+
+
+def batch_rows(batch: Any) -> int:
+    """The rows of ``batch`` that ``schedule='auto'`` splits into microbatches (axis 0)."""
+    import jax
+
+    leaves = jax.tree.leaves(batch)
+    if not leaves or not getattr(leaves[0], "shape", ()):
+        raise PipelineError("schedule='auto' splits the batch along axis 0; give a batch "
+                            "of arrays with a leading batch axis.")
+    return int(leaves[0].shape[0])
 
 
 def resolve_auto(schedule: Any) -> Auto | None:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpipe.api.auto import choose_microbatches, placeholder, resolve_auto
+from jaxpipe.api.auto import batch_rows, choose_microbatches, placeholder, resolve_auto
 from jaxpipe.api.internals import Internals
 from jaxpipe.errors import PipelineTypeError
 from jaxpipe.runtime import Runtime
@@ -47,7 +47,7 @@ class Pipeline:
         if auto is not None and auto.microbatches == "auto":  # built once per m
             first = placeholder(auto, options["mesh"], options.get("axis", "pipe"), batch)
             self._internals = choose_microbatches(
-                auto, first.num_devices, int(jax.tree.leaves(batch)[0].shape[0]),
+                auto, first.num_devices, batch_rows(batch),
                 lambda a: Internals(loss_fn, params, batch, **{**options, "schedule": a}))
         else:
             self._internals = Internals(loss_fn, params, batch, **options)

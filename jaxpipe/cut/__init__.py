@@ -316,8 +316,9 @@ def choose_cuts(
     if in_flight is None:
         # In-flight counts follow from each device's action order, not from timing,
         # but a simulator is free to differ: re-cut once if the chosen costs change them.
-        if pooled_in_flight(timeline, placement) != counts:
-            counts = pooled_in_flight(timeline, placement)
+        timed = pooled_in_flight(timeline, placement)
+        if timed != counts:
+            counts = timed
             result = partition(costs, placement, counts, cut, memory_model=memory_model)
             timeline = schedule.simulate(costs=result.action_cost)
     return replace(result, makespan=float(timeline.makespan),

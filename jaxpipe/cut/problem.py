@@ -163,11 +163,11 @@ class Problem:
         # The DP bounds the parameter padding through one matrix: exact with one group.
         self.pvar = np.where(self.empty, np.inf, self.pgroups.sum(axis=-1))
         self.params_exact = len(groups) <= 1
-        # Transient bytes while a stage runs: the same for every policy (a backward
-        # reads or rebuilds its full residual set), but for copies of what the policy
-        # stores (MemoryModel.workspace_stored_sets; set per policy in _resolve).
-        self._base_work = np.where(self.empty, np.inf, model.workspace_bytes(
-            full_residual, np.where(self.empty, 0.0, self.params)))
+        # Transient bytes while a stage runs (MemoryModel.workspace_bytes): a backward
+        # reads or rebuilds its full residual set whatever the policy; what the policy
+        # stores enters too where the model copies it (set per policy in _resolve).
+        self._full_residual = full_residual
+        self._work_params = np.where(self.empty, 0.0, self.params)
 
         out = [c.out_bytes for c in costs]
         recv = np.array([0.0, *out], np.float64)  # received by a stage starting at a
@@ -184,15 +184,16 @@ class Problem:
         self.time = np.take_along_axis(self.policy_time, pick, 0)[0]
         self.residual = np.take_along_axis(self.policy_residual, pick, 0)[0]
         # the least-storing policy also copies least: searches on a view stay exact
-        self.work = self._base_work + (self.model.workspace_stored_sets * self.residual
-                                       if self.model.workspace_stored_sets else 0.0)
+        self.work = np.where(self.empty, np.inf, self.model.workspace_bytes(
+            self._full_residual, self._work_params, self.residual))
         self.has_work = bool(np.any(self.work[~self.empty] > 0))
         self._act: dict[int, np.ndarray] = {}
         self._mem: dict[int, np.ndarray] = {}
 
     def stage_work(self, a: int, b: int, stored: float) -> float:
         """The workspace of range ``[a, b)`` storing ``stored`` bytes a microbatch."""
-        return float(self._base_work[a, b] + self.model.workspace_stored_sets * stored)
+        return float(self.model.workspace_bytes(self._full_residual[a, b],
+                                                self._work_params[a, b], stored))
 
     @property
     def remat_choice(self) -> bool:

@@ -69,7 +69,7 @@ def measure(devices: int | None = None, repeats: int = 5) -> Calibration:
     from jaxpipe.distributed import replicate
     from jaxpipe.runtime.spmd import SpmdRuntime
     from jaxpipe.runtime.spmd.backends import concurrent
-    from jaxpipe.runtime.spmd.predict import program_work
+    from jaxpipe.runtime.spmd.predict import carried_bytes, program_work
     from jaxpipe.schedule import GPipe, OneFOneB
 
     p = devices or min(len(jax.devices()), 4)
@@ -98,8 +98,8 @@ def measure(devices: int | None = None, repeats: int = 5) -> Calibration:
         stored = pipe.inspect.cut_report.padded_memory.residuals
         if model == "tanh":
             samples.append((seconds, work, ticks))
-        else:  # a device carries its stored bytes every tick (each, where they take turns)
-            stored_pair.append((seconds, ticks * stored * (1 if together else p)))
+        else:
+            stored_pair.append((seconds, carried_bytes(p, ticks, stored, together)))
     return fit(machine_key(backend, jax.devices()[0].device_kind, together), samples,
                stored=tuple(stored_pair))
 

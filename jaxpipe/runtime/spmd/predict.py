@@ -23,7 +23,15 @@ from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan
 from jaxpipe.schedule import Action, Schedule
 from jaxpipe.schedule.simulate import resolve_costs
 
-__all__ = ["predicted_time", "program_work"]
+__all__ = ["carried_bytes", "predicted_time", "program_work"]
+
+
+def carried_bytes(num_devices: int, ticks: int, stored_bytes: float, concurrent: bool
+                  ) -> float:
+    """Bytes x ticks the tick loop carries when a device stores ``stored_bytes``: each
+    device carries its own every tick, and devices that take turns (``concurrent=False``)
+    add up."""
+    return ticks * stored_bytes * (1 if concurrent else num_devices)
 
 
 def predicted_time(schedule: Schedule, action_cost: Callable[[Action], float] | None,
@@ -36,9 +44,9 @@ def predicted_time(schedule: Schedule, action_cost: Callable[[Action], float] | 
     :mod:`.calibrate`). Devices that take turns (``concurrent=False``) each carry theirs."""
     work, ticks = program_work(schedule, action_cost, backend, lanes, split_backward, refine,
                                concurrent, message_bytes)
-    carriers = 1 if concurrent else schedule.num_devices
+    carried = carried_bytes(schedule.num_devices, ticks, stored_bytes, concurrent)
     return (work + ticks * tick_overhead_flops(backend, concurrent)
-            + ticks * carriers * stored_bytes * stored_byte_flops(backend, concurrent)), ticks
+            + carried * stored_byte_flops(backend, concurrent)), ticks
 
 
 def program_work(schedule: Schedule, action_cost: Callable[[Action], float] | None,
