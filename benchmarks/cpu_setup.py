@@ -34,3 +34,24 @@ def single_core_cpu(devices: int) -> None:
     os.environ["XLA_FLAGS"] = flags.strip()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+
+
+def pin_to_core(core: int | None) -> int | None:
+    """Pin this process to the ``core``-th core (modulo their count, when there are at
+    least two); returns the core, or ``None`` where nothing was pinned.
+
+    The candidates are all of the machine's cores, not this process's inherited
+    affinity: ``run.py`` pins itself to one core and its children inherit that.
+    """
+    if core is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    except OSError:
+        pass  # a cpuset may forbid some cores; use what we are allowed
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    target = cores[core % len(cores)]
+    os.sched_setaffinity(0, {target})
+    return target

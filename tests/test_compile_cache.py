@@ -7,6 +7,7 @@ processes").
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -44,17 +45,13 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(script, cache):
+    # a fresh interpreter: the script sets its own device count (this one's XLA_FLAGS off)
+    env = {"JAX_PLATFORMS": "cpu",
+           **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}}
     proc = subprocess.run([sys.executable, str(script), str(cache)], capture_output=True,
-                          text=True, timeout=300, env={"JAX_PLATFORMS": "cpu",
-                                                       **_env()})
+                          text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _env():
-    import os
-
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
 def test_a_second_process_loads_the_pipelines_programs_from_the_cache(tmp_path):

@@ -151,6 +151,7 @@ def measure(quick: bool = False, devices: int = DEVICES) -> dict[str, Any]:
     """Rank with the default constants, then with ``jaxpipe calibrate``'s measured on this
     machine (kept in a temporary file, not the user's)."""
     import tempfile
+    from unittest import mock
 
     import jax
 
@@ -165,31 +166,24 @@ def measure(quick: bool = False, devices: int = DEVICES) -> dict[str, Any]:
     from jaxpipe.runtime.spmd import calibrate as cal
     from jaxpipe.tools.calibrate import measure as calibrate
 
-    before = os.environ.get("JAXPIPE_CALIBRATION")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            os.environ["JAXPIPE_CALIBRATION"] = str(Path(tmp) / "calibration.json")
-            models = _models()
-            for name, loss_fn, params, batch in models:  # the defaults: nothing kept yet
-                res["rows"].append(_model_row(name, loss_fn, params, batch, repeats=5,
-                                              devices=devices))
-            kept = calibrate(devices)
-            cal.save(kept)
-            res["calibration"] = {"flops_per_s": kept.flops_per_s,
-                                  "tick_overhead_flops": kept.tick_overhead_flops,
-                                  "stored_byte_tick_flops": kept.stored_byte_tick_flops}
-            mesh = _mesh(devices)
-            for row, (_, loss_fn, params, batch) in zip(res["rows"], models, strict=True):
-                predicted, verdict, _ = _predicted(loss_fn, params, batch, mesh)
-                measured = {c["candidate"]: c["measured_s"] for c in row["candidates"]}
-                for c in row["candidates"]:
-                    c["predicted_calibrated"] = predicted[c["candidate"]]
-                row["calibrated"] = _ranking(predicted, verdict, measured)
-        finally:
-            if before is None:
-                os.environ.pop("JAXPIPE_CALIBRATION", None)
-            else:
-                os.environ["JAXPIPE_CALIBRATION"] = before
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(
+            os.environ, {"JAXPIPE_CALIBRATION": str(Path(tmp) / "calibration.json")}):
+        models = _models()
+        for name, loss_fn, params, batch in models:  # the defaults: nothing kept yet
+            res["rows"].append(_model_row(name, loss_fn, params, batch, repeats=5,
+                                          devices=devices))
+        kept = calibrate(devices)
+        cal.save(kept)
+        res["calibration"] = {"flops_per_s": kept.flops_per_s,
+                              "tick_overhead_flops": kept.tick_overhead_flops,
+                              "stored_byte_tick_flops": kept.stored_byte_tick_flops}
+        mesh = _mesh(devices)
+        for row, (_, loss_fn, params, batch) in zip(res["rows"], models, strict=True):
+            predicted, verdict, _ = _predicted(loss_fn, params, batch, mesh)
+            measured = {c["candidate"]: c["measured_s"] for c in row["candidates"]}
+            for c in row["candidates"]:
+                c["predicted_calibrated"] = predicted[c["candidate"]]
+            row["calibrated"] = _ranking(predicted, verdict, measured)
     return res
 
 
@@ -222,13 +216,12 @@ def _launch(processes: int, out: str) -> int:
 
 def _pin_to_process_core() -> None:
     """One core per process (process ``i`` on the ``i``-th core), single-threaded XLA."""
-    from benchmarks.cpu_setup import SINGLE_THREAD_FLAGS
+    from benchmarks.cpu_setup import SINGLE_THREAD_FLAGS, pin_to_core
 
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREAD_FLAGS}"
-    index = int(os.environ.get("JAXPIPE_PROCESS_ID", "0"))
-    if hasattr(os, "sched_setaffinity"):
-        cores = sorted(range(os.cpu_count() or 1))
-        os.sched_setaffinity(0, {cores[index % len(cores)]})
+    from jaxpipe.distributed import ENV_PROCESS_ID  # (after the flags: it imports jax)
+
+    pin_to_core(int(os.environ.get(ENV_PROCESS_ID, "0")))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:

@@ -38,29 +38,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _pin(core: int | None) -> int | None:
-    """Pin this process to one core (when there are enough); returns the core or None.
-
-    The candidates are all of the machine's cores, not this process's inherited
-    affinity: ``run.py`` pins itself to one core and its children inherit that.
-    """
-    if core is None or not hasattr(os, "sched_setaffinity"):
-        return None
-    try:
-        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-    except OSError:
-        pass  # a cpuset may forbid some cores; use what we are allowed
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return None
-    target = cores[core % len(cores)]
-    os.sched_setaffinity(0, {target})
-    return target
-
-
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     """One pipeline device: run the p=2 pipeline; process 0 reports the timings."""
-    core = _pin(args.process_id if args.pin else None)
+    from benchmarks.cpu_setup import pin_to_core
+
+    core = pin_to_core(args.process_id if args.pin else None)
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -165,7 +147,9 @@ def _ppermute_latency(mesh: Any, shape: tuple[int, ...], dtype: str, n: int = 50
 def _single(args: argparse.Namespace) -> dict[str, Any]:
     """The same work in one process on one core: jaxpipe p=1 and plain JAX on one device,
     and the p=2 program with its two devices taking turns."""
-    core = _pin(0 if args.pin else None)
+    from benchmarks.cpu_setup import pin_to_core
+
+    core = pin_to_core(0 if args.pin else None)
     import jax
 
     import jaxpipe as jp
