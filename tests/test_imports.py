@@ -102,7 +102,7 @@ def test_no_import_cycle_in_the_package():
 # never one after it (docs/architecture.md draws the same order).
 LAYERS = [
     ("jaxpipe.errors", "jaxpipe.jax_compat", "jaxpipe.xla_flags", "jaxpipe.build_times",
-     "jaxpipe.compile_watch", "jaxpipe.distributed"),
+     "jaxpipe.compile_watch", "jaxpipe.distributed", "jaxpipe.transport_threads"),
     ("jaxpipe.jaxpr",),
     ("jaxpipe.sharding",),
     ("jaxpipe.schedule",),

@@ -27,6 +27,7 @@ import pytest
 
 from jaxpipe import distributed as jpd
 from jaxpipe import launch as jpl
+from jaxpipe.transport_threads import idle_transport_threads
 
 WORKER = Path(__file__).parent / "support" / "mp_worker.py"
 LAUNCH_TIMEOUT = 100  # the launcher kills everything after this (exit 124)
@@ -101,6 +102,9 @@ def test_two_processes_match_unpipelined(tmp_path, mode):
     _check_against_unpipelined(got, w.loss_fn, params, batch, w.M, optax.sgd(w.LR),
                                w.TRAIN_STEPS)
     assert (tmp_path / "result.npz.ckpt" / "state").is_dir()
+    if sys.platform == "linux":  # initialize gave gloo's polling thread SCHED_IDLE
+        idle = json.loads((tmp_path / "result.npz.idle.json").read_text())
+        assert idle["idle"] >= 1 and idle["in_epoll"] == idle["idle"], idle
 
 
 @pytest.mark.parametrize("mode", ["sharded", "sharded-explicit"])
@@ -204,6 +208,38 @@ def test_initialize_without_configuration(monkeypatch):
         jpd.initialize(require=True)
     with pytest.raises(jpd.PipelineError, match="together"):
         jpd.initialize("127.0.0.1:1234")  # address without count and id
+    with pytest.raises(jpd.PipelineError, match="transport_threads='low'"):
+        jpd.initialize(transport_threads="low")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE and /proc are Linux's")
+def test_polling_threads_started_with_the_backend_get_sched_idle():
+    """What initialize does to gloo's event loop, on stand-ins: of the threads the start
+    creates, the one waiting in epoll gets SCHED_IDLE; the others keep their policy."""
+    import select
+    import threading
+
+    stop = threading.Event()
+    threads: dict[str, threading.Thread] = {}
+
+    def poller():
+        ep = select.epoll()
+        while not stop.is_set():
+            ep.poll(0.01)
+
+    def start():
+        threads["poll"] = threading.Thread(target=poller, daemon=True)
+        threads["sleep"] = threading.Thread(target=stop.wait, daemon=True)
+        for t in threads.values():
+            t.start()
+
+    try:
+        got = idle_transport_threads(start)
+        assert got == [threads["poll"].native_id]
+        assert os.sched_getscheduler(got[0]) == os.SCHED_IDLE
+        assert os.sched_getscheduler(threads["sleep"].native_id) == os.SCHED_OTHER
+    finally:
+        stop.set()
 
 
 def test_single_process_helpers():

@@ -2,17 +2,23 @@
 
     python benchmarks/baselines/torch_pipelining.py --torch-python /path/to/python
 
-Both frameworks train the same MLP (``--layers`` Linear(width, width) + ReLU layers, an MSE
-loss) with plain SGD, pipelined over two processes, each pinned to its own core with one
-compute thread, talking gloo over loopback; a full training step (forward, backward,
-optimizer) is timed, median of ``--repeats`` after ``--warmup``. jaxpipe runs
-``Pipeline.train_step`` (one jitted program per step); torch runs ``schedule.step`` and
-``optimizer.step()`` on each rank's stages. Schedules: 1F1B (one stage per process) and
-interleaved 1F1B (two per process). torch is not a jaxpipe dependency: it runs under
-``--torch-python`` (an interpreter that has it; skipped without one).
+Both frameworks train the same MLP (``--layers`` Linear(width, width) layers, each
+followed by ``--activation``, an MSE loss) with plain SGD, pipelined over two processes,
+each pinned to its own core with one compute thread, talking gloo over loopback; a full
+training step (forward, backward, optimizer) is timed, median of ``--repeats`` after
+``--warmup``. jaxpipe runs ``Pipeline.train_step`` (one jitted program per step); torch
+runs ``schedule.step`` and ``optimizer.step()`` on each rank's stages. Schedules: GPipe and
+1F1B (one stage per process) and interleaved 1F1B (two per process). torch is not a
+jaxpipe dependency: it runs under ``--torch-python`` (an interpreter that has it; skipped
+without one).
 
-Prints one line per (framework, schedule, m) and the ratio jaxpipe / torch, and writes
-``--out`` as JSON.
+Each framework also trains the whole model in one process on one core (jaxpipe's
+reference is plain ``jax.jit`` accumulating the m microbatches' gradients); the speed-up of
+the pipeline over it, against the ideal ``2m / (m + 1)`` of two stages, is the fraction of
+ideal. The default is the issue's configuration: 8 x 512 tanh, 64 rows per microbatch.
+
+Prints one line per (schedule, m): step times, jaxpipe / torch, and each framework's
+fraction of ideal; writes ``--out`` as JSON.
 """
 
 from __future__ import annotations
@@ -29,13 +35,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-SCHEDULES = ("1f1b", "interleaved")
-
-
-def _pin(rank: int) -> None:
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cores) >= 2:
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 # ------------------------------------------------------------------------------- torch
@@ -45,14 +45,18 @@ def _torch_worker(a: argparse.Namespace) -> dict[str, Any]:
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
+        ScheduleGPipe,
         ScheduleInterleaved1F1B,
     )
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=a.rank, world_size=2)
     torch.manual_seed(0)
-    layers = [torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.ReLU())
+    act = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh}[a.activation]
+    layers = [torch.nn.Sequential(torch.nn.Linear(a.width, a.width), act())
               for _ in range(a.layers)]
+    if a.role == "torch-single":
+        return _torch_single(a, torch.nn.Sequential(*layers))
+    dist.init_process_group("gloo", rank=a.rank, world_size=2)
     out: dict[str, Any] = {}
     for sched in a.schedules.split(","):
         v = 2 if sched == "interleaved" else 1
@@ -66,8 +70,9 @@ def _torch_worker(a: argparse.Namespace) -> dict[str, Any]:
         opt = torch.optim.SGD(params, lr=1e-3)
         for m in a.ms:
             loss_fn = torch.nn.MSELoss()
-            schedule = (Schedule1F1B(stages[0], m, loss_fn=loss_fn) if v == 1 else
-                        ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn))
+            schedule = (ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn) if v == 2 else
+                        {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[sched](
+                            stages[0], m, loss_fn=loss_fn))
             x = torch.randn(m * a.mb, a.width)
             y = torch.randn(m * a.mb, a.width)
             times = []
@@ -88,19 +93,51 @@ def _torch_worker(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _torch_single(a: argparse.Namespace, model: Any) -> dict[str, Any]:
+    """The whole model on this core: m microbatches' forward and backward, one SGD step."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = torch.nn.MSELoss()
+    out: dict[str, Any] = {}
+    for m in a.ms:
+        xs = torch.randn(m, a.mb, a.width).unbind(0)
+        ys = torch.randn(m, a.mb, a.width).unbind(0)
+
+        def step(xs=xs, ys=ys, m=m) -> None:
+            opt.zero_grad()
+            for x, y in zip(xs, ys, strict=True):
+                (loss_fn(model(x), y) / m).backward()
+            opt.step()
+
+        out[f"m={m}"] = _median_time(step, a)
+    return out
+
+
+def _median_time(step: Any, a: argparse.Namespace) -> float:
+    times = []
+    for k in range(a.warmup + a.repeats):
+        t0 = time.perf_counter()
+        step()
+        if k >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 # ----------------------------------------------------------------------------- jaxpipe
 def _jaxpipe_worker(a: argparse.Namespace) -> dict[str, Any]:
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}", num_processes=2,
-                               process_id=a.rank)
+    from jaxpipe import distributed as jpd
+
+    if a.role == "jaxpipe":
+        jpd.initialize(f"127.0.0.1:{a.port}", 2, a.rank,
+                       transport_threads=a.transport_threads)
     import jax.numpy as jnp
     import numpy as np
     import optax
 
     import jaxpipe as jp
-    from jaxpipe import distributed as jpd
 
     rng = np.random.default_rng(0)
     bound = 1 / np.sqrt(a.width)  # torch.nn.Linear's default initialisation range
@@ -108,19 +145,24 @@ def _jaxpipe_worker(a: argparse.Namespace) -> dict[str, Any]:
              "b": rng.uniform(-bound, bound, (a.width,)).astype(np.float32)}
             for _ in range(a.layers)]
 
+    act = {"relu": jax.nn.relu, "tanh": jnp.tanh}[a.activation]
+
     def loss_fn(params, mb):
         h = mb["x"]
         for layer in params:
-            h = jp.boundary(jax.nn.relu(h @ layer["w"] + layer["b"]))
+            h = jp.boundary(act(h @ layer["w"] + layer["b"]))
         return jnp.mean((h - mb["y"]) ** 2)
 
+    if a.role == "jaxpipe-single":
+        return _jax_single(a, loss_fn, host, rng)
     mesh = jax.make_mesh((2,), ("pipe",))
     params = jpd.replicate(host, mesh)
     out: dict[str, Any] = {}
     for sched in a.schedules.split(","):
         for m in a.ms:
-            schedule = (jp.OneFOneB(2, m) if sched == "1f1b" else
-                        jp.Interleaved1F1B(2, m, stages_per_device=2))
+            schedule = (jp.Interleaved1F1B(2, m, stages_per_device=2)
+                        if sched == "interleaved" else
+                        {"gpipe": jp.GPipe, "1f1b": jp.OneFOneB}[sched](2, m))
             batch = jpd.global_batch(
                 {"x": rng.standard_normal((m * a.mb, a.width)).astype(np.float32),
                  "y": rng.standard_normal((m * a.mb, a.width)).astype(np.float32)}, mesh)
@@ -139,6 +181,34 @@ def _jaxpipe_worker(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _jax_single(a: argparse.Namespace, loss_fn: Any, host: Any, rng: Any) -> dict[str, Any]:
+    """Plain ``jax.jit`` on this core: the m microbatches' gradients summed by a scan,
+    one SGD step."""
+    import jax
+    import numpy as np
+
+    @jax.jit
+    def step(params, batch):
+        def one(acc, mb):
+            return jax.tree.map(jax.numpy.add, acc, jax.grad(loss_fn)(params, mb)), None
+        zero = jax.tree.map(jax.numpy.zeros_like, params)
+        grads, _ = jax.lax.scan(one, zero, batch)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g / len(batch["x"]), params, grads)
+
+    out: dict[str, Any] = {}
+    for m in a.ms:
+        batch = {k: rng.standard_normal((m, a.mb, a.width)).astype(np.float32)
+                 for k in ("x", "y")}
+        params = jax.device_put(host)
+
+        def run(batch=batch) -> None:
+            nonlocal params
+            params = jax.block_until_ready(step(params, batch))
+
+        out[f"m={m}"] = _median_time(run, a)
+    return out
+
+
 # -------------------------------------------------------------------------------- main
 def _free_port() -> int:
     with socket.socket() as s:
@@ -146,72 +216,107 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(framework: str, python: str, a: argparse.Namespace) -> dict[str, Any]:
-    sys.path.insert(0, str(REPO))
+def _spawn(role: str, python: str, a: argparse.Namespace, processes: int) -> dict[str, Any]:
     from benchmarks.cpu_setup import with_flags  # (imports no jax)
 
     port = _free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
                XLA_FLAGS=with_flags("--xla_force_host_platform_device_count=1"))
-    outs = [Path(a.workdir) / f"{framework}{r}.json" for r in range(2)]
+    outs = [Path(a.workdir) / f"{role}{r}.json" for r in range(processes)]
     procs = [subprocess.Popen(
-        [python, __file__, "--role", framework, "--rank", str(r), "--port", str(port),
+        [python, __file__, "--role", role, "--rank", str(r), "--port", str(port),
          "--out", str(outs[r]), "--layers", str(a.layers), "--width", str(a.width),
-         "--mb", str(a.mb), "--ms", ",".join(map(str, a.ms)), "--schedules", a.schedules,
-         "--warmup", str(a.warmup), "--repeats", str(a.repeats)],
-        env=env, cwd=REPO) for r in range(2)]
+         "--activation", a.activation, "--mb", str(a.mb), "--ms", ",".join(map(str, a.ms)),
+         "--schedules", a.schedules, "--warmup", str(a.warmup), "--repeats", str(a.repeats),
+         "--transport-threads", a.transport_threads],
+        env=env, cwd=REPO) for r in range(processes)]
     for p in procs:
         p.wait(timeout=a.timeout)
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"{framework} workers failed: {[p.returncode for p in procs]}")
+        raise RuntimeError(f"{role} workers failed: {[p.returncode for p in procs]}")
     ranks = [json.loads(o.read_text()) for o in outs]
     return {k: max(r[k] for r in ranks) for k in ranks[0]}  # a step ends on both ranks
 
 
+def _summary(res: dict[str, Any], ms: list[int]) -> dict[str, Any]:
+    """Per (schedule, m): each framework's step time, speed-up over its one-process run
+    and fraction of the ideal 2m/(m+1); jaxpipe / torch."""
+    med = res["median_s"]
+    out: dict[str, Any] = {}
+    for key, t in med["jaxpipe"].items():
+        m = int(key.split("m=")[1])
+        ideal = 2 * m / (m + 1)
+        row: dict[str, Any] = {"ideal": ideal}
+        for f in ("jaxpipe", "torch"):
+            if f in med and key in med[f]:
+                row[f"{f}_s"] = med[f][key]
+                single = med.get(f"{f}-single", {}).get(f"m={m}")
+                if single:
+                    row[f"{f}_fraction_of_ideal"] = single / med[f][key] / ideal
+        if "torch_s" in row:
+            row["jaxpipe_over_torch"] = t / row["torch_s"]
+        out[key] = row
+    assert all(f"m={m}" in med["jaxpipe-single"] for m in ms)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--role", choices=("main", "torch", "jaxpipe"), default="main")
+    ap.add_argument("--role", default="main", choices=(
+        "main", "torch", "jaxpipe", "torch-single", "jaxpipe-single"))
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--torch-python", default=None,
                     help="a Python interpreter with torch installed (default: skip torch)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--mb", type=int, default=32, help="rows per microbatch")
+    ap.add_argument("--activation", choices=("tanh", "relu"), default="tanh")
+    ap.add_argument("--mb", type=int, default=64, help="rows per microbatch")
     ap.add_argument("--ms", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--transport-threads", choices=("idle", "normal"), default="idle",
+                    help="jaxpipe.distributed.initialize's priority for gloo's threads")
     ap.add_argument("--runs", type=int, default=2, help="fresh process pairs; medians")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--workdir", default="/tmp/jaxpipe_torch_compare")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from benchmarks.cpu_setup import pin_to_core  # (imports no jax)
+
     if a.role != "main":
-        _pin(a.rank)
-        res = (_torch_worker if a.role == "torch" else _jaxpipe_worker)(a)
+        pin_to_core(a.rank)
+        res = (_torch_worker if a.role.startswith("torch") else _jaxpipe_worker)(a)
         Path(a.out).write_text(json.dumps(res))
         return 0
     Path(a.workdir).mkdir(parents=True, exist_ok=True)
     frameworks = {"jaxpipe": sys.executable}
     if a.torch_python:
         frameworks["torch"] = a.torch_python
-    runs: dict[str, list[dict[str, Any]]] = {f: [] for f in frameworks}
+    runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(a.runs):
         for f, python in frameworks.items():
-            runs[f].append(_spawn(f, python, a))
+            for role, processes in ((f, 2), (f"{f}-single", 1)):
+                runs.setdefault(role, []).append(_spawn(role, python, a, processes))
     res: dict[str, Any] = {"config": {k: v for k, v in vars(a).items()
                                       if k not in ("role", "rank", "port")},
                            "runs": runs, "median_s": {}}
     for f, rs in runs.items():
         res["median_s"][f] = {k: statistics.median(r[k] for r in rs) for k in rs[0]
                               if not k.endswith("/ticks")}
-    for key, t in res["median_s"]["jaxpipe"].items():
-        torch_t = res["median_s"].get("torch", {}).get(key)
-        ratio = f"  jaxpipe/torch {t / torch_t:.2f}" if torch_t else ""
-        print(f"{key:<18} jaxpipe {t * 1e3:8.2f} ms"
-              + (f"  torch {torch_t * 1e3:8.2f} ms" if torch_t else "") + ratio)
+    res["summary"] = _summary(res, a.ms)
+    for key, row in res["summary"].items():
+        line = f"{key:<18} jaxpipe {row['jaxpipe_s'] * 1e3:8.2f} ms"
+        if "torch_s" in row:
+            line += (f"  torch {row['torch_s'] * 1e3:8.2f} ms"
+                     f"  jaxpipe/torch {row['jaxpipe_over_torch']:.2f}")
+        line += "  of ideal: " + "  ".join(
+            f"{f} {row[f + '_fraction_of_ideal']:.2f}" for f in ("jaxpipe", "torch")
+            if f + "_fraction_of_ideal" in row)
+        print(line)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
     return 0

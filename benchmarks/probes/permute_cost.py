@@ -9,8 +9,10 @@ program does at a tick that carries messages at p=2). The cost of a permute is t
 per iteration with it minus without it. Three placements: every thread of a process
 pinned to its own core (what ``benchmarks/sections/concurrency.py`` does), nothing pinned, and
 only the compute thread pinned (gloo's event-loop thread, started by
-``jax.distributed.initialize``, free to run on any core). Prints milliseconds per
-iteration, the median of ``--runs`` fresh process pairs.
+``jax.distributed.initialize``, free to run on any core), and pinned with gloo's event
+loop at ``SCHED_IDLE`` (what :func:`jaxpipe.distributed.initialize` does by default: the
+loop polls all the time, and at normal priority it takes part of the compute core).
+Prints milliseconds per iteration, the median of ``--runs`` fresh process pairs.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-PLACEMENTS = ("pinned", "unpinned", "compute-pinned")
+PLACEMENTS = ("pinned", "unpinned", "compute-pinned", "pinned-idle")
 
 
 def _worker(a: argparse.Namespace) -> None:
-    if a.placement == "pinned":
+    if a.placement in ("pinned", "pinned-idle"):
         os.sched_setaffinity(0, {a.rank % os.cpu_count()})
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks.cpu_setup import with_flags  # (imports no jax)
@@ -43,9 +45,10 @@ def _worker(a: argparse.Namespace) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}", num_processes=2,
-                               process_id=a.rank)
+    from jaxpipe import distributed as jpd
+
+    jpd.initialize(f"127.0.0.1:{a.port}", 2, a.rank,
+                   transport_threads="idle" if a.placement == "pinned-idle" else "normal")
     if a.placement == "compute-pinned":  # threads started from now on inherit it
         os.sched_setaffinity(0, {a.rank % os.cpu_count()})
     mesh = jax.make_mesh((2,), ("pipe",), devices=jax.devices())

@@ -45,10 +45,10 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     core = pin_to_core(args.process_id if args.pin else None)
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
-                               num_processes=2, process_id=args.process_id,
-                               initialization_timeout=args.init_timeout)
+    from jaxpipe import distributed as jpd
+
+    jpd.initialize(f"127.0.0.1:{args.port}", 2, args.process_id,
+                   initialization_timeout=args.init_timeout)
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P

@@ -20,7 +20,10 @@ split over ``model`` (``param_specs``), trained with AdamW and checkpointed;
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -34,6 +37,7 @@ import jaxpipe as jp
 from jaxpipe import checkpoint as jpc
 from jaxpipe import distributed as jpd
 from jaxpipe.runtime.spmd import SpmdRuntime
+from jaxpipe.transport_threads import thread_ids, waiting_in_epoll
 
 P_STAGES, M, WIDTH, BATCH = 4, 4, 8, 16
 TRAIN_STEPS, LR = 2, 0.05
@@ -207,6 +211,10 @@ if __name__ == "__main__":
     # Importing jax is fine; initialize must come before anything touches its backend.
     jpd.initialize(require=True)
     mode, out = sys.argv[1], sys.argv[2]
+    # gloo's event-loop threads, which initialize gave SCHED_IDLE (the test reads this)
+    idle = {t for t in thread_ids() if os.sched_getscheduler(t) == os.SCHED_IDLE}
+    Path(out + ".idle.json").write_text(json.dumps(
+        {"idle": len(idle), "in_epoll": len(waiting_in_epoll(idle))}))
     if mode == "sharded":
         sharded(out)
     elif mode == "sharded-explicit":
