@@ -56,16 +56,17 @@ def waiting_in_epoll(tids: set[int], samples: int = 20, interval_s: float = 0.00
     return found
 
 
-def idle_transport_threads(start_backend: Callable[[], object]) -> list[int]:
-    """Run ``start_backend`` (which starts the CPU backend and its gloo device) and give
-    the event-loop threads it started ``SCHED_IDLE``; returns their thread ids.
+def idle_transport_threads(start_backend: Callable[[], bool]) -> list[int]:
+    """Run ``start_backend`` and, where it returns ``True`` (it started the CPU backend,
+    whose gloo device moves the messages), give the event-loop threads it started
+    ``SCHED_IDLE``; returns their thread ids.
 
-    Returns ``[]`` and changes nothing where the threads cannot be found or changed (not
-    Linux, no ``/proc``, no permission): the pipeline then runs as JAX runs it.
+    Returns ``[]`` and changes nothing where the backend is another (a TPU or GPU host's
+    threads are not gloo's) or the threads cannot be found or changed (not Linux, no
+    ``/proc``, no permission): the pipeline then runs as JAX runs it.
     """
     before = thread_ids()
-    start_backend()
-    if not before or not hasattr(os, "SCHED_IDLE"):
+    if not start_backend() or not before or not hasattr(os, "SCHED_IDLE"):
         return []
     loops = sorted(waiting_in_epoll(thread_ids() - before))
     done = []

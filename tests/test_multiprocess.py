@@ -214,8 +214,9 @@ def test_initialize_without_configuration(monkeypatch):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE and /proc are Linux's")
 def test_polling_threads_started_with_the_backend_get_sched_idle():
-    """What initialize does to gloo's event loop, on stand-ins: of the threads the start
-    creates, the one waiting in epoll gets SCHED_IDLE; the others keep their policy."""
+    """What initialize does to gloo's event loop, on stand-ins: of the threads a CPU
+    backend's start creates, the one waiting in epoll gets SCHED_IDLE; the others keep
+    their policy, and another backend's start changes nothing."""
     import select
     import threading
 
@@ -227,14 +228,18 @@ def test_polling_threads_started_with_the_backend_get_sched_idle():
         while not stop.is_set():
             ep.poll(0.01)
 
-    def start():
+    def start(cpu: bool):
         threads["poll"] = threading.Thread(target=poller, daemon=True)
         threads["sleep"] = threading.Thread(target=stop.wait, daemon=True)
         for t in threads.values():
             t.start()
+        return cpu
 
     try:
-        got = idle_transport_threads(start)
+        # another backend (a TPU or GPU host): its threads are not gloo's, left alone
+        assert idle_transport_threads(lambda: start(cpu=False)) == []
+        assert os.sched_getscheduler(threads["poll"].native_id) == os.SCHED_OTHER
+        got = idle_transport_threads(lambda: start(cpu=True))
         assert got == [threads["poll"].native_id]
         assert os.sched_getscheduler(got[0]) == os.SCHED_IDLE
         assert os.sched_getscheduler(threads["sleep"].native_id) == os.SCHED_OTHER
