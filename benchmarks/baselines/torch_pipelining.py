@@ -169,14 +169,13 @@ def _jaxpipe_worker(a: argparse.Namespace) -> dict[str, Any]:
             pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule,
                                cut="auto")
             state = pipe.init(params, optax.sgd(1e-3))
-            times = []
-            for k in range(a.warmup + a.repeats):
-                t0 = time.perf_counter()
+
+            def step(pipe=pipe, batch=batch) -> None:
+                nonlocal state
                 state, metrics = pipe.train_step(state, batch)
                 jax.block_until_ready(metrics["loss"])
-                if k >= a.warmup:
-                    times.append(time.perf_counter() - t0)
-            out[f"{sched}/m={m}"] = statistics.median(times)
+
+            out[f"{sched}/m={m}"] = _median_time(step, a)
             out[f"{sched}/m={m}/ticks"] = int(pipe.inspect.executor.lowering.num_ticks)
     return out
 
