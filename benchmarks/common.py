@@ -87,34 +87,69 @@ def load_example(name: str) -> Any:
     return module
 
 
-def _dense(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[0])).astype(dtype)
+class _Init:
+    """Parameter values drawn from ``key``: :meth:`normal` (a fresh draw per call),
+    :meth:`ones`, :meth:`zeros`, as ``jax.Array`` s of ``dtype``.
+
+    A concrete key draws from numpy's generator seeded with the key's data and builds
+    every array on the host: eager ``jax.random`` and jnp arithmetic compile a program
+    per shape and op, 1.5-2.5 s of a benchmark section's model (the parameters are the
+    same for every program a section compares, so where they come from does not
+    matter). Under a trace (``jax.eval_shape`` of a model too big to hold), jax.random,
+    which such a trace never runs."""
+
+    def __init__(self, key: jax.Array, dtype: Any) -> None:
+        self.dtype = jnp.dtype(dtype)
+        self.traced = isinstance(key, jax.core.Tracer)
+        self.key, self.count = key, 0
+        if not self.traced:
+            self.rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).tolist())
+
+    def normal(self, shape: tuple[int, ...], scale: float) -> jax.Array:
+        if self.traced:
+            self.count += 1
+            x = jax.random.normal(jax.random.fold_in(self.key, self.count), shape, jnp.float32)
+            return (x * scale).astype(self.dtype)
+        return jnp.asarray((self.rng.standard_normal(shape, np.float32) * np.float32(scale))
+                           .astype(self.dtype))
+
+    def dense(self, shape: tuple[int, ...]) -> jax.Array:
+        return self.normal(shape, 1 / math.sqrt(shape[0]))
+
+    def ones(self, shape: tuple[int, ...]) -> jax.Array:
+        return jnp.asarray(np.ones(shape, self.dtype))
+
+    def zeros(self, shape: tuple[int, ...]) -> jax.Array:
+        return jnp.asarray(np.zeros(shape, self.dtype))
 
 
 def init_block(cfg: GPTConfig, key: jax.Array) -> dict[str, jax.Array]:
     """Parameters of one decoder block."""
-    d, f, dt = cfg.d_model, cfg.d_model * cfg.mlp_ratio, jnp.dtype(cfg.dtype)
-    k = jax.random.split(key, 4)
+    return _block_params(cfg, _Init(key, cfg.dtype))
+
+
+def _block_params(cfg: GPTConfig, init: _Init) -> dict[str, jax.Array]:
+    d, f = cfg.d_model, cfg.d_model * cfg.mlp_ratio
     return {
-        "ln1_g": jnp.ones((d,), dt), "ln1_b": jnp.zeros((d,), dt),
-        "wqkv": _dense(k[0], (d, 3 * d), dt), "wo": _dense(k[1], (d, d), dt),
-        "ln2_g": jnp.ones((d,), dt), "ln2_b": jnp.zeros((d,), dt),
-        "w1": _dense(k[2], (d, f), dt), "b1": jnp.zeros((f,), dt),
-        "w2": _dense(k[3], (f, d), dt), "b2": jnp.zeros((d,), dt),
+        "ln1_g": init.ones((d,)), "ln1_b": init.zeros((d,)),
+        "wqkv": init.dense((d, 3 * d)), "wo": init.dense((d, d)),
+        "ln2_g": init.ones((d,)), "ln2_b": init.zeros((d,)),
+        "w1": init.dense((d, f)), "b1": init.zeros((f,)),
+        "w2": init.dense((f, d)), "b2": init.zeros((d,)),
     }
 
 
 def init_params(cfg: GPTConfig, key: jax.Array, *, embed: bool = True) -> dict[str, Any]:
     """``{"blocks": [block params] * n_layers}`` plus embedding/head when ``embed``."""
-    keys = jax.random.split(key, cfg.n_layers + 3)
-    params: dict[str, Any] = {"blocks": [init_block(cfg, keys[i]) for i in range(cfg.n_layers)]}
+    init = _Init(key, cfg.dtype)
+    params: dict[str, Any] = {"blocks": [_block_params(cfg, init)
+                                         for _ in range(cfg.n_layers)]}
     if embed:
-        dt = jnp.dtype(cfg.dtype)
-        params["embed"] = (0.02 * jax.random.normal(keys[-3], (cfg.vocab, cfg.d_model))).astype(dt)
-        params["pos"] = (0.02 * jax.random.normal(keys[-2], (cfg.seq, cfg.d_model))).astype(dt)
-        params["lnf_g"] = jnp.ones((cfg.d_model,), dt)
-        params["lnf_b"] = jnp.zeros((cfg.d_model,), dt)
-        params["head"] = _dense(keys[-1], (cfg.d_model, cfg.vocab), dt)
+        params["embed"] = init.normal((cfg.vocab, cfg.d_model), 0.02)
+        params["pos"] = init.normal((cfg.seq, cfg.d_model), 0.02)
+        params["lnf_g"] = init.ones((cfg.d_model,))
+        params["lnf_b"] = init.zeros((cfg.d_model,))
+        params["head"] = init.dense((cfg.d_model, cfg.vocab))
     return params
 
 
