@@ -6,6 +6,7 @@ No timing is asserted anywhere: speed and memory are what the benchmark *reports
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,9 +90,13 @@ def test_plain_value_and_grad_is_mean_over_microbatches() -> None:
 
 def test_run_quick_completes_with_every_field(tmp_path: Path) -> None:
     out = tmp_path / "results"
+    # the smoke run's own XLA:CPU level (0), not the one conftest gives this process
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_backend_optimization_level="))
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "XLA_FLAGS": flags},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from benchmarks.harness import RUN_FIELDS

@@ -136,26 +136,26 @@ def _script(tmp_path: Path, body: str) -> str:
 
 def test_launcher_sets_environment_and_prefixes_output(tmp_path):
     script = _script(tmp_path, """
-        import os, sys
+        import json, os, sys
         keys = ["JAXPIPE_COORDINATOR_ADDRESS", "JAXPIPE_NUM_PROCESSES", "JAXPIPE_PROCESS_ID",
                 "JAX_PLATFORMS", "XLA_FLAGS"]
-        print("|".join(os.environ[k] for k in keys), *sys.argv[1:])
+        print("env", json.dumps([os.environ[k] for k in keys] + sys.argv[1:]))
     """)
     rc, log, _ = _launch(script, "a", "--b", nproc=3, devices=2, timeout=30, run_timeout=60)
     assert rc == 0, log
-    lines = sorted(line for line in log.splitlines() if line[:1] == "[" and "|" in line)
+    lines = sorted(line for line in log.splitlines() if line[:1] == "[" and " env [" in line)
     assert len(lines) == 3, log
     addrs = set()
     for i, line in enumerate(lines):
-        prefix, rest = line.split(" ", 1)
+        prefix, rest = line.split(" env ", 1)
         assert prefix == f"[{i}]"
-        addr, n, pid, plat, flags = rest.split(" ")[0].split("|")
+        addr, n, pid, plat, flags, *args = json.loads(rest)
         addrs.add(addr)
         assert (n, pid, plat) == ("3", str(i), "cpu")
         assert addr.startswith("127.0.0.1:") and int(addr.rsplit(":", 1)[1]) > 0
         assert flags.split().count("--xla_force_host_platform_device_count=2") == 1
         assert "--xla_force_host_platform_device_count=8" not in flags  # replaced, not added
-        assert rest.endswith(" a --b")
+        assert args == ["a", "--b"]
     assert len(addrs) == 1  # one coordinator for all
 
 
