@@ -253,19 +253,22 @@ def test_identical_stages_share_one_compiled_body():
     assert max(len(b.stages) for b in shared.inspect.executor.bodies) >= 4
 
 
-def test_small_residuals_move_in_runs_of_rows():
-    """A packing writes and reads small leaves of one class by runs of consecutive rows,
-    one dynamic update / slice per run (XLA:CPU compiles a kernel per update, and a
-    stage stores ~120 residual leaves), and large leaves one by one (a run is built in a
-    temporary buffer first); every leaf comes back as written, at a traced base row."""
+def test_stored_leaves_move_at_opaque_rows_and_record_by_runs():
+    """A packing reads and writes each leaf at its own row, the row an opaque operand
+    (``writes.opaque``): XLA:CPU compiles one kernel per distinct fused computation, and a
+    constant row made every leaf's read or write a kernel of its own, where alike leaves
+    now share one. Recorded writes (a ``DeferredStore``, the accelerator program) go by
+    runs of consecutive small rows, large leaves one by one. Every leaf comes back as
+    written, at a traced base row."""
     from jaxpipe.runtime.spmd.program.layout import Packing
+    from jaxpipe.runtime.spmd.program.writes import DeferredStore
 
     small = jax.ShapeDtypeStruct((4, 8), jnp.float32)  # 128 bytes
     large = jax.ShapeDtypeStruct((64, 128), jnp.float32)  # 32 KiB
     avals = [small, small, large, small, large, small]
     pk = Packing(avals)
     leaves = [jnp.full(a.shape, i + 1.0, a.dtype) for i, a in enumerate(avals)]
-    skip = frozenset({3})  # written elsewhere (by a scan): splits the small run
+    skip = frozenset({3})  # written elsewhere (by a scan)
 
     def roundtrip(base):
         bufs = {c: c.zeros(2 * n) for c, n in pk.counts.items()}
@@ -275,13 +278,23 @@ def test_small_residuals_move_in_runs_of_rows():
 
     jaxpr = jax.make_jaxpr(roundtrip)(1)
     prims = [e.primitive.name for e in jaxpr.eqns]
-    # runs: small rows {0, 1}, small row {3}, large {0}, large {1}
-    assert prims.count("dynamic_update_slice") == 4
-    assert prims.count("dynamic_slice") == 4
+    # five leaves (the sixth skipped), each one update and one slice at an opaque row
+    assert prims.count("dynamic_update_slice") == 5
+    assert prims.count("dynamic_slice") == 5
+    assert prims.count("optimization_barrier") == 10
+    moves = [e for e in jaxpr.eqns if e.primitive.name in ("dynamic_slice",
+                                                          "dynamic_update_slice")]
+    assert all(not isinstance(e.invars[2 if e.primitive.name == "dynamic_update_slice"
+                                       else 1], jax.extend.core.Literal) for e in moves)
     got = jax.jit(roundtrip)(1)
     want = [x for i, x in enumerate(leaves) if i not in skip]
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
+
+    bufs = {c: c.zeros(2 * n) for c, n in pk.counts.items()}
+    rec = pk.write(DeferredStore(bufs), dict.fromkeys(pk.counts, 1), leaves, skip)
+    # runs: small rows {0, 1}, large row 0, large row 1, small row 3 (row 2 skipped)
+    assert [(w[2], w[3].shape[0]) for w in rec.writes] == [(0, 2), (0, 1), (1, 1), (3, 1)]
 
 
 @settings(max_examples=8, deadline=None, derandomize=True,

@@ -27,7 +27,7 @@ from jaxpipe.runtime.spmd.program.layout import Packing, StageLayouts, ValueClas
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups, of_stage, pick
 from jaxpipe.runtime.spmd.program.stage_ends import Ends, Fixed
-from jaxpipe.runtime.spmd.program.writes import reading
+from jaxpipe.runtime.spmd.program.writes import opaque, reading
 from jaxpipe.sharding.constraints import stage_as_fun
 
 __all__ = ["BranchState", "Branches"]
@@ -384,7 +384,7 @@ class _DirectIO:
             src, bases = ((store, row.bases(pool)) if i in sunk
                           else reading(store, pool, row.bases(pool)))
             c, base, offset = self.packing[pool].location(k, bases)
-            offset = scanio.opaque(offset)  # alike rows share one compiled write / read
+            offset = opaque(offset)  # alike rows share one compiled write / read
             if i in sunk:
                 bufs.setdefault(c, scanio.flatten(store[c]))
                 sinks[self.n_out + i] = (c, scanio.row_sink(c.shape[0], base, offset))

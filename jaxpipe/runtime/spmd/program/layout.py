@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.jaxpr.avals import aval_bytes
 from jaxpipe.runtime.spmd.lowering.types import Pool
-from jaxpipe.runtime.spmd.program.writes import get_rows, put_rows
+from jaxpipe.runtime.spmd.program.writes import DeferredStore, get_rows, opaque, put_rows
 from jaxpipe.sharding.mesh_axes import Dims, constrain, spec_dims, to_spec
 from jaxpipe.stages.stage_fn import StageFn
 
@@ -112,7 +112,7 @@ def _explicit_dims(aval: Any) -> Dims:
     return tuple(tuple(a for a in d if a in explicit) for d in dims)
 
 
-#: Leaves up to this many bytes are read and written by runs of rows (Packing.write).
+#: Leaves up to this many bytes are recorded by runs of rows (a DeferredStore: Packing.write).
 _GROUP_BYTES = 16384
 
 
@@ -160,8 +160,20 @@ class Packing:
     def read(self, bufs: Mapping[ValueClass, jax.Array], base: Mapping[ValueClass, Any],
              skip: frozenset[int] = frozenset()) -> list[jax.Array | None]:
         """Leaf ``i`` = ``bufs[class][base[class] + rows[i]]`` (base may be traced);
-        ``None`` for the leaves in ``skip`` (read elsewhere)."""
+        ``None`` for the leaves in ``skip`` (read elsewhere).
+
+        Each leaf is read at its own row, the row an :func:`~.writes.opaque` operand: XLA
+        compiles one kernel per distinct fused computation, and a read fused into the op
+        that uses it is one kernel for every alike leaf of every block and stage, where a
+        run of rows read at once and sliced by constant rows made one per row (MLP of 16
+        tanh blocks, 1F1B p=4: 44 -> 39 kernels, compile 1.08 -> 0.79 s). Recorded stores
+        (:class:`~.writes.DeferredStore`, the accelerator program) read by runs."""
         out: list[jax.Array | None] = [None] * len(self.avals)
+        if not isinstance(bufs, DeferredStore):
+            for i, (c, r) in enumerate(zip(self.classes, self.rows, strict=True)):
+                if i not in skip:
+                    out[i] = get_rows(bufs, c, base[c], opaque(r), 1)[0].reshape(c.shape)
+            return out
         for c, start, idx in self._runs(skip):
             rows = get_rows(bufs, c, base[c], start, len(idx))
             for j, i in enumerate(idx):
@@ -172,12 +184,17 @@ class Packing:
               leaves: Sequence[jax.Array | None], skip: frozenset[int] = frozenset()
               ) -> Mapping[ValueClass, jax.Array]:
         """In-place updates of the rows of ``leaves``, but those in ``skip`` (already
-        written). Small leaves go in by runs of consecutive rows, one update per run:
-        XLA:CPU compile time is mostly per kernel, and for a small leaf the kernel costs
-        more than its bytes. A run is first built in a temporary buffer, so large leaves
-        go one by one, each computed straight into its row (grouping all of them measured
-        +25% compiled memory). A :class:`~.writes.DeferredStore` records the writes
-        instead (the accelerator program makes them after its conditional)."""
+        written): each leaf computed straight into its row, the row an opaque operand, so
+        alike writes share one compiled kernel (as :meth:`read`). A
+        :class:`~.writes.DeferredStore` records the writes instead (the accelerator
+        program makes them after its conditional), small leaves by runs of consecutive
+        rows, one update per run, each run built in a temporary buffer first."""
+        if not isinstance(bufs, DeferredStore):
+            for i, (c, r) in enumerate(zip(self.classes, self.rows, strict=True)):
+                if i not in skip:
+                    row = jnp.asarray(leaves[i], c.dtype).reshape(c.row_shape)
+                    bufs = put_rows(bufs, c, base[c], opaque(r), row[None])
+            return bufs
         for c, start, idx in self._runs(skip):
             rows = jnp.stack([jnp.asarray(leaves[i], c.dtype).reshape(c.row_shape)
                               for i in idx])

@@ -34,7 +34,7 @@ from jaxpipe.jaxpr.interpret import eval_eqns, read
 from jaxpipe.sharding.constraints import entering, for_context, leaving, stage_as_fun
 
 __all__ = ["Sink", "Source", "direct_inputs", "direct_outputs", "evaluate", "flatten",
-           "opaque", "pick_source", "row_add_sink", "row_sink", "row_source",
+           "pick_source", "row_add_sink", "row_sink", "row_source",
            "unused_inputs"]
 
 #: ``(buffer, value, iteration) -> buffer``: how one iteration's value enters its buffer.
@@ -200,15 +200,6 @@ def _flat_index(layers: int, base: Any, offset: Any, i: Any) -> Any:
     # values: indexed (base + offset, i), XLA hoisted each value's row arithmetic out of
     # the loop into a kernel of its own (~8 ms of compile each).
     return base * layers + (i + offset * layers)
-
-
-def opaque(x: int) -> jax.Array:
-    """``x`` as a scalar XLA cannot see the value of. XLA:CPU compiles one kernel per
-    distinct fused computation, and a row offset folded in as a constant makes the
-    writes of every stored value distinct kernels even where they are alike (same
-    buffer, same shapes); as an operand, alike writes share one compiled kernel (GPT
-    d64, L=64, p=8, scanned: 199 -> 184 compiled kernels at v=1, 207 -> 197 at v=2)."""
-    return lax.optimization_barrier(jnp.int32(x))
 
 
 def flatten(buf: jax.Array) -> jax.Array:
