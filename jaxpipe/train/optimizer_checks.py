@@ -9,12 +9,15 @@ the update of a layer's rows reads only those rows (:func:`check_rows_separable`
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend import core as jcore
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.jax_compat import dce_jaxpr
@@ -27,16 +30,55 @@ __all__ = ["check_optimizer", "check_rows_separable", "check_separable"]
 
 
 def _output_inputs(closed: Any) -> list[list[int]]:
-    """For every output of ``closed``, the inputs it reads (dead-code elimination per output)."""
-    dce = dce_jaxpr()  # no public per-output DCE
+    """For every output of ``closed``, the inputs it reads."""
+    n_in = len(closed.jaxpr.invars)
+    masks = _dependencies(closed.jaxpr, [1 << i for i in range(n_in)])
+    return [[i for i in range(n_in) if m >> i & 1] for m in masks]
 
-    jaxpr = closed.jaxpr
-    n = len(jaxpr.outvars)
-    out = []
+
+def _dependencies(jaxpr: Any, in_masks: list[int]) -> list[int]:
+    """Per output of ``jaxpr``, the union of the masks of the inputs it reads (``in_masks``:
+    one per input; at the top, bit ``i`` for input ``i``), in one forward pass. (Dead-code
+    elimination per output gives the same answer in a pass per output: 24 s for AdamW on
+    the 32 blocks of a 6.5B GPT.) A first-order equation's outputs read all its inputs;
+    a jit's body is followed inside; any other equation with a body (scan, while, cond,
+    custom derivatives) asks JAX's own dead-code rule of that one equation, per output."""
+    env = dict(zip(jaxpr.invars, in_masks, strict=True))
+
+    def read(v: Any) -> int:
+        return 0 if isinstance(v, jcore.Literal) else env.get(v, 0)  # consts read nothing
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        body = eqn.params.get("jaxpr") if eqn.primitive.name in ("jit", "pjit") else None
+        if body is not None:
+            outs = _dependencies(getattr(body, "jaxpr", body), ins)
+        elif any(isinstance(x, (jcore.Jaxpr, jcore.ClosedJaxpr))
+                 for v in eqn.params.values() for x in (v if isinstance(v, tuple) else (v,))):
+            outs = _per_output(eqn, ins)
+        else:
+            every = functools.reduce(operator.or_, ins, 0)
+            outs = [every] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _per_output(eqn: Any, ins: list[int]) -> list[int]:
+    """``eqn``'s output masks from JAX's dead-code rule of the equation alone."""
+    dce = dce_jaxpr()  # no public per-output DCE
+    invars = list(dict.fromkeys(v for v in eqn.invars if not isinstance(v, jcore.Literal)))
+    mask = {v: 0 for v in invars}
+    for v, m in zip(eqn.invars, ins, strict=True):
+        if not isinstance(v, jcore.Literal):
+            mask[v] |= m
+    one = jcore.Jaxpr([], invars, list(eqn.outvars), [eqn], eqn.effects)
+    n = len(eqn.outvars)
+    outs = []
     for j in range(n):
-        _, used = dce(jaxpr, [i == j for i in range(n)], instantiate=False)
-        out.append([i for i, u in enumerate(used) if u])
-    return out
+        _, used = dce(one, [k == j for k in range(n)], instantiate=False)
+        outs.append(functools.reduce(operator.or_, (mask[v] for v, u in zip(
+            invars, used, strict=True) if u), 0))
+    return outs
 
 
 def check_optimizer(optimizer: Any) -> None:
