@@ -17,8 +17,9 @@ pipeline, built from shapes only:
 - the MaxText-style SPMD GPipe (``benchmarks/baselines/spmd_gpipe.py``) on the block
   stack, and jaxpipe GPipe on the same stack: value_and_grad compiled the same way;
 - plain JAX: ``jit(value_and_grad)`` of the same model over the same microbatches on the
-  target's devices (data parallel, weights replicated), its compile time the yardstick
-  for jaxpipe's (memory not compared: it does not fit by design).
+  target's devices (data parallel, weights replicated), and its train step with the same
+  AdamW update (``plain_train``), the yardstick for the compile time of jaxpipe's train
+  step (memory not compared: it does not fit by design).
 """
 
 from __future__ import annotations
@@ -117,6 +118,25 @@ def measure(target_name: str, size: dict[str, int], schedules: list[str],
                  "params": n_params, **_compile(
                      lambda: plain.trace(
                          jax.tree.map(lambda a: replace_sharding(a, rep), params),
+                         jax.tree.map(lambda a: replace_sharding(a, rows_sharded), batch)
+                     ).lower(), tgt.compiler_options())})
+
+    # plain JAX's train step: the same value_and_grad and AdamW's update, as jaxpipe's rows
+    # compile it (the yardstick for their compile time; value_and_grad alone above)
+    opt = optax.adamw(1e-4)
+    vg = C.plain_value_and_grad(C.gpt_loss(cfg), m, NamedSharding(auto, P(None, "data")))
+
+    def train(params: Any, opt_state: Any, batch: Any) -> Any:
+        loss, grads = vg(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    placed = jax.tree.map(lambda a: replace_sharding(a, rep), params)
+    state = jax.tree.map(lambda a: replace_sharding(a, rep), jax.eval_shape(opt.init, placed))
+    rows.append({"target": target_name, "program": "plain_train", "schedule": None,
+                 "params": n_params, **_compile(
+                     lambda: jax.jit(train).trace(
+                         placed, state,
                          jax.tree.map(lambda a: replace_sharding(a, rows_sharded), batch)
                      ).lower(), tgt.compiler_options())})
 
