@@ -112,9 +112,10 @@ def opaque(x: int) -> jax.Array:
     return lax.optimization_barrier(jnp.int32(x))
 
 
-def get_rows(bufs: Mapping[Hashable, jax.Array], c: Hashable, base: Any, offset: int,
-             n: int) -> jax.Array:
-    """Rows ``base + offset ..`` (``n`` of them) of class ``c``'s buffer."""
+def get_rows(bufs: Mapping[Hashable, jax.Array], c: Hashable, base: Any,
+             offset: int | jax.Array, n: int) -> jax.Array:
+    """Rows ``base + offset ..`` (``n`` of them) of class ``c``'s buffer (``offset``:
+    static, or :func:`opaque`)."""
     if isinstance(bufs, DeferredStore) and any(w[0] == c for w in bufs.writes):
         # the conditional reads the buffer as it was before the step: a branch that read
         # what it wrote itself would see the old rows
@@ -125,8 +126,8 @@ def get_rows(bufs: Mapping[Hashable, jax.Array], c: Hashable, base: Any, offset:
                                     allow_negative_indices=False)
 
 
-def put_rows(bufs: Mapping[Hashable, jax.Array], c: Hashable, base: Any, offset: int,
-             rows: jax.Array) -> Mapping[Hashable, jax.Array]:
+def put_rows(bufs: Mapping[Hashable, jax.Array], c: Hashable, base: Any,
+             offset: int | jax.Array, rows: jax.Array) -> Mapping[Hashable, jax.Array]:
     """``bufs`` with rows ``base + offset ..`` of class ``c`` replaced by ``rows``: in
     place, or recorded (a :class:`DeferredStore`)."""
     if isinstance(bufs, DeferredStore):
