@@ -43,13 +43,16 @@ def _preparse(argv: list[str]) -> None:
             threads = argv[i + 1]
         elif a.startswith("--threads="):
             threads = a.split("=", 1)[1]
-    from jaxpipe.xla_flags import cpu_devices  # (imports no jax)
+    from jaxpipe.xla_flags import cpu_devices, fast_cpu_compile  # (imports no jax)
 
     flags = cpu_devices(n)
-    if "--quick" in argv and "xla_backend_optimization_level" not in flags:
-        # the smoke run's tiny programs spend their time in XLA:CPU's LLVM passes, not
-        # running (40% of its compile time); its figures mean nothing anyway
-        flags += " --xla_backend_optimization_level=0"
+    if "--quick" in argv:
+        # the smoke run's tiny programs spend their time compiling, not running: in the MLIR
+        # fusion emitters' fixed cost per program (106 -> 55 s without them) and in LLVM's
+        # passes (40% of what is left); its figures mean nothing anyway
+        flags = fast_cpu_compile()
+        if "xla_backend_optimization_level" not in flags:
+            flags += " --xla_backend_optimization_level=0"
     if threads == "single" and "xla_cpu_multi_thread_eigen" not in flags:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         if repo not in sys.path:

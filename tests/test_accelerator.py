@@ -181,3 +181,23 @@ def test_xla_flags_for_the_accelerator_program():
     assert all(f.startswith("--") for f in flags[:-1])
     with pytest.raises(ValueError, match="unknown platform 'cuda'"):
         xla_flags.apply("cuda", {})
+
+
+def test_fast_cpu_compile_only_for_a_jaxlib_that_reads_it(monkeypatch):
+    """jaxpipe.xla_flags.fast_cpu_compile adds the emitter flag once, before a bare token,
+    keeps a value XLA_FLAGS already names, and adds nothing for a jaxlib not known to read
+    it (XLA aborts at a flag it does not know)."""
+    from importlib import metadata
+
+    from jaxpipe import xla_flags
+
+    monkeypatch.setattr(metadata, "version", lambda name: "0.10.2")
+    env = {"XLA_FLAGS": "--foo=1 intra_op_parallelism_threads=1"}
+    assert xla_flags.fast_cpu_compile(env).split() == [
+        "--foo=1", xla_flags.FAST_CPU_COMPILE, "intra_op_parallelism_threads=1"]
+    assert xla_flags.fast_cpu_compile(env) == " ".join(
+        ["--foo=1", xla_flags.FAST_CPU_COMPILE, "intra_op_parallelism_threads=1"])
+    named = {"XLA_FLAGS": "--xla_cpu_use_fusion_emitters=true"}
+    assert xla_flags.fast_cpu_compile(named) == "--xla_cpu_use_fusion_emitters=true"
+    monkeypatch.setattr(metadata, "version", lambda name: "0.11.0")
+    assert xla_flags.fast_cpu_compile({"XLA_FLAGS": "--foo=1"}) == "--foo=1"

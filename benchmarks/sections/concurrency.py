@@ -208,10 +208,10 @@ def _env(keep_freed_pages: bool = True, devices: int = 1) -> dict[str, str]:
     from benchmarks.cpu_setup import with_flags
 
     env = dict(os.environ)
-    # the parent's compile effort (the quick run's level 0) carries over
-    level = re.search(r"--xla_backend_optimization_level=\d+", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = with_flags(f"--xla_force_host_platform_device_count={devices}",
-                                  level.group(0) if level else "")
+    # the parent's compile effort (the quick run's level 0 and emitter) carries over
+    effort = re.findall(r"--xla_backend_optimization_level=\d+|--xla_cpu_use_fusion_emitters=\w+",
+                        env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = with_flags(f"--xla_force_host_platform_device_count={devices}", *effort)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(x for x in (env.get("PYTHONPATH"), str(REPO)) if x)
     for k in KEEP_FREED_PAGES:
