@@ -2,6 +2,7 @@
 
     python benchmarks/probes/step_overhead.py                  # m = 8, 16 (~2 min)
     python benchmarks/probes/step_overhead.py --ms 4,8,16 --repeats 9
+    python benchmarks/probes/step_overhead.py --ms 8 --rows 256   # 4x the residual bytes
 
 The peer comparison's model (``benchmarks/baselines/torch_pipelining.py``: 8 x 512 tanh
 MLP, 64 rows per microbatch, p=2) as one process: two virtual CPU devices sharing one
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", default="8,16", help="microbatch counts")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=64, help="rows a microbatch")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "step_overhead"))
     a = ap.parse_args(argv)
     if str(REPO) not in sys.path:
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     single_core_cpu(2)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    res = measure([int(x) for x in a.ms.split(",")], a.repeats)
+    res = measure([int(x) for x in a.ms.split(",")], a.repeats, a.width, rows=a.rows)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_overhead.json").write_text(json.dumps(res, indent=1))
