@@ -2,17 +2,18 @@
 
     python benchmarks/probes/step_overhead.py                  # m = 8, 16 (~2 min)
     python benchmarks/probes/step_overhead.py --ms 4,8,16 --repeats 9
-    python benchmarks/probes/step_overhead.py --ms 8 --rows 256   # 4x the residual bytes
+    python benchmarks/probes/step_overhead.py --ms 8 --rows 16 --width 1024   # weights dominate
 
 The peer comparison's model (``benchmarks/baselines/torch_pipelining.py``: 8 x 512 tanh
 MLP, 64 rows per microbatch, p=2) as one process: two virtual CPU devices sharing one
-pinned core, single-threaded XLA. The devices then take turns, so the pipeline's step
-time is the total work of both devices: the same arithmetic as plain JAX's
-``jit(value_and_grad)`` scanned over the same microbatches, plus what the pipeline's
-program adds (its tick loop, gated branches, buffer reads and writes, the stage's
-parameters selected per step, the exchanges between two devices in one process).
-Parameters and batch are placed on the devices beforehand, and both programs are timed
-round-robin (``benchmarks.common.time_interleaved``) so the machine's drift moves both.
+pinned core, single-threaded XLA. The devices then take turns, so the pipeline's full
+step (``train_step``, SGD, as the peer comparison runs it) is the total work of both
+devices: the same arithmetic as plain JAX's ``jit`` of ``value_and_grad`` scanned over
+the same microbatches plus the same SGD update, and what the pipeline's program adds
+(its tick loop, gated branches, buffer reads and writes, the stage's parameters selected
+per step, the exchanges between two devices in one process). The batch is placed on the
+devices beforehand, and the programs are timed round-robin
+(``benchmarks.common.time_interleaved``) so the machine's drift moves them alike.
 
 Prints, per schedule, the step time over plain JAX's and the excess per lowered step:
 the part of the two-process step time beyond the ideal that no gloo exchange explains
@@ -32,11 +33,44 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _plain_train(vg: Any, opt: Any, params: Any, batch: Any) -> Any:
+    """Plain JAX's full step (value_and_grad, then ``opt``), its state carried between calls."""
+    import jax
+    import optax
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = vg(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    state = [params, opt.init(params)]
+
+    def run() -> Any:
+        state[0], state[1], loss = step(state[0], state[1], batch)
+        return loss
+
+    return run
+
+
+def _pipe_train(pipe: Any, state: Any, batch: Any) -> Any:
+    """The pipeline's ``train_step``, its state carried between calls (as the peer
+    comparison runs it: gradients stay with their stages)."""
+    box = [state]
+
+    def run() -> Any:
+        box[0], metrics = pipe.train_step(box[0], batch)
+        return metrics["loss"]
+
+    return run
+
+
 def measure(ms: list[int], repeats: int, width: int = 512, layers: int = 8,
             rows: int = 64) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    import optax
 
     import jaxpipe as jp
     from benchmarks import common as C
@@ -58,14 +92,14 @@ def measure(ms: list[int], repeats: int, width: int = 512, layers: int = 8,
     for m in ms:
         batch = {k: rng.standard_normal((m * rows, width)).astype(np.float32)
                  for k in ("x", "y")}
-        runs = {"plain": (jax.jit(C.plain_value_and_grad(loss_fn, m)),
-                          (jax.device_put(host), jax.device_put(batch)))}
+        runs = {"plain": (_plain_train(C.plain_value_and_grad(loss_fn, m), optax.sgd(1e-3),
+                                       jax.device_put(host), jax.device_put(batch)), ())}
         steps = {}
         for name, sched in (("gpipe", jp.GPipe(2, m)), ("1f1b", jp.OneFOneB(2, m)),
                             ("interleaved", jp.Interleaved1F1B(2, m, stages_per_device=2))):
             pipe = jp.pipeline(loss_fn, host, batch, mesh=mesh, schedule=sched, cut="auto")
-            runs[name] = (pipe.value_and_grad, (pipe.inspect.place_params(host),
-                                                pipe.inspect.place_batch(batch)))
+            runs[name] = (_pipe_train(pipe, pipe.init(host, optax.sgd(1e-3)),
+                                      pipe.inspect.place_batch(batch)), ())
             steps[name] = int(pipe.inspect.executor.lowering.num_steps)
         times = C.time_interleaved(runs, repeats=repeats)
         plain = times["plain"]["median_s"]
