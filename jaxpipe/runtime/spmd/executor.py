@@ -84,6 +84,17 @@ class SpmdRuntime(Runtime):
         cutter's costs, off.
       share_bodies: run stages whose functions are identical up to their parameters
         through one compiled branch per action kind (smaller program, faster compile).
+        ``True``: every such stage, the chunks of an interleaved schedule on one device
+        among them; the branch then picks the running chunk's parameters and adds into a
+        stacked gradient at run time, every step. ``"devices"``: only stages that read
+        the same parameter slots (one chunk over the devices): no pick, one body per
+        chunk. ``False``: a body per stage. ``"auto"`` (default): ``"devices"`` in the
+        CPU program where devices run concurrently (several processes) and the lanes
+        program is not wanted, ``True`` elsewhere. The per-step pick is most of what
+        the CPU program costs beyond compute for interleaved schedules (8 x 512 MLP, p=2
+        on one core, v=2: 1.43x plain JAX shared, 1.10x by devices;
+        ``benchmarks/probes/step_overhead.py``), where one process' compile time matters
+        less than the step.
       split_backward: run every full backward ``B`` as its input half ``I`` then its
         weight half ``W`` (same device order and memory; balanced steps when devices run
         concurrently). ``"auto"``: split in the accelerator program, where steps of equal
@@ -128,7 +139,7 @@ class SpmdRuntime(Runtime):
     name: ClassVar[str] = "spmd"
 
     def __init__(self, *, backend: str = "auto", overlap: bool | str = "auto",
-                 share_bodies: bool = True, split_backward: bool | str = "auto",
+                 share_bodies: bool | str = "auto", split_backward: bool | str = "auto",
                  iw_same_tick: bool | str = "auto", fuse_fb: bool | str = "auto",
                  refine: int | str = "auto", lanes: bool | str = "auto") -> None:
         if backend not in BACKENDS:
@@ -149,7 +160,10 @@ class SpmdRuntime(Runtime):
         self.overlap = overlap
         self.refine = refine
         self.fuse_fb = fuse_fb
-        self.share_bodies = bool(share_bodies)
+        if share_bodies not in (True, False, "auto", "devices"):
+            raise PipelineError(f"share_bodies must be True, False, 'devices' or 'auto', "
+                                f"got {share_bodies!r}.")
+        self.share_bodies = share_bodies
         self.split_backward = split_backward
         self.iw_same_tick = iw_same_tick
         self.lanes = lanes
@@ -207,8 +221,16 @@ class SpmdRuntime(Runtime):
         return any(mesh.shape[a] > 1 for a in mesh.axis_names
                    if a not in mesh_axes.manual_axes)
 
+    def resolve_share(self, mesh: Any = None, mesh_axes: Any = None) -> bool | str:
+        """How stages share bodies (``share_bodies="auto"`` resolved)."""
+        if self.share_bodies != "auto":
+            return self.share_bodies
+        by_devices = (not self.accelerated(mesh) and concurrent(mesh)
+                      and not self.wants_lanes(mesh, mesh_axes))
+        return "devices" if by_devices else True
+
     def shares_cores(self) -> bool:
-        return self.share_bodies
+        return self.share_bodies is not False
 
     def splits_backward(self, mesh: Any = None, mesh_axes: Any = None) -> bool:
         return self.resolve_split(mesh, mesh_axes)
@@ -231,7 +253,7 @@ class SpmdRuntime(Runtime):
 
     def __repr__(self) -> str:
         return (f"SpmdRuntime(backend={self.backend!r}, overlap={self.overlap!r}, "
-                f"share_bodies={self.share_bodies}, "
+                f"share_bodies={self.share_bodies!r}, "
                 f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick!r}, "
                 f"fuse_fb={self.fuse_fb!r}, refine={self.refine!r}, lanes={self.lanes!r})")
 
@@ -268,7 +290,8 @@ class SpmdExecutor(ExecutorReports, Executor):
         self.layouts = StageLayouts.build(spec.stages, spec.param_avals, device_stages,
                                           spec.param_dims)
         self.bodies, self.body_of_stage = group_bodies(
-            spec.stages, self.layouts.slots, share=runtime.share_bodies)
+            spec.stages, self.layouts.slots,
+            share=runtime.resolve_share(spec.mesh, spec.mesh_axes))
         mesh = spec.mesh
         self.backend = runtime.resolve_backend(mesh)
         self.accelerated = self.backend != "cpu"

@@ -103,18 +103,23 @@ def _same_jaxprs(a: StageFn, b: StageFn, text: dict[int, str]) -> bool:
     return all(same_function(getattr(a, k), getattr(b, k), text) for k in _JAXPRS)
 
 
-def group_bodies(stages: Sequence[StageFn], slots: SlotLayout, share: bool = True
+def group_bodies(stages: Sequence[StageFn], slots: SlotLayout, share: bool | str = True
                  ) -> tuple[list[Body], list[int]]:
     """Group ``stages`` into bodies by their cores; returns ``(bodies, body of every
-    stage)``. With ``share=False`` every stage is its own body."""
+    stage)``. With ``share=False`` every stage is its own body; with ``"devices"`` a body
+    holds only stages that read the same parameter slots (one chunk of an interleaved
+    schedule over the devices), so no branch picks its parameters at run time."""
     groups: list[list[int]] = []
     sigs: list[tuple] = []
     text: dict[int, str] = {}  # id(jaxpr) -> printed, while the stages keep them alive
-    cores = [_core(st, share) for st in stages]
+    share_any = share is not False
+    cores = [_core(st, share_any) for st in stages]
     for st, (core, pos) in zip(stages, cores, strict=True):
         sig = _signature(core, pos, st.index, slots)
+        if share == "devices":
+            sig += (tuple(slots.where[st.index][q] for q in pos),)
         for g, gsig in zip(groups, sigs, strict=True):
-            if share and sig == gsig and _same_jaxprs(cores[g[0]][0], core, text):
+            if share_any and sig == gsig and _same_jaxprs(cores[g[0]][0], core, text):
                 g.append(st.index)
                 break
         else:
