@@ -10,7 +10,8 @@ in one process.
 The test imports ``make_model`` and ``loss_fn`` from here to compute the reference.
 
 Usage: ``mp_worker.py ok <out>``, ``mp_worker.py accelerator <out>`` (the same on the
-accelerator program) or ``mp_worker.py mismatch <out>`` (process 1 builds
+accelerator program), ``mp_worker.py interleaved <out>`` (Interleaved1F1B over one device
+of each process, two chunks each) or ``mp_worker.py mismatch <out>`` (process 1 builds
 its schedule with a different ``num_microbatches``, which must fail with a clear error),
 or ``mp_worker.py sharded <out>``: a pipe 2 x model 2 mesh (the pipe axis across the
 processes, the tensor-parallel ``model`` axis inside each), an MLP whose weights are
@@ -78,16 +79,25 @@ def main(mode: str, out: str) -> None:
     pid, n = jax.process_index(), jax.process_count()
     assert n == 2 and jax.device_count() == 4 and jax.local_device_count() == 2, (
         n, jax.device_count(), jax.local_device_count())
-    mesh = jax.make_mesh((P_STAGES,), ("pipe",))
     m = M if not (mode == "mismatch" and pid == 1) else M // 2
+    if mode == "interleaved":  # one device of each process, two chunks each
+        mesh = jax.make_mesh((2,), ("pipe",), devices=jax.devices()[::2])
+        schedule = jp.Interleaved1F1B(2, m, stages_per_device=2)
+    else:
+        mesh = jax.make_mesh((P_STAGES,), ("pipe",))
+        schedule = jp.OneFOneB(P_STAGES, m)
     host_params, host_batch = make_model()
     params = jpd.replicate(host_params, mesh)
     batch = jpd.global_batch(host_batch, mesh)
     # "accelerator": the GPU/TPU program (straight-line ticks), built and run on CPU
     runtime = {"runtime": SpmdRuntime(backend="gpu")} if mode == "accelerator" else {}
-    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh,
-                       schedule=jp.OneFOneB(P_STAGES, m), cut="markers", **runtime)
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut="markers",
+                       **runtime)
     jpd.check_consistent(pipe)  # raises on the mismatch, in every process
+    if mode == "interleaved":  # concurrent devices: a body per chunk, no run-time pick
+        bodies = pipe.inspect.executor.bodies
+        assert all(len(b.candidates(j)) == 1 for b in bodies
+                   for j in range(len(b.param_classes))), [b.stages for b in bodies]
 
     loss, grads = pipe.value_and_grad(params, batch)
     pipe.value_and_grad(host_params, host_batch)  # host (numpy) inputs: the same program
