@@ -15,7 +15,6 @@ import functools
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -45,7 +44,7 @@ from jaxpipe.runtime.spmd.program.build import (
 )
 from jaxpipe.runtime.spmd.program.layout import SlotLayout, StageLayouts
 from jaxpipe.runtime.spmd.program.manual import manual_shard_map, place
-from jaxpipe.runtime.spmd.program.optimizer import make_epilogue, opt_slots
+from jaxpipe.runtime.spmd.program.optimizer import InitOptState, make_epilogue, opt_slots
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.param_moves import (
     Crossing,
@@ -256,17 +255,6 @@ class SpmdRuntime(Runtime):
                 f"share_bodies={self.share_bodies!r}, "
                 f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick!r}, "
                 f"fuse_fb={self.fuse_fb!r}, refine={self.refine!r}, lanes={self.lanes!r})")
-
-
-class _InitOptState:
-    """``init_opt_state(param_leaves)`` and the specs of the slot arrays it returns."""
-
-    def __init__(self, fn: Any, specs: list[P]) -> None:
-        self.fn = fn
-        self.specs = specs
-
-    def __call__(self, param_leaves: list) -> list:
-        return self.fn(param_leaves)
 
 
 class SpmdExecutor(ExecutorReports, Executor):
@@ -484,28 +472,7 @@ class SpmdExecutor(ExecutorReports, Executor):
             (params, opt_state, metrics), aux = core(list(staged), batch_mb, list(opt_state))
             return params, opt_state, {**metrics, "aux": aux}
 
-        def init_opt_state(param_leaves: list) -> list:
-            D = spec.schedule.num_devices
-            bufs = [ostate.zeros() for _ in range(D)]
-            held: list[set[int]] = [set() for _ in range(D)]
-            inputs = spec.views.take(param_leaves)
-            for st in spec.stages:
-                d = spec.schedule.placement(st.index)
-                leaves = stage_opt.init(st.index, [inputs[i] for i in st.param_ids])
-                bufs[d] = ostate.scatter(bufs[d], st.index, leaves)
-                held[d].update(ostate.where[st.index])
-
-            def column(k: int) -> jax.Array:
-                # A device no stage of which holds slot k keeps zeros of the held value's
-                # type (Explicit axes: its sharding is part of the type, and stacking
-                # needs one).
-                like = next((bufs[d][k] for d in range(D) if k in held[d]), None)
-                return jnp.stack([bufs[d][k] if like is None or k in held[d]
-                                  else jnp.zeros_like(like) for d in range(D)])
-
-            return [column(k) for k in range(len(ostate))]
-
-        return step, _InitOptState(init_opt_state, ospec)
+        return step, InitOptState(spec, stage_opt, ostate, ospec)
 
     def opt_state_abstract(self, init_opt_state: Any) -> Any:
         shapes = jax.eval_shape(init_opt_state, [

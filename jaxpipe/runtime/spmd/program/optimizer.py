@@ -31,7 +31,7 @@ from jaxpipe.sharding.mesh_axes import Dims, constrain
 from jaxpipe.train.options import TrainOptions, global_norm_scale, sq_norm
 from jaxpipe.train.state import StageOptimizer
 
-__all__ = ["make_epilogue", "opt_slots"]
+__all__ = ["InitOptState", "make_epilogue", "opt_slots"]
 
 
 def opt_slots(spec: RuntimeSpec, stage_opt: StageOptimizer) -> SlotLayout:
@@ -40,6 +40,36 @@ def opt_slots(spec: RuntimeSpec, stage_opt: StageOptimizer) -> SlotLayout:
     return SlotLayout(stage_opt.state_avals,
                       [sched.device_stages(d) for d in range(sched.num_devices)],
                       state_dims(spec, stage_opt) if spec.param_dims else None)
+
+
+class InitOptState:
+    """``init_opt_state(param_leaves)``: every stage's optimizer state in its device's
+    slots (``ostate``), and ``specs``, the partition specs of the slot arrays returned."""
+
+    def __init__(self, spec: RuntimeSpec, stage_opt: StageOptimizer, ostate: SlotLayout,
+                 specs: list) -> None:
+        self.spec, self.stage_opt, self.ostate, self.specs = spec, stage_opt, ostate, specs
+
+    def __call__(self, param_leaves: list) -> list:
+        spec, ostate = self.spec, self.ostate
+        D = spec.schedule.num_devices
+        bufs = [ostate.zeros() for _ in range(D)]
+        held: list[set[int]] = [set() for _ in range(D)]
+        inputs = spec.views.take(param_leaves)
+        for st in spec.stages:
+            d = spec.schedule.placement(st.index)
+            leaves = self.stage_opt.init(st.index, [inputs[i] for i in st.param_ids])
+            bufs[d] = ostate.scatter(bufs[d], st.index, leaves)
+            held[d].update(ostate.where[st.index])
+
+        def column(k: int) -> jax.Array:
+            # A device no stage of which holds slot k keeps zeros of the held value's type
+            # (Explicit axes: its sharding is part of the type, and stacking needs one).
+            like = next((bufs[d][k] for d in range(D) if k in held[d]), None)
+            return jnp.stack([bufs[d][k] if like is None or k in held[d]
+                              else jnp.zeros_like(like) for d in range(D)])
+
+        return [column(k) for k in range(len(ostate))]
 
 
 def _keys(path: Any) -> list[str]:
