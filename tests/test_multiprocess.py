@@ -96,7 +96,8 @@ def _run_worker(mode: str, out: Path) -> dict:
 def test_two_processes_match_unpipelined(tmp_path, mode):
     """The CPU program and the accelerator program (its every-tick permutes between the
     processes, over gloo), and an interleaved schedule's CPU program with a body per
-    chunk (``share_bodies="auto"``): exact, trained, restored."""
+    chunk (``share_bodies="auto"`` where devices run concurrently): exact, trained,
+    restored."""
     got = _run_worker(mode, tmp_path / "result.npz")
     w = _worker_module()
     params, batch = w.make_model()

@@ -217,12 +217,11 @@ def test_bad_mesh_errors():
 @pytest.mark.parametrize("p,make,runtime,bodies", [
     (2, lambda: jp.OneFOneB(2, 4), SpmdRuntime(), [(0, 1)]),
     (4, lambda: jp.OneFOneB(4, 4), SpmdRuntime(fuse_fb=True), [(0, 1, 2, 3)]),
-    # fully shared: one device's chunks too, their parameters picked at run time
-    (2, lambda: jp.Interleaved1F1B(2, 4, stages_per_device=2),
-     SpmdRuntime(share_bodies=True), [(0, 1, 2, 3)]),
-    # by devices (the CPU default): a body per chunk, each stage on a device of its own
     (2, lambda: jp.Interleaved1F1B(2, 4, stages_per_device=2), SpmdRuntime(),
-     [(0, 1), (2, 3)]),
+     [(0, 1, 2, 3)]),
+    # by devices: a body per chunk, each of its stages on a device of its own
+    (2, lambda: jp.Interleaved1F1B(2, 4, stages_per_device=2),
+     SpmdRuntime(share_bodies="devices"), [(0, 1), (2, 3)]),
     # split backwards: the first stage's parts would hand more to W, so it runs whole
     (4, lambda: jp.OneFOneB(4, 4), SpmdRuntime(split_backward=True), [(0,), (1, 2, 3)]),
 ], ids=["p2", "p4-fused", "interleaved", "interleaved-by-devices", "split"])
@@ -257,11 +256,13 @@ def test_identical_stages_share_one_compiled_body():
     assert max(len(b.stages) for b in shared.inspect.executor.bodies) >= 4
 
 
-def test_sharing_by_devices_picks_no_parameters_at_run_time():
+def test_sharing_by_devices_picks_no_parameters_at_run_time(monkeypatch):
     """share_bodies="devices": the chunks of an interleaved schedule get a body each, and
     every body reads one slot per parameter (a static read: no pick, no stacked gradient
-    per step). "auto" shares by devices in the CPU program, fully in the accelerator
-    program; anything else is refused. No compile needed."""
+    per step). "auto" shares by devices only in the CPU program of concurrent devices
+    (several processes), fully elsewhere; anything else is refused. No compile needed."""
+    import jaxpipe.runtime.spmd.executor as executor_module
+
     loss_fn, params, batch = MODELS["mlp"](8, batch=16)
     mesh = jax.make_mesh((2,), ("pipe",))
     sched = jp.Interleaved1F1B(2, 4, stages_per_device=2)
@@ -271,18 +272,18 @@ def test_sharing_by_devices_picks_no_parameters_at_run_time():
                            cut="markers", runtime=runtime)
         return pipe.inspect.executor.bodies
 
-    shared, by_devices = bodies(SpmdRuntime(share_bodies=True)), bodies(SpmdRuntime())
+    shared, by_devices = bodies(SpmdRuntime()), bodies(SpmdRuntime(share_bodies="devices"))
     assert any(len(b.candidates(j)) > 1 for b in shared for j in range(len(b.param_classes)))
     assert all(len(b.candidates(j)) == 1
                for b in by_devices for j in range(len(b.param_classes)))
     for b in by_devices:  # never two stages of one device in a body
         assert len({s % 2 for s in b.stages}) == len(b.stages)
     assert len(by_devices) < 2 * 4  # still shared over the devices
+    assert SpmdRuntime().resolve_share(mesh) is True  # one process: turns, not concurrent
+    monkeypatch.setattr(executor_module, "concurrent", lambda mesh=None: True)
     assert SpmdRuntime().resolve_share(mesh) == "devices"
-    assert SpmdRuntime(share_bodies="devices").resolve_share(mesh) == "devices"
     assert SpmdRuntime(share_bodies=True).resolve_share(mesh) is True
     assert SpmdRuntime(backend="gpu").resolve_share(mesh) is True
-    assert SpmdRuntime(lanes=True).resolve_share(mesh) is True  # lanes: one body
     with pytest.raises(jp.PipelineError, match="share_bodies must be"):
         SpmdRuntime(share_bodies="chunks")
 

@@ -481,12 +481,7 @@ def test_linen_scan():
 @pytest.fixture(scope="module")
 def interleaved():
     """Embedding, 24 scanned layers and a head, 6 layers per stage, two stages per device
-    (v=2): every stage is the embedding or head around one shared core. Shared fully
-    (``share_bodies=True``): a device's two chunks run one body, which picks the running
-    chunk's parameters at run time, as the accelerator program does (the CPU program's
-    default gives each chunk a body of its own)."""
-    from jaxpipe.runtime.spmd import SpmdRuntime
-
+    (v=2): every stage is the embedding or head around one shared core."""
     ks = jax.random.split(jax.random.key(5), 4)
     params = {"embed": jax.random.normal(ks[0], (IN, WIDTH)),
               "layers": {"b": 0.1 * jax.random.normal(ks[1], (24, WIDTH)),
@@ -504,7 +499,7 @@ def interleaved():
 
     pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(2),
                        schedule=jp.Interleaved1F1B(2, M, stages_per_device=2),
-                       cut=jp.Cut(indices=[6, 12, 18]), runtime=SpmdRuntime(share_bodies=True))
+                       cut=jp.Cut(indices=[6, 12, 18]))
     return pipe, loss_fn, params, batch
 
 

@@ -88,11 +88,13 @@ class SpmdRuntime(Runtime):
         stacked gradient at run time, every step. ``"devices"``: only stages that read
         the same parameter slots (one chunk over the devices): no pick, one body per
         chunk. ``False``: a body per stage. ``"auto"`` (default): ``"devices"`` in the
-        CPU program unless the lanes program is wanted, ``True`` in the accelerator
-        program (one body, what the lanes program needs). On CPU the pick was most of
-        an interleaved step's cost beyond compute (8 x 512 MLP, p=2, v=2, one core:
-        1.42x plain JAX shared, 1.12x by devices; ``benchmarks/probes/step_overhead.py``)
-        and by devices compiles no slower (GPT d128 x 8, p=4: 3.4-3.6 s either way).
+        CPU program where devices run concurrently (several processes) and the lanes
+        program is not wanted, ``True`` elsewhere. The per-step pick is most of what
+        the CPU program costs beyond compute for interleaved schedules (8 x 512 MLP, p=2
+        on one core, v=2: 1.43x plain JAX shared, 1.10x by devices;
+        ``benchmarks/probes/step_overhead.py``), where one process' compile time matters
+        less than the step. (In one process by devices steps 6-14% faster on the GPT
+        benchmark model unrolled, p=2/4, but compiles a scanned stack 11% slower.)
       split_backward: run every full backward ``B`` as its input half ``I`` then its
         weight half ``W`` (same device order and memory; balanced steps when devices run
         concurrently). ``"auto"``: split in the accelerator program, where steps of equal
@@ -223,7 +225,8 @@ class SpmdRuntime(Runtime):
         """How stages share bodies (``share_bodies="auto"`` resolved)."""
         if self.share_bodies != "auto":
             return self.share_bodies
-        by_devices = not self.accelerated(mesh) and not self.wants_lanes(mesh, mesh_axes)
+        by_devices = (not self.accelerated(mesh) and concurrent(mesh)
+                      and not self.wants_lanes(mesh, mesh_axes))
         return "devices" if by_devices else True
 
     def shares_cores(self) -> bool:
