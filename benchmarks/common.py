@@ -46,6 +46,7 @@ __all__ = [
     "make_gpt_batch",
     "make_blocks_batch",
     "plain_value_and_grad",
+    "plain_train_step",
     "model_flops",
     "time_compiled",
     "time_interleaved",
@@ -268,6 +269,20 @@ def plain_value_and_grad(loss_fn: Callable, num_microbatches: int,
         init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
         (loss, g), _ = jax.lax.scan(body, init, mbs)
         return loss / num_microbatches, jax.tree.map(lambda x: x / num_microbatches, g)
+
+    return step
+
+
+def plain_train_step(value_and_grad: Callable, optimizer: Any) -> Callable:
+    """Plain JAX's train step around ``value_and_grad`` (e.g. :func:`plain_value_and_grad`):
+    an (unjitted) ``f(params, opt_state, batch) -> (params, opt_state, loss)`` applying
+    ``optimizer``'s update, the yardstick for a pipeline's ``train_step``."""
+    import optax
+
+    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        loss, grads = value_and_grad(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
 
     return step
 

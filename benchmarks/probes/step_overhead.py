@@ -36,14 +36,10 @@ REPO = Path(__file__).resolve().parents[2]
 def _plain_train(vg: Any, opt: Any, params: Any, batch: Any) -> Any:
     """Plain JAX's full step (value_and_grad, then ``opt``), its state carried between calls."""
     import jax
-    import optax
 
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = vg(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    from benchmarks import common as C
 
+    step = jax.jit(C.plain_train_step(vg, opt))
     state = [params, opt.init(params)]
 
     def run() -> Any:

@@ -123,12 +123,7 @@ def measure(target_name: str, size: dict[str, int], schedules: list[str],
     # plain JAX's train step: the same value_and_grad and AdamW's update, as jaxpipe's rows
     # compile it (the yardstick for their compile time; value_and_grad alone above)
     opt = optax.adamw(1e-4)
-
-    def train(params: Any, opt_state: Any, batch: Any) -> Any:
-        loss, grads = vg(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    train = C.plain_train_step(vg, opt)
     state = jax.tree.map(lambda a: replace_sharding(a, rep), jax.eval_shape(opt.init, placed))
     rows.append({"target": target_name, "program": "plain_train", "schedule": None,
                  "params": n_params, **_compile(

@@ -88,7 +88,6 @@ def _wall(fn: Any, *args: Any) -> tuple[Any, float]:
 def _plain(loss_fn: Any, params: Any, batch: Any, m: int, ev: _Events,
            train: bool = False) -> dict[str, Any]:
     import jax
-    import optax
 
     from benchmarks import common as C
 
@@ -99,14 +98,8 @@ def _plain(loss_fn: Any, params: Any, batch: Any, m: int, ev: _Events,
     _, steady = _wall(f, params, batch)
     out = {"compile_s": first - steady, "steady_s": steady, **parts}
     if train:
-        vg, opt = C.plain_value_and_grad(loss_fn, m), _opt()
-
-        @jax.jit
-        def step(params, opt_state, batch):
-            loss, grads = vg(params, batch)
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
+        opt = _opt()
+        step = jax.jit(C.plain_train_step(C.plain_value_and_grad(loss_fn, m), opt))
         t0 = time.perf_counter()
         state = opt.init(params)
         p1, o1, _ = jax.block_until_ready(step(params, state, batch))
