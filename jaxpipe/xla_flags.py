@@ -43,7 +43,7 @@ it starts a backend), or set the flags where you launch::
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 
 __all__ = ["COMPILER_OPTIONS", "FAST_CPU_COMPILE", "RECOMMENDED", "apply", "attached_platform",
            "compiler_options", "cpu_devices", "cpu_unless_attached", "fast_cpu_compile",
@@ -98,10 +98,16 @@ def apply(platform: str, env: MutableMapping[str, str] | None = None) -> str:
     """Add :func:`recommended` flags for ``platform`` to ``env["XLA_FLAGS"]`` (default
     ``os.environ``), keeping every flag already set there (a flag named there wins over
     ours). Returns the new ``XLA_FLAGS``. Has no effect on a backend JAX has started."""
+    return _add_flags(recommended(platform), env)
+
+
+def _add_flags(flags: Sequence[str], env: MutableMapping[str, str] | None) -> str:
+    """``env["XLA_FLAGS"]`` (default ``os.environ``) with those of ``flags`` it does not
+    name already (a flag named there wins). Returns the new ``XLA_FLAGS``."""
     env = os.environ if env is None else env
     have = env.get("XLA_FLAGS", "").split()
     names = {f.split("=", 1)[0] for f in have}
-    added = [f for f in recommended(platform) if f.split("=", 1)[0] not in names]
+    added = [f for f in flags if f.split("=", 1)[0] not in names]
     # XLA stops reading at the first token without "--" (JAX's FAQ suggests a bare
     # ``intra_op_parallelism_threads=1``): ours go before it, or XLA would ignore them
     bare = next((i for i, f in enumerate(have) if not f.startswith("--")), len(have))
@@ -137,13 +143,7 @@ def cpu_devices(count: int, env: MutableMapping[str, str] | None = None) -> str:
     examples). A device count already in ``env["XLA_FLAGS"]`` (default ``os.environ``)
     wins; the flag goes before a bare token XLA would stop reading at (see :func:`apply`).
     Returns the new ``XLA_FLAGS``."""
-    env = os.environ if env is None else env
-    have = env.get("XLA_FLAGS", "").split()
-    if not any(f.startswith("--xla_force_host_platform_device_count=") for f in have):
-        bare = next((i for i, f in enumerate(have) if not f.startswith("--")), len(have))
-        have.insert(bare, f"--xla_force_host_platform_device_count={count}")
-    env["XLA_FLAGS"] = " ".join(have)
-    return env["XLA_FLAGS"]
+    return _add_flags([f"--xla_force_host_platform_device_count={count}"], env)
 
 
 #: XLA:CPU's elemental IR emitter for fused loops in place of its MLIR fusion emitters. The
@@ -165,15 +165,8 @@ def fast_cpu_compile(env: MutableMapping[str, str] | None = None) -> str:
     not already named there. Returns the new ``XLA_FLAGS``."""
     from importlib import metadata
 
-    env = os.environ if env is None else env
-    have = env.get("XLA_FLAGS", "").split()
     try:
         known = metadata.version("jaxlib").startswith(_FAST_CPU_COMPILE_JAXLIB)
     except metadata.PackageNotFoundError:
         known = False
-    name = FAST_CPU_COMPILE.split("=", 1)[0]
-    if known and not any(f.split("=", 1)[0] == name for f in have):
-        bare = next((i for i, f in enumerate(have) if not f.startswith("--")), len(have))
-        have.insert(bare, FAST_CPU_COMPILE)
-    env["XLA_FLAGS"] = " ".join(have)
-    return env["XLA_FLAGS"]
+    return _add_flags([FAST_CPU_COMPILE] if known else [], env)
