@@ -13,6 +13,12 @@ microbatches, first call minus a steady call; jaxpipe ``jp.pipeline(...)`` + fir
 ``value_and_grad`` minus a steady call, with ``pipe.plan``'s phases (build: trace, cut,
 schedule; program + lower; XLA compile). Then the same in a second process whose
 ``jax_compilation_cache_dir`` the first one filled (both programs load from it).
+
+``--xla-phases`` then splits XLA's compile of both programs at L=16 by its own trace
+(``jax.profiler``; event names of jaxlib 0.10): HLO passes, SPMD partitioning (Shardy and
+the partitioner, which a one-device program skips), the kernels the fusion emitters
+build (how many; thread-seconds, two threads), LLVM's machine code, thunk emission, and
+the pipeline's kernels by name.
 """
 
 from __future__ import annotations
@@ -71,9 +77,16 @@ def wall(f, *a):
 
 
 plain = jax.jit(C.plain_value_and_grad(loss_fn, m))
+mesh = jax.make_mesh((4,), ("pipe",))
+if sys.argv[5] == "phases":
+    from benchmarks.probes.first_call import xla_trace
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, m),
+                       cut="markers")
+    print(json.dumps({"plain": xla_trace(plain.lower(params, batch)),
+                      "jaxpipe": xla_trace(pipe.lower("value_and_grad"))}))
+    sys.exit()
 first = wall(plain, params, batch)
 plain_s = first - wall(plain, params, batch)
-mesh = jax.make_mesh((4,), ("pipe",))
 t0 = time.perf_counter()
 pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, m),
                    cut="markers")
@@ -87,12 +100,65 @@ print(json.dumps({"plain_s": plain_s, "jaxpipe_s": jaxpipe_s, "build_s": build,
 """
 
 
-def _run(layers: int, variant: str, cache: str, m: int) -> dict[str, Any]:
+#: XLA:CPU's trace events (jaxlib 0.10) -> the phase they time; none nests in another
+XLA_EVENTS = {"PjRtCpuClient::Compile": "xla", "HLO passes through layout assignment":
+              "hlo_passes", "HLO passes after layout assignment": "hlo_passes",
+              "shardy-xla": "spmd", "spmd-partitioner": "spmd",
+              "FusionCompiler::Compile": "kernels", "JitCompiler::Compile": "llvm",
+              "ThunkEmitter::EmitEntryComputation": "thunks"}
+
+
+def xla_trace(lowered: Any) -> dict[str, Any]:
+    """Seconds of each phase in :data:`XLA_EVENTS` while XLA compiles ``lowered``, the
+    number of kernels the fusion emitters built, and their names."""
+    import gzip
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            lowered.compile()
+        trace, = Path(d).rglob("*.trace.json.gz")
+        events = json.loads(gzip.open(trace).read())["traceEvents"]
+    out: dict[str, Any] = dict.fromkeys(XLA_EVENTS.values(), 0.0) | {"kernel_names": []}
+    for e in events:
+        phase = next((v for k, v in XLA_EVENTS.items()
+                      if e.get("ph") == "X" and e["name"].startswith(k)), None)
+        if phase:
+            out[phase] += e["dur"] / 1e6
+        if phase == "kernels":
+            out["kernel_names"].append(e.get("args", {}).get("module", "?")
+                                       .replace("_kernel_module", "")
+                                       .replace("__compute_module_", ""))
+    out["num_kernels"] = len(out["kernel_names"])
+    return out
+
+
+def xla_phases(variants: list[str]) -> list[dict[str, Any]]:
+    """:func:`xla_trace` of both programs at L=16, m=8, a fresh process a variant."""
+    rows = []
+    for variant in variants:
+        with tempfile.TemporaryDirectory() as cache:
+            r = _run(16, variant, cache, 8, "phases")
+        for who in ("plain", "jaxpipe"):
+            x = r[who]
+            rows.append({"variant": variant, "program": who, **x})
+            print(f"{variant:8s} {who:7s}: XLA {x['xla']:.3f} s: HLO passes "
+                  f"{x['hlo_passes']:.3f}, SPMD {x['spmd']:.3f}, {x['num_kernels']} kernels "
+                  f"{x['kernels']:.3f} (thread-s), LLVM {x['llvm']:.3f}, thunks "
+                  f"{x['thunks']:.3f}", flush=True)
+        print("  jaxpipe's kernels:", " ".join(sorted(r["jaxpipe"]["kernel_names"])))
+    return rows
+
+
+def _run(layers: int, variant: str, cache: str, m: int, mode: str = "time"
+         ) -> dict[str, Any]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"),
                                                       str(REPO)) if x)}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(layers), variant, cache, str(m)],
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(layers), variant, cache, str(m),
+                           mode],
                           capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-2000:])
@@ -121,10 +187,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", default="16")
     ap.add_argument("--variants", default="unrolled,scanned")
     ap.add_argument("--ms", default="8", help="microbatch counts (at L=16)")
+    ap.add_argument("--xla-phases", action="store_true",
+                    help="also split XLA's compile of both programs at L=16 by phase")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "first_call"))
     a = ap.parse_args(argv)
     res = measure([int(x) for x in a.layers.split(",")], a.variants.split(","),
                   [int(x) for x in a.ms.split(",")])
+    if a.xla_phases:
+        res["xla_phases"] = xla_phases(a.variants.split(","))
     sys.path.insert(0, str(REPO))
     from benchmarks.common import write_json
 
