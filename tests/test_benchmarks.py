@@ -295,3 +295,30 @@ def test_step_overhead_takes_medians_across_processes() -> None:
     row = out["split_backward"]["rows"]["mlp"]
     assert row["ratio_cpu"] == 3.0 and row["same_tick_ratio_cpu_runs"] == [2.0, 6.0, 3.0]
     assert row["B_cpu_s"] == 1.0  # not a ratio: the first process's
+
+
+def test_first_call_probe_reads_xla_phases_from_its_trace() -> None:
+    """benchmarks/probes/first_call.py --xla-phases reads XLA's own trace events: a program
+    with a fused elementwise op compiles at least one kernel, and each phase is a part of
+    XLA's compile (a jaxlib that renames the events fails here, not silently reads 0). In a
+    process of XLA's default flags, as the probe's are: the suite's elemental emitter
+    (tests/conftest.py) builds kernels without the fusion emitters' events."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, jax, jax.numpy as jnp\n"
+            "from benchmarks.probes.first_call import xla_trace\n"
+            "x = jnp.ones((16, 16))\n"
+            "print(json.dumps(xla_trace(jax.jit(lambda a: jnp.tanh(a @ a) * 2.0 + a)"
+            ".lower(x))))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, "JAX_PLATFORMS": "cpu"}, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["num_kernels"] >= 1 and len(r["kernel_names"]) == r["num_kernels"]
+    assert r["xla"] > 0 and r["llvm"] > 0
+    for phase in ("hlo_passes", "kernels", "llvm", "thunks"):
+        assert 0 <= r[phase] <= r["xla"] * 2  # kernels: thread-seconds over two threads
