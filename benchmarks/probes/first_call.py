@@ -103,7 +103,7 @@ print(json.dumps({"plain_s": plain_s, "jaxpipe_s": jaxpipe_s, "build_s": build,
 #: XLA:CPU's trace events (jaxlib 0.10) -> the phase they time; none nests in another
 XLA_EVENTS = {"PjRtCpuClient::Compile": "xla", "HLO passes through layout assignment":
               "hlo_passes", "HLO passes after layout assignment": "hlo_passes",
-              "shardy-xla": "spmd", "spmd-partitioner": "spmd",
+              "spmd-partitioner": "spmd",  # Shardy's propagation runs inside it
               "FusionCompiler::Compile": "kernels", "JitCompiler::Compile": "llvm",
               "ThunkEmitter::EmitEntryComputation": "thunks"}
 
