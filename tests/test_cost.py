@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import jaxpipe as jp
-from jaxpipe.cut.cost import SegmentCost, aval_bytes, eqn_flops, jaxpr_flops, segment_costs
+from jaxpipe.cut.cost import SegmentCost, aval_bytes, segment_costs
+from jaxpipe.cut.flops import eqn_flops, jaxpr_flops
 from jaxpipe.jaxpr.trace import segments, trace
 
 

@@ -22,7 +22,8 @@ from split_schedule import DeferredW1F1B
 
 import jaxpipe as jp
 from jaxpipe.cut import SPMD_MEMORY, Cut, CutError, Remat, auto_cut, partition
-from jaxpipe.cut.cost import RematCost, SegmentCost, jaxpr_flops, segment_costs
+from jaxpipe.cut.cost import RematCost, SegmentCost, segment_costs
+from jaxpipe.cut.flops import jaxpr_flops
 from jaxpipe.cut.memory_model import TPU_MEMORY
 from jaxpipe.jaxpr.avals import aval_bytes
 from jaxpipe.jaxpr.trace import microbatch_like, trace

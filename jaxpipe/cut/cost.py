@@ -4,19 +4,13 @@ A *segment* is the run of equations between two consecutive ``jaxpipe_boundary``
 markers (see :func:`jaxpipe.jaxpr.trace.segments`); it is the smallest unit the cutter
 (:mod:`jaxpipe.cut`) can put on a stage. For every segment this module reports
 
-* ``flops``: forward FLOPs for one microbatch. ``dot_general`` and
-  ``conv_general_dilated`` are exact (2 x multiply-accumulates); elementwise
-  primitives count one FLOP per output element (transcendentals included);
-  reductions and cumulative ops count one per input element; pure data movement
-  (reshape, transpose, slicing, gather, dtype conversion, ...) counts zero.
-  Nested jaxprs are followed: ``jit``/``remat``/``custom_jvp``/``custom_vjp`` are
-  summed, ``scan`` bodies are multiplied by ``length``, ``cond`` takes the most
-  expensive branch, and ``while`` loops count one iteration (their trip count is not
-  static).
+* ``flops``: forward FLOPs for one microbatch, counted per primitive by
+  :mod:`jaxpipe.cut.flops` (matmuls and convolutions exact, elementwise ops one per
+  output element, data movement free; its docstring has the rules).
 * The backward pass is assumed to cost **2x the forward** (one matmul for the input
   gradient and one for the weight gradient per forward matmul; elementwise ops are
   similar). :attr:`SegmentCost.bwd_flops` states this assumption in one place;
-  ``profile=True`` replaces both with measured times.
+  ``profile=True`` replaces both with measured times (:mod:`jaxpipe.cut.profiling`).
 * ``param_leaf_bytes``: the parameter leaves the segment reads (leaf index ->
   bytes), so that a stage holding several segments that share a parameter (tied
   embeddings, a shared norm) counts it once; ``param_leaf_shapes`` gives each
@@ -41,17 +35,15 @@ markers (see :func:`jaxpipe.jaxpr.trace.segments`); it is the smallest unit the 
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 from jax.extend import core as jcore
 
-from jaxpipe.jaxpr.avals import aval_bytes, is_differentiable, shard_bytes
-from jaxpipe.jaxpr.interpret import eval_eqns, read
+from jaxpipe.cut.flops import eqn_flops, jaxpr_flops
+from jaxpipe.cut.profiling import profile_segments
+from jaxpipe.jaxpr.avals import aval_bytes, shard_bytes
 from jaxpipe.jaxpr.trace import segments
 from jaxpipe.stages import split
 from jaxpipe.stages.remat import Remat, has_user_remat
@@ -60,10 +52,7 @@ __all__ = [
     "RematCost",
     "SegmentCost",
     "segment_costs",
-    "jaxpr_flops",
-    "eqn_flops",
     "aval_bytes",  # re-exported from jaxpipe.jaxpr.avals
-    "profile_segments",
 ]
 
 
@@ -196,82 +185,6 @@ class SegmentCost:
         """True when measured forward and backward times are available."""
         return self.fwd_time is not None and self.bwd_time is not None
 
-
-# ---------------------------------------------------------------------------
-# FLOP counting
-
-# Data movement and bookkeeping: no arithmetic.
-_FREE = frozenset({
-    "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice",
-    "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "rev",
-    "iota", "convert_element_type", "bitcast_convert_type", "copy", "copy_p",
-    "device_put", "sharding_constraint", "mesh_cast", "reshard", "stop_gradient",
-    "jaxpipe_boundary", "random_seed", "random_wrap", "random_unwrap", "random_bits",
-    "threefry2x32", "optimization_barrier", "name", "pvary", "squeeze_p", "split",
-    "select_and_gather_add", "tie_in", "with_sharding_constraint", "full_like",
-    "scatter",
-})
-# One FLOP per *input* element.
-_REDUCE = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-    "reduce_xor", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
-    "cumlogsumexp", "sort", "reduce_precision", "top_k",
-})
-# One FLOP per *update* element.
-_SCATTER = frozenset({"scatter_add", "scatter_sub", "scatter_mul", "scatter_min", "scatter_max"})
-
-
-def _size(aval: Any) -> int:
-    shape = getattr(aval, "shape", None)
-    return int(math.prod(shape)) if shape is not None else 0
-
-
-def _inner(j: Any) -> Any:
-    return j.jaxpr if hasattr(j, "jaxpr") and hasattr(j, "consts") else j
-
-
-def eqn_flops(eqn: Any) -> float:
-    """Forward FLOPs of one jaxpr equation (recursing into nested jaxprs)."""
-    name = eqn.primitive.name
-    params = eqn.params
-    if name == "dot_general":
-        (lhs_contract, _), _ = params["dimension_numbers"]
-        lhs_shape = eqn.invars[0].aval.shape
-        k = math.prod(lhs_shape[d] for d in lhs_contract)
-        return 2.0 * _size(eqn.outvars[0].aval) * k
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval
-        out_feature_dim = params["dimension_numbers"].rhs_spec[0]
-        # Each output element is a dot over (input features per group x kernel window).
-        macs_per_out = _size(rhs) // max(rhs.shape[out_feature_dim], 1)
-        return 2.0 * _size(eqn.outvars[0].aval) * macs_per_out
-    if name == "scan":
-        return params["length"] * jaxpr_flops(params["jaxpr"])
-    if name == "cond":
-        return max((jaxpr_flops(b) for b in params["branches"]), default=0.0)
-    if name == "while":
-        # Trip count is dynamic: count one iteration of cond + body.
-        return jaxpr_flops(params["cond_jaxpr"]) + jaxpr_flops(params["body_jaxpr"])
-    subs = list(jcore.jaxprs_in_params(params))
-    if subs:  # jit, remat, custom_jvp/custom_vjp, closed_call, shard_map, ...
-        return float(sum(jaxpr_flops(s) for s in subs))
-    if name in _FREE:
-        return 0.0
-    if name in _REDUCE:
-        return float(sum(_size(v.aval) for v in eqn.invars))
-    if name in _SCATTER:
-        return float(_size(eqn.invars[-1].aval))
-    if name in ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window"):
-        return float(_size(eqn.outvars[0].aval) * math.prod(params["window_dimensions"]))
-    # Elementwise (and anything unknown): one per output element.
-    return float(sum(_size(v.aval) for v in eqn.outvars))
-
-
-def jaxpr_flops(jaxpr: Any) -> float:
-    """Forward FLOPs of a ``Jaxpr`` or ``ClosedJaxpr`` (see the module docstring)."""
-    return float(sum(eqn_flops(e) for e in _inner(jaxpr).eqns))
-
-
 # ---------------------------------------------------------------------------
 # Segment costs
 
@@ -388,92 +301,4 @@ def _input_values(traced: Any, ranges: list[tuple[int, int]]) -> list[dict[int, 
         for eqn in jaxpr.eqns[a:b]:
             where.update((v, k) for v in eqn.outvars if not isinstance(v, jcore.DropVar))
         out.append(mine)
-    return out
-
-
-# ---------------------------------------------------------------------------
-# Optional profiling
-
-
-def _segment_io(jaxpr: Any, start: int, end: int) -> tuple[list[Any], list[Any]]:
-    """Free input vars and live-out vars of equations [start, end)."""
-    eqns = jaxpr.eqns[start:end]
-    defined: set[Any] = set()
-    inputs: list[Any] = []
-    seen: set[Any] = set()
-    for eqn in eqns:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var) and v not in defined and v not in seen:
-                seen.add(v)
-                inputs.append(v)
-        defined.update(v for v in eqn.outvars if not isinstance(v, jcore.DropVar))
-    used_later: set[Any] = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-    for eqn in jaxpr.eqns[end:]:
-        used_later.update(v for v in eqn.invars if isinstance(v, jcore.Var))
-    outputs = [v for eqn in eqns for v in eqn.outvars if v in defined and v in used_later]
-    return inputs, outputs
-
-
-def _run_eqns(eqns: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any],
-              args: Sequence[Any]) -> list[Any]:
-    """Evaluate equations on ``args`` (bound to ``inputs``) and return ``outputs``."""
-    env = dict(zip(inputs, args, strict=True))
-    eval_eqns(eqns, env)
-    return [read(env, v) for v in outputs]
-
-
-def profile_segments(traced: Any, repeats: int = 5) -> list[tuple[float, float]]:
-    """Median (forward, backward) seconds per microbatch of every segment, measured.
-
-    Each segment is compiled on its own with random inputs of the traced shapes;
-    the backward is the VJP with respect to every differentiable (inexact) input, minus the
-    forward it recomputes. Numbers include per-call dispatch overhead, so tiny
-    segments look slower than they are.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    jaxpr = traced.closed_jaxpr.jaxpr
-    consts = dict(zip(jaxpr.constvars, traced.closed_jaxpr.consts, strict=True))
-    key = jax.random.key(0)
-    out: list[tuple[float, float]] = []
-    for start, end in _segment_ranges(traced):
-        ins, outs_ = _segment_io(jaxpr, start, end)
-        args = []
-        for i, v in enumerate(ins):
-            if v in consts:
-                args.append(consts[v])
-            elif is_differentiable(v.aval):
-                args.append(jax.random.normal(jax.random.fold_in(key, i), v.aval.shape,
-                                              v.aval.dtype))
-            else:
-                args.append(jnp.zeros(v.aval.shape, v.aval.dtype))
-        differentiable = tuple(is_differentiable(v.aval) for v in ins)
-
-        def fwd(*xs, _e=jaxpr.eqns[start:end], _i=ins, _o=outs_):
-            return _run_eqns(_e, _i, _o, xs)
-
-        def bwd(*xs, _fwd=fwd, _diff=differentiable):
-            def f(*fl):
-                it = iter(fl)
-                return _fwd(*[next(it) if d else x for x, d in zip(xs, _diff, strict=True)])
-
-            def f_float(*fl):  # only differentiable outputs carry cotangents
-                return [o for o in f(*fl) if is_differentiable(o)]
-
-            floats = [x for x, d in zip(xs, _diff, strict=True) if d]
-            outs, vjp = jax.vjp(f_float, *floats)
-            return vjp([jnp.ones_like(o) for o in outs])
-
-        times = []
-        for fn in (jax.jit(fwd), jax.jit(bwd)):
-            jax.block_until_ready(fn(*args))  # compile
-            samples = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*args))
-                samples.append(time.perf_counter() - t0)
-            times.append(float(np.median(samples)))
-        # The VJP runs the forward again: the backward's own time is the difference.
-        out.append((times[0], max(times[1] - times[0], 0.0)))
     return out
