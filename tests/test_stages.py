@@ -85,7 +85,7 @@ def test_identical_blocks_are_traced_once(monkeypatch):
     """Stages computing the same function (the blocks of a deep model) share one trace;
     the roles of their inputs (a batch leaf vs a carry), constants and custom rules keep
     otherwise equal fragments apart."""
-    import jaxpipe.stages.stage_fn as stages_mod
+    import jaxpipe.stages.fragments as stages_mod
 
     built = []
     real = stages_mod._build_stage

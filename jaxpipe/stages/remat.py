@@ -30,7 +30,7 @@ holds; :attr:`jaxpipe.cut.cost.SegmentCost.user_remat` marks such segments.
 
 Applying a policy (:func:`remat_groups`, :func:`run_groups`): a stage's equations run as
 groups, each evaluated as traced or wrapped in ``jax.checkpoint`` under the policy; the
-stage builder (:mod:`jaxpipe.stages.stage_fn`) traces its forward through them.
+stage builder (:mod:`jaxpipe.stages.fragments`) traces its forward through them.
 """
 
 from __future__ import annotations

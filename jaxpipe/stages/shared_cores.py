@@ -26,8 +26,9 @@ from jax.extend import core as jcore
 
 from jaxpipe.jaxpr.avals import aval_bytes, typed_sds
 from jaxpipe.sharding.constraints import stage_as_fun
+from jaxpipe.stages.fragments import Fragments
 from jaxpipe.stages.remat import Remat
-from jaxpipe.stages.stage_fn import Fragments, StageFn, StageParts
+from jaxpipe.stages.stage_fn import StageFn, StageParts
 
 __all__ = ["compose", "share_cores"]
 

@@ -1,7 +1,7 @@
 """Split a traced loss at marker positions into :class:`~jaxpipe.stages.stage_fn.StageFn` s.
 
 :func:`split` is the one entry point: it builds a stage per range of equations
-(:class:`~jaxpipe.stages.stage_fn.Fragments`), or, with ``share_cores``, splits the first and
+(:class:`~jaxpipe.stages.fragments.Fragments`), or, with ``share_cores``, splits the first and
 last stages into a prologue, a core another stage shares and an epilogue
 (:mod:`jaxpipe.stages.shared_cores`).
 """
@@ -12,9 +12,10 @@ from collections.abc import Sequence
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.jaxpr.trace import Traced
+from jaxpipe.stages.fragments import Fragments
 from jaxpipe.stages.remat import Remat, parse_remat
 from jaxpipe.stages.shared_cores import share_cores as share
-from jaxpipe.stages.stage_fn import Fragments, StageFn
+from jaxpipe.stages.stage_fn import StageFn
 
 __all__ = ["split"]
 
