@@ -261,7 +261,7 @@ def test_sharing_by_devices_picks_no_parameters_at_run_time(monkeypatch):
     every body reads one slot per parameter (a static read: no pick, no stacked gradient
     per step). "auto" shares by devices only in the CPU program of concurrent devices
     (several processes), fully elsewhere; anything else is refused. No compile needed."""
-    import jaxpipe.runtime.spmd.executor as executor_module
+    import jaxpipe.runtime.spmd.options as options_module
 
     loss_fn, params, batch = MODELS["mlp"](8, batch=16)
     mesh = jax.make_mesh((2,), ("pipe",))
@@ -280,7 +280,7 @@ def test_sharing_by_devices_picks_no_parameters_at_run_time(monkeypatch):
         assert len({s % 2 for s in b.stages}) == len(b.stages)
     assert len(by_devices) < 2 * 4  # still shared over the devices
     assert SpmdRuntime().resolve_share(mesh) is True  # one process: turns, not concurrent
-    monkeypatch.setattr(executor_module, "concurrent", lambda mesh=None: True)
+    monkeypatch.setattr(options_module, "concurrent", lambda mesh=None: True)
     assert SpmdRuntime().resolve_share(mesh) == "devices"
     assert SpmdRuntime(share_bodies=True).resolve_share(mesh) is True
     assert SpmdRuntime(backend="gpu").resolve_share(mesh) is True

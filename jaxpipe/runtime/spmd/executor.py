@@ -1,10 +1,9 @@
-"""The SPMD runtime: every schedule as one ``jax.jit(jax.shard_map(...))`` program.
+"""The SPMD executor: one pipeline's ``jax.jit(jax.shard_map(...))`` programs.
 
-:class:`SpmdRuntime` is what users pass (``runtime="spmd"``, the default);
-:meth:`SpmdRuntime.build` lays out every stage's values (:mod:`.program.layout`), lowers
-the schedule to static tables (:mod:`.lowering`) and builds the program
-(:mod:`.program.build`).
-The :class:`SpmdExecutor` it returns keeps parameters in slots, one array
+:meth:`~.runtime.SpmdRuntime.build` returns a :class:`SpmdExecutor`, which lays out every
+stage's values (:mod:`.program.layout`), lowers the schedule to static tables
+(:mod:`.lowering`) and builds the program (:mod:`.program.build`) under the runtime's
+resolved options (:mod:`.options`). It keeps parameters in slots, one array
 ``[devices, *shape]`` each, sharded over the pipe axis (see
 :class:`~.program.layout.SlotLayout`).
 """
@@ -12,27 +11,19 @@ The :class:`SpmdExecutor` it returns keeps parameters in slots, one array
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.cut.memory_model import ACCELERATOR_MEMORY, SPMD_MEMORY, TPU_MEMORY, MemoryModel
 from jaxpipe.errors import PipelineError
-from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
-from jaxpipe.runtime.spmd.backends import (
-    BACKENDS,
-    REFINE_EVALS,
-    concurrent,
-    exchange_flops,
-    packed_w_error,
-    platform_of,
-)
+from jaxpipe.runtime.base import Executor, RuntimeSpec, StepFn
+from jaxpipe.runtime.spmd.backends import exchange_flops, packed_w_error, platform_of
 from jaxpipe.runtime.spmd.lowering import Lowering, lower, lower_accelerator
-from jaxpipe.runtime.spmd.lowering.lanes import lanes_in_flight, lanes_refusal, lower_lanes
-from jaxpipe.runtime.spmd.predict import predicted_time
+from jaxpipe.runtime.spmd.lowering.lanes import lanes_refusal, lower_lanes
+from jaxpipe.runtime.spmd.options import SpmdOptions
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
 from jaxpipe.runtime.spmd.program.build import (
     Epilogue,
@@ -59,203 +50,7 @@ from jaxpipe.sharding.mesh_axes import to_spec
 from jaxpipe.train.options import TrainOptions
 from jaxpipe.train.state import StageOptimizer
 
-__all__ = ["SpmdExecutor", "SpmdRuntime"]
-
-
-class SpmdRuntime(Runtime):
-    """Run the pipeline as one SPMD program over the mesh's pipe axis (the default).
-
-    Args:
-      backend: the program to build: ``"cpu"`` (ticks run their branches in gated loops
-        and exchange only where messages move: right where a collective costs ~75 us and
-        a loop's trip count is read on the host anyway), or ``"gpu"`` / ``"tpu"`` (the
-        accelerator program: straight-line ticks, one ``lax.switch`` per tick holding no
-        collective, one unconditional permutation per direction, the buffers updated in
-        place outside the switch; :mod:`.program.accelerator_ticks`). ``"auto"``
-        (default): the mesh's platform. Either program builds and runs on any backend, so
-        the accelerator program is tested on CPU.
-      overlap: in the accelerator program, send each tick's message during the next tick
-        (the permutation's operand comes from the loop's carry, so XLA can overlap it
-        with the tick's compute), at one more tick before another device can read it.
-        ``"auto"`` (default): where the sync model says that runs faster, with a
-        permutation priced from the message's bytes and the stages' FLOPs
-        (:data:`LINK_FLOPS_PER_BYTE`, :data:`EXCHANGE_LATENCY_FLOPS`); without the
-        cutter's costs, off.
-      share_bodies: run stages whose functions are identical up to their parameters
-        through one compiled branch per action kind (smaller program, faster compile).
-        ``True``: every such stage, the chunks of an interleaved schedule on one device
-        among them; the branch then picks the running chunk's parameters and adds into a
-        stacked gradient at run time, every step. ``"devices"``: only stages that read
-        the same parameter slots (one chunk over the devices): no pick, one body per
-        chunk. ``False``: a body per stage. ``"auto"`` (default): ``"devices"`` in the
-        CPU program where devices run concurrently (several processes) and the lanes
-        program is not wanted, ``True`` elsewhere. The per-step pick is most of what
-        the CPU program costs beyond compute for interleaved schedules (8 x 512 MLP, p=2
-        on one core, v=2: 1.43x plain JAX shared, 1.10x by devices;
-        ``benchmarks/probes/step_overhead.py``), where one process' compile time matters
-        less than the step. (In one process by devices steps 6-14% faster on the GPT
-        benchmark model unrolled, p=2/4, but compiles a scanned stack 11% slower.)
-      split_backward: run every full backward ``B`` as its input half ``I`` then its
-        weight half ``W`` (same device order and memory; balanced steps when devices run
-        concurrently). ``"auto"``: split in the accelerator program, where steps of equal
-        cost keep the lock-step program at the schedule's speed; not in the CPU program,
-        where the extra steps cost more than they save (2 gloo processes, p=2 m=8: GPipe
-        0.41 of the ideal speed-up split vs 0.83 unsplit; benchmarks/README.md).
-      iw_same_tick: run a W that directly follows its own I in the I's tick, the I's
-        cotangent leaving after the W. Where every W of a stage directly follows its I
-        (1F1B split into I + W), the pair runs as one step and the hand-off goes
-        straight from I to W instead of through storage
-        (:func:`.lowering.fusion.joined_weights`); other such Ws run as the tick's second
-        step. ``"auto"`` (default): only in the CPU program where devices do not run
-        concurrently (virtual CPU devices in one process), where the later cotangent
-        costs nothing and the joined step removes the split's cost (1F1B p=4, I + W
-        against B: 1.05 -> 0.995 on an MLP, 1.06 -> 1.01 on GPT blocks;
-        benchmarks/sections/step.py). Where devices run concurrently the later cotangent
-        delays the stage before; the accelerator program runs one step per tick.
-      fuse_fb: run a B that directly follows its own F (the last stage's, whose cotangent
-        is its loss, in 1F1B and at p=1) in the F's step as one forward and backward, as
-        plain ``jax.value_and_grad`` does: that stage stores no residuals, the pair takes
-        one step, and its F and B compile as one branch. Only for stages whose every B
-        qualifies (see :func:`.lowering.fusion.fused_backwards`); not with
-        ``split_backward`` (no B is left to fuse). ``"auto"`` (default): only where that
-        does not raise the stored bytes (always at p=1; at p>=2 the busiest device is
-        another and the FB step's scratch would add to it). ``True`` trades that memory
-        for compile time (GPT benchmark model p=2: XLA -17%, compiled memory +4%).
-      refine: evaluations of the local search over ticks under the sync model
-        (:mod:`.lowering.refine`). ``"auto"``: :data:`REFINE_EVALS` where devices run
-        concurrently (the accelerator program, or several processes), else none.
-      lanes: build the lanes program (:mod:`.program.lane_ticks`) on any backend: where
-        every stage is one shared body, each tick runs its forward then its backward on
-        every device with no conditional around them, so the collectives XLA puts inside
-        a stage (FSDP all-gathers, tensor-parallel reductions, resharding permutes) run
-        unconditionally. Needs F and B actions (no split backward) and each direction
-        of messages used by one kind (not V placements). A schedule whose device order
-        waits for each backward (1F1B) idles more ticks than as one action a tick, a
-        GPipe-like order none; ``pipe.plan`` shows the lowering. ``"auto"`` (default):
-        where a stage holds such collectives (parameters sharded over a mesh axis other
-        than pipe) and the schedule allows it; ``True`` raises where it does not.
-    """
-
-    name: ClassVar[str] = "spmd"
-
-    def __init__(self, *, backend: str = "auto", overlap: bool | str = "auto",
-                 share_bodies: bool | str = "auto", split_backward: bool | str = "auto",
-                 iw_same_tick: bool | str = "auto", fuse_fb: bool | str = "auto",
-                 refine: int | str = "auto", lanes: bool | str = "auto") -> None:
-        if backend not in BACKENDS:
-            raise PipelineError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, "
-                                f"got {backend!r}.")
-        for name, value in (("overlap", overlap), ("split_backward", split_backward),
-                            ("iw_same_tick", iw_same_tick), ("fuse_fb", fuse_fb),
-                            ("lanes", lanes)):
-            if value not in (True, False, "auto"):
-                raise PipelineError(f"{name} must be True, False or 'auto', got {value!r}.")
-        if refine != "auto" and (isinstance(refine, bool) or not isinstance(refine, int)
-                                 or refine < 0):
-            raise PipelineError(
-                f"refine must be 'auto' or a number of evaluations >= 0, got {refine!r}.")
-        if backend in ("gpu", "tpu") and iw_same_tick is True:
-            raise packed_w_error(backend)
-        self.backend = backend
-        self.overlap = overlap
-        self.refine = refine
-        self.fuse_fb = fuse_fb
-        if share_bodies not in (True, False, "auto", "devices"):
-            raise PipelineError(f"share_bodies must be True, False, 'devices' or 'auto', "
-                                f"got {share_bodies!r}.")
-        self.share_bodies = share_bodies
-        self.split_backward = split_backward
-        self.iw_same_tick = iw_same_tick
-        self.lanes = lanes
-
-    @property
-    def memory_model(self) -> MemoryModel:
-        return SPMD_MEMORY
-
-    def memory_model_for(self, mesh: Any = None) -> MemoryModel:
-        """:data:`SPMD_MEMORY` (CPU program), :data:`ACCELERATOR_MEMORY` (the accelerator
-        program's switch outputs are buffers of their own), XLA:TPU's :data:`TPU_MEMORY`."""
-        if not self.accelerated(mesh):
-            return SPMD_MEMORY
-        return TPU_MEMORY if platform_of(mesh) == "tpu" else ACCELERATOR_MEMORY
-
-    def build(self, spec: RuntimeSpec) -> SpmdExecutor:
-        return SpmdExecutor(spec, self)
-
-    def resolve_backend(self, mesh: Any = None) -> str:
-        """The program built for ``mesh`` (``backend="auto"``: its devices' platform)."""
-        if self.backend != "auto":
-            return self.backend
-        platform = platform_of(mesh)
-        return "cpu" if platform == "cpu" else ("tpu" if platform == "tpu" else "gpu")
-
-    def accelerated(self, mesh: Any = None) -> bool:
-        """Whether the accelerator program runs on ``mesh``."""
-        return self.resolve_backend(mesh) != "cpu"
-
-    def resolve_refine(self, mesh: Any = None) -> int:
-        """Local-search evaluations the lowering runs (``refine="auto"`` resolved)."""
-        if self.refine != "auto":
-            return self.refine
-        return REFINE_EVALS if self.accelerated(mesh) or concurrent(mesh) else 0
-
-    def resolve_iw_same_tick(self, mesh: Any = None) -> bool:
-        """Whether a W runs in its own I's tick (``iw_same_tick="auto"`` resolved)."""
-        if self.iw_same_tick != "auto":
-            return bool(self.iw_same_tick)
-        return not (self.accelerated(mesh) or concurrent(mesh))
-
-    def resolve_split(self, mesh: Any = None, mesh_axes: Any = None) -> bool:
-        if self.split_backward != "auto":
-            return bool(self.split_backward)
-        return self.accelerated(mesh) and not self.wants_lanes(mesh, mesh_axes)
-
-    def wants_lanes(self, mesh: Any = None, mesh_axes: Any = None) -> bool:
-        """Whether the lanes program is wanted (``lanes=True``, or ``"auto"`` where a
-        mesh axis left to JAX's sharding inside the stages has more than one device);
-        the schedule may still refuse it (:func:`.lowering.lanes.lanes_refusal`)."""
-        if self.lanes != "auto":
-            return bool(self.lanes)
-        if mesh is None or mesh_axes is None:
-            return False
-        return any(mesh.shape[a] > 1 for a in mesh.axis_names
-                   if a not in mesh_axes.manual_axes)
-
-    def resolve_share(self, mesh: Any = None, mesh_axes: Any = None) -> bool | str:
-        """How stages share bodies (``share_bodies="auto"`` resolved)."""
-        if self.share_bodies != "auto":
-            return self.share_bodies
-        by_devices = (not self.accelerated(mesh) and concurrent(mesh)
-                      and not self.wants_lanes(mesh, mesh_axes))
-        return "devices" if by_devices else True
-
-    def shares_cores(self) -> bool:
-        return self.share_bodies is not False
-
-    def splits_backward(self, mesh: Any = None, mesh_axes: Any = None) -> bool:
-        return self.resolve_split(mesh, mesh_axes)
-
-    def in_flight(self, schedule: Any, mesh: Any = None, mesh_axes: Any = None
-                  ) -> list[int] | None:
-        """The lanes program's peaks where it will run (a forward runs before its tick's
-        backward: one more set on 1F1B's first devices); else the schedule's."""
-        if not self.wants_lanes(mesh, mesh_axes):
-            return None
-        return lanes_in_flight(schedule, self.resolve_split(mesh, mesh_axes))
-
-    def predicted_time(self, schedule: Any, action_cost: Any, mesh: Any = None,
-                       mesh_axes: Any = None, stored_bytes: float = 0.0) -> float:
-        """The lowered program's time plus its costs a tick (:mod:`.predict`)."""
-        return predicted_time(schedule, action_cost, self.resolve_backend(mesh),
-                              self.wants_lanes(mesh, mesh_axes),
-                              self.resolve_split(mesh, mesh_axes), self.resolve_refine(mesh),
-                              concurrent(mesh), stored_bytes=stored_bytes)[0]
-
-    def __repr__(self) -> str:
-        return (f"SpmdRuntime(backend={self.backend!r}, overlap={self.overlap!r}, "
-                f"share_bodies={self.share_bodies!r}, "
-                f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick!r}, "
-                f"fuse_fb={self.fuse_fb!r}, refine={self.refine!r}, lanes={self.lanes!r})")
+__all__ = ["SpmdExecutor"]
 
 
 class SpmdExecutor(ExecutorReports, Executor):
@@ -271,8 +66,8 @@ class SpmdExecutor(ExecutorReports, Executor):
       lowering: the schedule's static tables and buffer sizes (ticks, residual peaks).
     """
 
-    def __init__(self, spec: RuntimeSpec, runtime: SpmdRuntime | None = None) -> None:
-        runtime = runtime or SpmdRuntime()
+    def __init__(self, spec: RuntimeSpec, runtime: SpmdOptions | None = None) -> None:
+        runtime = runtime or SpmdOptions()
         self.spec = spec
         sched = spec.schedule
         device_stages = [sched.device_stages(d) for d in range(sched.num_devices)]
@@ -314,7 +109,7 @@ class SpmdExecutor(ExecutorReports, Executor):
             accelerator=self.accelerated, lanes=self.lanes, objective=self.spec.objective,
             **kind), epilogue)
 
-    def _resolve_lanes(self, runtime: SpmdRuntime) -> bool:
+    def _resolve_lanes(self, runtime: SpmdOptions) -> bool:
         """Whether the lanes program runs (``SpmdRuntime(lanes=...)``; where it is wanted,
         ``split_backward="auto"`` split no backward already)."""
         spec = self.spec
