@@ -15,7 +15,7 @@ microbatches and maps between the user's pytrees and flat leaves, and between th
 leaves and the stages' parameter views (:mod:`jaxpipe.sharding.param_views`: a stacked
 weight split over stages is passed as each stage's rows, its gradient gathered back).
 :class:`jaxpipe.api.pipeline.Pipeline` is the narrow face a training loop uses; this is
-the rest, for tables, lowered views and debugging.
+the rest, for tables, lowered views and debugging (those: :mod:`jaxpipe.api.reports`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from jaxpipe.api.inputs import (
     check_pipeline_args,
     leaf_paths,
 )
+from jaxpipe.api.reports import InternalsReports
 from jaxpipe.build_times import BuildTimes
 from jaxpipe.compile_watch import CompileWatch
 from jaxpipe.errors import PipelineTypeError
@@ -57,7 +58,6 @@ from jaxpipe.sharding.mesh_axes import (
     MeshAxes,
     placed_batch_axes,
     resolve_mesh_axes,
-    to_spec,
     trace_context,
     typed_shardings,
 )
@@ -71,9 +71,7 @@ from jaxpipe.xla_flags import compiler_options
 __all__ = ["Internals"]
 
 
-
-
-class Internals:
+class Internals(InternalsReports):
     """A built pipeline's parts: what ``pipe.inspect`` returns.
 
     Made by :func:`jaxpipe.pipeline` behind the :class:`~jaxpipe.api.pipeline.Pipeline` it
@@ -193,7 +191,6 @@ class Internals:
                                                self._times)
         self._shard_jit = jax.jit(self.executor.shard)
         self._unshard_jit = jax.jit(self.executor.unshard)
-        self._plan = None
         if jax.process_count() > 1:
             # Every process must build the same program, or its collectives never match.
             from jaxpipe.distributed import check_consistent
@@ -207,11 +204,11 @@ class Internals:
         return self._shards(self.batch_axes)
 
     @property
-    def batch_sharding(self) -> Any:
-        """The ``NamedSharding`` batches are placed with: axis 0 split over the batch axes
-        (those the program is manual over first), replicated over the pipe axis. Build
-        multi-process batches with it to skip a reshard at every call."""
-        return self.placement.batch
+    def build_times(self) -> BuildTimes:
+        """Seconds of each phase of building this pipeline (trace, cut, schedule) and of
+        each program's first call (building and lowering the program, XLA's compile),
+        filled in as they happen; ``pipe.plan`` prints them."""
+        return self._times
 
     def _trace(self, mesh_axes: MeshAxes, loss_fn: Callable, params: Any, mb: Any,
                objective: Objective) -> Traced:
@@ -228,22 +225,6 @@ class Internals:
 
     def _shards(self, axes: tuple[str, ...]) -> int:
         return int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
-
-    @property
-    def param_specs(self) -> Any:
-        """The parameters' sharding over the non-pipe mesh axes: a pytree of
-        ``PartitionSpec`` with the structure of ``params`` (``P()``: replicated)."""
-        return jax.tree.unflatten(self.traced.params_treedef,
-                                  [to_spec(d) for d in self.param_dims])
-
-    @property
-    def param_owners(self) -> dict[int, tuple[int, ...]]:
-        """Parameter leaf -> the stages that read it (a tied leaf has several; a stacked
-        weight split over stages lists the stages holding its rows)."""
-        owners: dict[int, set[int]] = {}
-        for pid, stages in self.executor.spec.param_owners.items():
-            owners.setdefault(self.views.views[pid].leaf, set()).update(stages)
-        return {leaf: tuple(sorted(s)) for leaf, s in sorted(owners.items())}
 
     # ---------------------------------------------------------------- checks
     def check_params(self, params: Any, what: str = "params") -> list:
@@ -317,11 +298,6 @@ class Internals:
         """Global shapes of the staged parameter arrays."""
         return [tuple(a.shape) for a in jax.tree.leaves(self.executor.staged_abstract())]
 
-    def stage_params(self, staged: Any) -> list[list[jax.Array]]:
-        """Every stage's parameter inputs as its device holds them (tied: each copy; a
-        stacked weight split over stages: the stage's rows)."""
-        return self.executor.stage_params(self.place_staged(staged, "stage_params"))
-
     # ---------------------------------------------------------------- compute
     def value(self, loss: jax.Array, aux: list) -> Any:
         """``loss``, or ``(loss, aux)`` with ``has_aux`` (aux as the user's pytree)."""
@@ -364,21 +340,6 @@ class Internals:
         """The ``jax.jit`` object behind :meth:`staged_value_and_grad`."""
         return self._staged_vg
 
-    @functools.cached_property
-    def _reference(self) -> Executor:
-        from jaxpipe.runtime.reference import ReferenceRuntime
-
-        return ReferenceRuntime().build(self.executor.spec)
-
-    def reference_value_and_grad(self, params: Any, batch: Any, key: Any = None
-                                 ) -> tuple[jax.Array, Any]:
-        """Same as :meth:`value_and_grad`, run by the sequential reference executor."""
-        params = self.place_params(params)
-        key = self.place_key(key, "pipe.reference_value_and_grad")
-        loss, aux, grads = self._reference.value_and_grad(
-            self.check_params(params), self.microbatches(self.place_batch(batch), key))
-        return self.value(loss, aux), self.user_tree(grads)
-
     # ---------------------------------------------------------------- entry points
     def run_value_and_grad(self, params: Any, batch: Any, key: Any) -> tuple[Any, Any]:
         """The value-and-grad program on placed inputs (compiled once, or eager)."""
@@ -418,21 +379,6 @@ class Internals:
         ``optimizer`` trains with."""
         return Trainer(self.executor, optimizer, options, self.microbatches, self._times)
 
-    def lower(self, program: str, optimizer: Any = None,
-              options: TrainOptions | None = None) -> Any:
-        """``program`` (``"train_step"``, ``"value_and_grad"`` or ``"loss"``) lowered from
-        :meth:`abstract_inputs` (see ``Pipeline.lower``, which checks the arguments)."""
-        params, batch, key = self.abstract_inputs()
-        if program == "value_and_grad":
-            return self._vg.trace(params, batch, key).lower()
-        if program == "loss":
-            return self._loss_jit.trace(params, batch, key).lower()
-        trainer = self.trainer(optimizer, options or TrainOptions())
-        state = TrainState(self.executor.staged_abstract(), trainer.abstract_opt_state(),
-                           jax.ShapeDtypeStruct((), np.int32,
-                                                sharding=self.placement.replicated), trainer)
-        return trainer.step_fn.trace(state, batch, key).lower()
-
     def abstract_inputs(self) -> tuple[Any, Any, Any]:
         """``(params, batch, key)`` as ``jax.ShapeDtypeStruct`` s placed as a call places
         them (``key``: ``None`` without ``rng``): what the ahead-of-time path lowers."""
@@ -447,54 +393,7 @@ class Internals:
         key = (jax.ShapeDtypeStruct((), self.key_dtype, sharding=placement.replicated)
                if self.rng else None)
         return params, batch, key
+
     def live_state(self, state: Any, what: str) -> Any:
         """``state`` checked (type, owner, layout, not donated) and placed on the mesh."""
         return live_state(state, self.executor, self.placement, what)
-
-    # ---------------------------------------------------------------- reports
-    @property
-    def build_times(self) -> BuildTimes:
-        """Seconds of each phase of building this pipeline (trace, cut, schedule) and of
-        each program's first call (building and lowering the program, XLA's compile),
-        filled in as they happen; ``pipe.plan`` prints them."""
-        return self._times
-
-    @property
-    def plan(self) -> Any:
-        """Per-stage layers, FLOPs, bytes, in-flight counts and predicted memory/bubble."""
-        if self._plan is None:
-            from jaxpipe.api.plan import Plan
-
-            self._plan = Plan.build(self)
-        return self._plan
-
-    def compare_compiled(self, params: Any, batch: Any, optimizer: Any = None) -> dict:
-        """Predicted per-device bytes next to the compiled program's ``memory_analysis()``."""
-        from jaxpipe.api.plan import Plan
-
-        return Plan.compare_compiled(self, params, batch, optimizer)
-
-    def layout_summary(self) -> dict[str, Any]:
-        """Schedule, sizes and cut: what a checkpoint in the stage layout depends on."""
-        sched = self.schedule
-        return {
-            "schedule": type(sched).__qualname__,
-            "num_devices": sched.num_devices,
-            "num_microbatches": sched.num_microbatches,
-            "stages_per_device": sched.stages_per_device,
-            "cuts": [int(c) for c in self.cuts],
-            "runtime": self.runtime.name,
-        }
-
-    def fingerprint(self) -> dict[str, Any]:
-        """A JSON-able summary of everything the compiled program depends on.
-
-        Schedule (class, p, m, v, a digest of every device's action list), cut, mesh,
-        parameter and microbatch shapes, and the executor's own digests (e.g. of the
-        lowered tick table). Processes compare it before running collectives
-        (:func:`jaxpipe.distributed.config_summary`).
-        """
-        from jaxpipe.distributed import config_summary
-
-        return config_summary(self)
-
