@@ -320,5 +320,5 @@ def test_first_call_probe_reads_xla_phases_from_its_trace() -> None:
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["num_kernels"] >= 1 and len(r["kernel_names"]) == r["num_kernels"]
     assert r["xla"] > 0 and r["llvm"] > 0
-    for phase in ("hlo_passes", "kernels", "llvm", "thunks"):
+    for phase in ("hlo_passes", "kernels", "llvm", "emit"):
         assert 0 <= r[phase] <= r["xla"] * 2  # kernels: thread-seconds over two threads

@@ -15,10 +15,10 @@ schedule; program + lower; XLA compile). Then the same in a second process whose
 ``jax_compilation_cache_dir`` the first one filled (both programs load from it).
 
 ``--xla-phases`` then splits XLA's compile of both programs at L=16 by its own trace
-(``jax.profiler``; event names of jaxlib 0.10): HLO passes, SPMD partitioning (Shardy and
-the partitioner, which a one-device program skips), the kernels the fusion emitters
-build (how many; thread-seconds, two threads), LLVM's machine code, thunk emission, and
-the pipeline's kernels by name.
+(``jax.profiler``; event names of jaxlib 0.10): HLO passes, SPMD partitioning (Shardy
+inside the partitioner, which a one-device program skips), emitting thunks and kernels
+(how many kernels the fusion emitters build, their thread-seconds), LLVM's machine code
+for them, and the pipeline's kernels by name.
 """
 
 from __future__ import annotations
@@ -100,12 +100,16 @@ print(json.dumps({"plain_s": plain_s, "jaxpipe_s": jaxpipe_s, "build_s": build,
 """
 
 
-#: XLA:CPU's trace events (jaxlib 0.10) -> the phase they time; none nests in another
+#: XLA:CPU's trace events (jaxlib 0.10) -> the phase they time
 XLA_EVENTS = {"PjRtCpuClient::Compile": "xla", "HLO passes through layout assignment":
               "hlo_passes", "HLO passes after layout assignment": "hlo_passes",
               "spmd-partitioner": "spmd",  # Shardy's propagation runs inside it
-              "FusionCompiler::Compile": "kernels", "JitCompiler::Compile": "llvm",
-              "ThunkEmitter::EmitEntryComputation": "thunks"}
+              # emitting thunks and kernels' IR (the fusion emitters run inside it, so
+              # "kernels", their thread-seconds, is part of "emit"); then LLVM's machine
+              # code for every kernel, on a thread pool
+              "ThunkEmitter::EmitEntryComputation": "emit",
+              "ThunkEmitter::ConsumeKernels": "emit",
+              "FusionCompiler::Compile": "kernels", "JitCompiler::Compile": "llvm"}
 
 
 def xla_trace(lowered: Any) -> dict[str, Any]:
@@ -145,9 +149,9 @@ def xla_phases(variants: list[str]) -> list[dict[str, Any]]:
             x = r[who]
             rows.append({"variant": variant, "program": who, **x})
             print(f"{variant:8s} {who:7s}: XLA {x['xla']:.3f} s: HLO passes "
-                  f"{x['hlo_passes']:.3f}, SPMD {x['spmd']:.3f}, {x['num_kernels']} kernels "
-                  f"{x['kernels']:.3f} (thread-s), LLVM {x['llvm']:.3f}, thunks "
-                  f"{x['thunks']:.3f}", flush=True)
+                  f"{x['hlo_passes']:.3f}, SPMD {x['spmd']:.3f}, emit {x['emit']:.3f} "
+                  f"({x['num_kernels']} kernels, {x['kernels']:.3f} thread-s), LLVM "
+                  f"{x['llvm']:.3f}", flush=True)
         print("  jaxpipe's kernels:", " ".join(sorted(r["jaxpipe"]["kernel_names"])))
     return rows
 
