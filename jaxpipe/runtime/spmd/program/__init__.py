@@ -7,6 +7,7 @@ It reads the lowering's tables (:mod:`..lowering`) and never changes them. Modul
   shared body's per-stage parameters and gradients; :mod:`.stage_ends` -- a member's
   prologue and epilogue around a shared core;
 - :mod:`.scan_buffers` -- stacked scan values straight to and from the buffers;
+- :mod:`.direct_io` -- which of a body's values its scans move so, and the evaluations;
 - :mod:`.branches` -- what a step runs for one (action kind, body);
 - :mod:`.gated` -- run a function or not by a traced predicate, updating in place;
 - :mod:`.build` -- the tick loop and its ``shard_map``;
