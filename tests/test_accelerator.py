@@ -183,6 +183,24 @@ def test_xla_flags_for_the_accelerator_program():
         xla_flags.apply("cuda", {})
 
 
+def test_compiler_options_leave_out_what_xla_flags_names(monkeypatch):
+    """jaxpipe's CPU programs compile at LLVM -O1 and its GPU programs with the overlap
+    options, per compile; an option the user's XLA_FLAGS names is left out, so their flag
+    wins (a per-compile option would override it)."""
+    from jaxpipe import xla_flags
+
+    monkeypatch.setenv("XLA_FLAGS", "--foo=1")
+    assert xla_flags.compiler_options("cpu") == {"xla_backend_optimization_level": 1}
+    assert xla_flags.compiler_options("gpu") == xla_flags.COMPILER_OPTIONS["gpu"]
+    assert xla_flags.compiler_options("tpu") is None
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3 "
+                       "--xla_gpu_enable_latency_hiding_scheduler=false")
+    assert xla_flags.compiler_options("cpu") is None
+    gpu = xla_flags.compiler_options("gpu")
+    assert "xla_gpu_enable_latency_hiding_scheduler" not in gpu
+    assert len(gpu) == len(xla_flags.COMPILER_OPTIONS["gpu"]) - 1
+
+
 def test_fast_cpu_compile_only_for_a_jaxlib_that_reads_it(monkeypatch):
     """jaxpipe.xla_flags.fast_cpu_compile adds the emitter flag once, before a bare token,
     keeps a value XLA_FLAGS already names, and adds nothing for a jaxlib not known to read
