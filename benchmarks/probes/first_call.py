@@ -15,8 +15,9 @@ schedule; program + lower; XLA compile). Then the same in a second process whose
 ``jax_compilation_cache_dir`` the first one filled (both programs load from it).
 
 ``--xla-phases`` then splits XLA's compile of both programs at L=16 by its own trace
-(``jax.profiler``; event names of jaxlib 0.10): HLO passes, SPMD partitioning (Shardy
-inside the partitioner, which a one-device program skips), emitting thunks and kernels
+(``jax.profiler``; event names of jaxlib 0.10), beside plain JAX on one device and data
+parallel over the same 4 devices: HLO passes, SPMD partitioning (Shardy inside the
+partitioner, which a one-device program skips), emitting thunks and kernels
 (how many kernels the fusion emitters build, their thread-seconds), LLVM's machine code
 for them, and the pipeline's kernels by name.
 """
@@ -82,7 +83,14 @@ if sys.argv[5] == "phases":
     from benchmarks.probes.first_call import xla_trace
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, m),
                        cut="markers")
+    # plain JAX again, data parallel over the same 4 devices: what a multi-device program
+    # pays in SPMD partitioning without a pipeline
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    dp = jax.jit(C.plain_value_and_grad(loss_fn, m), in_shardings=(
+        NamedSharding(mesh, P()), {"x": NamedSharding(mesh, P("pipe")),
+                                   "y": NamedSharding(mesh, P("pipe"))}))
     print(json.dumps({"plain": xla_trace(plain.lower(params, batch)),
+                      "plain_4_devices": xla_trace(dp.lower(params, batch)),
                       "jaxpipe": xla_trace(pipe.lower("value_and_grad"))}))
     sys.exit()
 first = wall(plain, params, batch)
@@ -145,10 +153,10 @@ def xla_phases(variants: list[str]) -> list[dict[str, Any]]:
     for variant in variants:
         with tempfile.TemporaryDirectory() as cache:
             r = _run(16, variant, cache, 8, "phases")
-        for who in ("plain", "jaxpipe"):
+        for who in ("plain", "plain_4_devices", "jaxpipe"):
             x = r[who]
             rows.append({"variant": variant, "program": who, **x})
-            print(f"{variant:8s} {who:7s}: XLA {x['xla']:.3f} s: HLO passes "
+            print(f"{variant:8s} {who:15s}: XLA {x['xla']:.3f} s: HLO passes "
                   f"{x['hlo_passes']:.3f}, SPMD {x['spmd']:.3f}, emit {x['emit']:.3f} "
                   f"({x['num_kernels']} kernels, {x['kernels']:.3f} thread-s), LLVM "
                   f"{x['llvm']:.3f}", flush=True)
