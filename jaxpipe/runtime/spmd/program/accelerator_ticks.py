@@ -43,7 +43,7 @@ from jax import lax
 from jaxpipe.runtime.spmd.lowering.types import IDLE, PROGRAM_KINDS, Lowering
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
-from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.program.layout import Bufs, StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.windows import Windows
@@ -52,7 +52,6 @@ from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, Po
 __all__ = ["AcceleratorFields", "AcceleratorTicks", "pack", "storage_and_inbox", "unpack",
            "write_unit"]
 
-Bufs = dict[ValueClass, jax.Array]
 
 
 @jax.tree_util.register_dataclass

@@ -18,13 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import jax
 from jax import lax
 
 from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.direct_io import DirectIO
-from jaxpipe.runtime.spmd.program.layout import Packing, StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.program.layout import Bufs, Packing, StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups, of_stage, pick
 from jaxpipe.runtime.spmd.program.stage_ends import Ends, Fixed
@@ -33,7 +32,6 @@ from jaxpipe.sharding.constraints import stage_as_fun
 
 __all__ = ["BranchState", "Branches"]
 
-Bufs = dict[ValueClass, jax.Array]
 class BranchState(NamedTuple):
     """What a branch reads and returns besides its row, parameters, batch and inbox."""
 

@@ -40,14 +40,13 @@ from jaxpipe.runtime.spmd.lowering.types import IDLE, PROGRAM_KINDS, Lowering, b
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
 from jaxpipe.runtime.spmd.program.gated import gated
-from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.program.layout import Bufs, StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.stage_ends import gated_stages
 
 __all__ = ["CpuTicks"]
 
-Bufs = dict[ValueClass, jax.Array]
 
 
 class CpuTicks:

@@ -11,19 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-
 from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
 from jaxpipe.runtime.spmd.program import scan_buffers as scanio
 from jaxpipe.runtime.spmd.program.bodies import Body
-from jaxpipe.runtime.spmd.program.layout import Packing, ValueClass
+from jaxpipe.runtime.spmd.program.layout import Bufs, Packing, ValueClass
 from jaxpipe.runtime.spmd.program.param_groups import Groups, of_stage, pick
 from jaxpipe.runtime.spmd.program.writes import opaque, reading
 from jaxpipe.sharding.constraints import stage_as_fun
 
 __all__ = ["DirectIO"]
 
-Bufs = dict[ValueClass, jax.Array]
 
 
 class DirectIO:

@@ -45,7 +45,7 @@ from jaxpipe.runtime.spmd.program.accelerator_ticks import (
 )
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
-from jaxpipe.runtime.spmd.program.layout import StageLayouts, ValueClass
+from jaxpipe.runtime.spmd.program.layout import Bufs, StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.stage_ends import gated_stages
@@ -53,7 +53,6 @@ from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, Po
 
 __all__ = ["LaneFields", "LaneTicks", "lane_tables"]
 
-Bufs = dict[ValueClass, jax.Array]
 
 
 @jax.tree_util.register_dataclass

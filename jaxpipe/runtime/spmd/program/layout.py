@@ -37,7 +37,8 @@ from jaxpipe.runtime.spmd.program.writes import DeferredStore, get_rows, opaque,
 from jaxpipe.sharding.mesh_axes import Dims, constrain, spec_dims, to_spec
 from jaxpipe.stages.stage_fn import StageFn
 
-__all__ = ["Packing", "SlotLayout", "StageLayouts", "ValueClass", "param_slots", "value_class"]
+__all__ = ["Bufs", "Packing", "SlotLayout", "StageLayouts", "ValueClass", "param_slots",
+           "value_class"]
 
 
 @dataclass(frozen=True, order=True)
@@ -89,6 +90,10 @@ class ValueClass:
     def spec(self, *lead: Any) -> P:
         """The value's ``PartitionSpec`` after the ``lead`` entries (e.g. the pipe axis)."""
         return to_spec(self.dims, *lead)
+
+
+#: one buffer per value class (storage, inbox and outbox units, a message's parts)
+Bufs = dict[ValueClass, jax.Array]
 
 
 def value_class(aval: Any, dims: Dims = ()) -> ValueClass:
