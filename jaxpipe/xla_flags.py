@@ -75,9 +75,14 @@ def compiler_options(platform: str) -> dict[str, bool | int] | None:
     a compile-only GPU mesh gets the overlap without ``XLA_FLAGS``. An option that
     ``XLA_FLAGS`` names is left out: the user's flag wins (a per-compile option would
     override it)."""
-    named = {f.split("=", 1)[0].lstrip("-") for f in os.environ.get("XLA_FLAGS", "").split()}
+    named = _named(os.environ.get("XLA_FLAGS", "").split())
     return {k: v for k, v in COMPILER_OPTIONS.get(platform, {}).items()
             if k not in named} or None
+
+
+def _named(flags: Sequence[str]) -> set[str]:
+    """The option names ``flags`` set (``--name=value`` -> ``name``)."""
+    return {f.split("=", 1)[0].lstrip("-") for f in flags}
 
 
 def _flag(name: str, value: bool | int) -> str:
@@ -116,8 +121,8 @@ def _add_flags(flags: Sequence[str], env: MutableMapping[str, str] | None) -> st
     name already (a flag named there wins). Returns the new ``XLA_FLAGS``."""
     env = os.environ if env is None else env
     have = env.get("XLA_FLAGS", "").split()
-    names = {f.split("=", 1)[0] for f in have}
-    added = [f for f in flags if f.split("=", 1)[0] not in names]
+    names = _named(have)
+    added = [f for f in flags if not _named([f]) & names]
     # XLA stops reading at the first token without "--" (JAX's FAQ suggests a bare
     # ``intra_op_parallelism_threads=1``): ours go before it, or XLA would ignore them
     bare = next((i for i, f in enumerate(have) if not f.startswith("--")), len(have))
