@@ -24,8 +24,6 @@ __all__ = ["InternalsReports"]
 class InternalsReports:
     """The reports of a built pipeline (mixed into :class:`~jaxpipe.api.internals.Internals`)."""
 
-    _plan: Any = None  # the Plan, built on first read
-
     @property
     def param_specs(self) -> Any:
         """The parameters' sharding over the non-pipe mesh axes: a pytree of
@@ -84,14 +82,12 @@ class InternalsReports:
                                                 sharding=self.placement.replicated), trainer)
         return trainer.step_fn.trace(state, batch, key).lower()
 
-    @property
+    @functools.cached_property
     def plan(self) -> Any:
         """Per-stage layers, FLOPs, bytes, in-flight counts and predicted memory/bubble."""
-        if self._plan is None:
-            from jaxpipe.api.plan import Plan
+        from jaxpipe.api.plan import Plan
 
-            self._plan = Plan.build(self)
-        return self._plan
+        return Plan.build(self)
 
     def compare_compiled(self, params: Any, batch: Any, optimizer: Any = None) -> dict:
         """Predicted per-device bytes next to the compiled program's ``memory_analysis()``."""
