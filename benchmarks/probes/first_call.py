@@ -77,7 +77,8 @@ def wall(f, *a):
     return time.perf_counter() - t0
 
 
-plain = jax.jit(C.plain_value_and_grad(loss_fn, m))
+vg = C.plain_value_and_grad(loss_fn, m)
+plain = jax.jit(vg)
 mesh = jax.make_mesh((4,), ("pipe",))
 if sys.argv[5] == "phases":
     from benchmarks.probes.first_call import xla_trace
@@ -86,7 +87,7 @@ if sys.argv[5] == "phases":
     # plain JAX again, data parallel over the same 4 devices: what a multi-device program
     # pays in SPMD partitioning without a pipeline
     from jax.sharding import NamedSharding, PartitionSpec as P
-    dp = jax.jit(C.plain_value_and_grad(loss_fn, m), in_shardings=(
+    dp = jax.jit(vg, in_shardings=(
         NamedSharding(mesh, P()), {"x": NamedSharding(mesh, P("pipe")),
                                    "y": NamedSharding(mesh, P("pipe"))}))
     print(json.dumps({"plain": xla_trace(plain.lower(params, batch)),
