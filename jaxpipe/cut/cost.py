@@ -189,10 +189,6 @@ class SegmentCost:
 # Segment costs
 
 
-def _segment_ranges(traced: Any) -> list[tuple[int, int]]:
-    return [tuple(r) for r in segments(traced)]  # type: ignore[misc]
-
-
 def segment_costs(traced: Any, *, profile: bool = False,
                   remat: Sequence[Remat] = tuple(Remat)) -> list[SegmentCost]:
     """Cost of every segment of a traced loss function, in program order.
@@ -211,7 +207,7 @@ def segment_costs(traced: Any, *, profile: bool = False,
     """
     closed = traced.closed_jaxpr
     jaxpr = closed.jaxpr
-    ranges = _segment_ranges(traced)
+    ranges = segments(traced)
     param_vars = list(jaxpr.invars[: traced.num_params])
     param_index = {v: i for i, v in enumerate(param_vars)}
 
