@@ -98,6 +98,9 @@ def main(mode: str, out: str) -> None:
         bodies = pipe.inspect.executor.bodies
         assert all(len(b.candidates(j)) == 1 for b in bodies
                    for j in range(len(b.param_classes))), [b.stages for b in bodies]
+        # ... and the lazy exchange: messages wait in the outbox for a shared meeting
+        low = pipe.inspect.executor.lowering
+        assert low.exchange.lazy and max(low.units) > 1, (low.exchange, low.units)
 
     loss, grads = pipe.value_and_grad(params, batch)
     pipe.value_and_grad(host_params, host_batch)  # host (numpy) inputs: the same program

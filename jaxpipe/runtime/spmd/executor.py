@@ -20,8 +20,19 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.runtime.base import Executor, RuntimeSpec, StepFn
-from jaxpipe.runtime.spmd.backends import exchange_flops, packed_w_error, platform_of
-from jaxpipe.runtime.spmd.lowering import Lowering, lower, lower_accelerator
+from jaxpipe.runtime.spmd.backends import (
+    concurrent,
+    exchange_flops,
+    packed_w_error,
+    platform_of,
+)
+from jaxpipe.runtime.spmd.lowering import (
+    CONCURRENT_CPU_EXCHANGE,
+    CPU_EXCHANGE,
+    Lowering,
+    lower,
+    lower_accelerator,
+)
 from jaxpipe.runtime.spmd.lowering.lanes import lanes_refusal, lower_lanes
 from jaxpipe.runtime.spmd.options import SpmdOptions
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
@@ -131,8 +142,10 @@ class SpmdExecutor(ExecutorReports, Executor):
         runtime, options = self._runtime, self._options
         if self.lanes:
             return lower_lanes(schedule, pool_counts, self.body_of_stage)
-        if not self.accelerated:
-            return lower(schedule, pool_counts, self.body_of_stage, **options)
+        if not self.accelerated:  # lazily where processes run at once: fewer meetings
+            exchange = CONCURRENT_CPU_EXCHANGE if concurrent(self.spec.mesh) else CPU_EXCHANGE
+            return lower(schedule, pool_counts, self.body_of_stage, exchange=exchange,
+                         **options)
         overlap = (runtime.overlap if self.spec.action_cost is not None
                    else runtime.overlap is True)
         return lower_accelerator(

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from jaxpipe.runtime.spmd.backends import exchange_flops
 from jaxpipe.runtime.spmd.calibrate import stored_byte_flops, tick_overhead_flops
-from jaxpipe.runtime.spmd.lowering import lower, lower_accelerator
+from jaxpipe.runtime.spmd.lowering import CONCURRENT_CPU_EXCHANGE, lower, lower_accelerator
 from jaxpipe.runtime.spmd.lowering.lanes import lanes_makespan, lanes_refusal, lower_lanes
 from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan
 from jaxpipe.schedule import Action, Schedule
@@ -71,7 +71,7 @@ def program_work(schedule: Schedule, action_cost: Callable[[Action], float] | No
         time = sum(cost(a) for a in schedule.graph().actions)
     elif backend == "cpu":
         low = lower(schedule, {}, split_backward=split_backward, costs=action_cost,
-                    refine=refine)
+                    refine=refine, exchange=CONCURRENT_CPU_EXCHANGE)
         time = lowered_makespan(low, cost)
     else:
         low = lower_accelerator(schedule, {}, split_backward=split_backward,

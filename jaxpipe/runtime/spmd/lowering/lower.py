@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxpipe.runtime.spmd.lowering.allocate import allocate
 from jaxpipe.runtime.spmd.lowering.fusion import fused_backwards, fusing_saves_memory
-from jaxpipe.runtime.spmd.lowering.messages import list_messages
+from jaxpipe.runtime.spmd.lowering.messages import list_messages, merge_exchanges
 from jaxpipe.runtime.spmd.lowering.refine import refine
 from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan, split_cost, ticks_makespan
 from jaxpipe.runtime.spmd.lowering.table import fill_table, offset_index
@@ -159,8 +159,8 @@ def lowering_of(schedule: Schedule, ticks: Ticks, messages: Messages, alloc: All
     offsets = tuple(sorted({int(x) for x in (messages.dst - messages.src)[remote] % D}))
     src, dst = messages.src[remote], messages.dst[remote]
     j = offset_index(offsets, (dst - src) % D)
-    # per direction, the most messages one device sends that way in one tick
-    send = (ticks.tick[messages.producer[remote]] * D + src) * len(offsets) + j
+    # per direction, the most messages one device sends that way in one exchange
+    send = (messages.sent[remote] * D + src) * len(offsets) + j
     sends, per_send = np.unique(send, return_counts=True)
     units = tuple(int(per_send[sends % len(offsets) == jj].max(initial=0))
                   for jj in range(len(offsets)))
@@ -174,7 +174,7 @@ def lowering_of(schedule: Schedule, ticks: Ticks, messages: Messages, alloc: All
         message_arrays=messages,
         num_ticks=ticks.num_ticks,
         num_steps=ticks.num_steps,
-        tick_of_step=_tick_of_step(ticks),
+        tick_of_step=ticks.tick_of(np.arange(ticks.num_steps)),
         num_devices=D,
         num_stages=S,
         num_microbatches=schedule.num_microbatches,
@@ -203,7 +203,7 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
     need no more buffer slots."""
     delay = exchange.delay
     ticks = assign_ticks(run, iw_same_tick, fuse_fb, delay=delay)
-    messages = list_messages(ticks, delay)
+    messages = _messages(ticks, exchange)
     alloc = allocate(ticks, messages, counts)
     if costs is None:
         return ticks, messages, alloc
@@ -216,7 +216,7 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
     best, best_time = (ticks, messages, alloc), ticks_makespan(ticks, messages, c, exchange)
     for nearest in (False, True):
         grid = assign_ticks(run, iw_same_tick, fuse_fb, c, nearest, delay)
-        grid_messages = list_messages(grid, delay)
+        grid_messages = _messages(grid, exchange)
         time = ticks_makespan(grid, grid_messages, c, exchange)
         if time >= best_time * (1 - 1e-9):
             continue
@@ -229,17 +229,21 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
 
         def placed_fits(t: Ticks) -> bool:
             # the search returns one of the assignments it checked: keep their buffers
-            msgs = list_messages(t, delay)
+            msgs = _messages(t, exchange)
             placed[id(t)] = (t, msgs, allocate(t, msgs, counts))  # t stays alive: id unique
             return fits(placed[id(t)][2])
 
         refined = refine(start, c, refine_evals, placed_fits, exchange=exchange)
-        if refined is not None:
+        # the search times the eager exchange (a move re-times only the ticks after it);
+        # a lazy one moves messages later, so the result is kept only where it still gains
+        if refined is not None and (not exchange.lazy or ticks_makespan(
+                refined, placed[id(refined)][1], c, exchange) < best_time):
             best = placed[id(refined)]
     return best
 
 
-def _tick_of_step(ticks: Ticks) -> np.ndarray:
-    out = np.zeros(ticks.num_steps, np.int64)
-    out[ticks.step] = ticks.tick
-    return out
+def _messages(ticks: Ticks, exchange: Exchange) -> Messages:
+    messages = list_messages(ticks, exchange.delay)
+    return merge_exchanges(ticks, messages) if exchange.lazy else messages
+
+

@@ -1,7 +1,9 @@
 """Step 3 of the lowering: every value that crosses from one action to another.
 
 The stage carry (F -> next stage's F) and the cotangent (B/I -> previous stage's B/I),
-with the step at whose end each is available to its reader's device.
+with the step at whose end each is available to its reader's device; and
+:func:`merge_exchanges`, which moves messages between two devices together, at as few tick
+ends as their readers allow.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import numpy as np
 from jaxpipe.runtime.spmd.lowering.types import Messages, Ticks
 from jaxpipe.schedule.graph import KB, KF, KI
 
-__all__ = ["list_messages"]
+__all__ = ["list_messages", "merge_exchanges"]
 
 
 def list_messages(ticks: Ticks, delay: int = 1) -> Messages:
@@ -30,3 +32,38 @@ def list_messages(ticks: Ticks, delay: int = 1) -> Messages:
     arrival = np.minimum(ticks.tick[p] + delay - 1, ticks.num_ticks - 1)
     sent = np.where(src == dst, ticks.step[p], ticks.tick_end[arrival])
     return Messages(p, c, src, dst, sent, ticks.step[c])
+
+
+def merge_exchanges(ticks: Ticks, messages: Messages) -> Messages:
+    """``messages`` with the ones between devices moved at as few tick ends per pair of
+    devices as their readers allow (the CPU program's lazy exchange).
+
+    Two devices meet wherever a message moves between them (:mod:`.sync`); every meeting
+    is a collective (~0.1 ms between processes) and a point where the faster side waits.
+    A message may move at the end of any tick from its producer's to the one before its
+    reader's. Per pair of devices (both directions), the fewest tick ends that give each
+    message one in its window are the greedy's (by window end: a new meeting at the end
+    of the first window no meeting reaches); each message then moves at the first meeting
+    from its producer's tick on, so none waits in the outbox across a meeting of its pair
+    (a sender's outbox units are then numbered per meeting, :func:`~.table.fill_table`).
+    """
+    remote = np.flatnonzero(messages.src != messages.dst)
+    if not len(remote):
+        return messages
+    first = ticks.tick_of(messages.sent[remote])
+    last = np.maximum(ticks.tick[messages.consumer[remote]] - 1, first)
+    src, dst = messages.src[remote], messages.dst[remote]
+    pair = np.minimum(src, dst) * len(ticks.graph.lists) + np.maximum(src, dst)
+    at = first.copy()
+    for key in np.unique(pair):
+        idx = np.flatnonzero(pair == key)
+        meets: list[int] = []
+        for i in idx[np.argsort(last[idx], kind="stable")]:
+            if not meets or first[i] > meets[-1]:
+                meets.append(int(last[i]))
+        points = np.asarray(meets, np.int64)  # ascending: window ends are sorted
+        at[idx] = points[np.searchsorted(points, first[idx])]
+    sent = messages.sent.copy()
+    sent[remote] = ticks.tick_end[at]
+    return Messages(messages.producer, messages.consumer, messages.src, messages.dst, sent,
+                    messages.read)

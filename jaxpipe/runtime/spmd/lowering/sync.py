@@ -7,7 +7,10 @@ receiver is there, a receive when the sender is). How often pairs meet is the pr
 
 - the CPU program (``every_tick=False``): at the end of a tick in which messages move,
   only the pairs that exchange a message then meet (its ``ppermute`` over each direction
-  lists only those pairs); a device that exchanges nothing waits for nobody;
+  lists only those pairs); a device that exchanges nothing waits for nobody. Where its
+  devices run concurrently the exchange is lazy (``Exchange.lazy``): messages between
+  two devices move together, so pairs meet at as few tick ends as their readers allow
+  (:func:`~.messages.merge_exchanges`);
 - the accelerator program (``every_tick=True``): every tick ends with one unconditional
   permutation per direction over the fixed pairs, so every device meets its neighbours
   every tick. With ``delay=1`` the permutation sends what the tick computed: a device's
@@ -130,7 +133,7 @@ def ticks_makespan(ticks: Ticks, messages: Messages, costs: np.ndarray,
         for t in range(ticks.num_ticks):
             clock = advance(clock, work[t], src, dst, exchange)
         return float(clock.max())
-    at = ticks.tick[messages.producer[remote]]
+    at = ticks.tick_of(messages.sent[remote])  # the tick at whose end it moves
     order = np.argsort(at, kind="stable")
     at, src, dst = at[order], messages.src[remote][order], messages.dst[remote][order]
     bounds = np.searchsorted(at, np.arange(ticks.num_ticks + 1))
@@ -149,7 +152,8 @@ def clock_makespan(tick: Sequence[int], device: Sequence[int], costs: Sequence[f
 
     ``tick``, ``device``, ``costs``: per action (ticks may have gaps or start below 0:
     an empty tick changes nothing). ``pairs``: per message between devices,
-    ``(producer, sender, receiver)``; the pair meets at the end of the producer's tick.
+    ``(producer, sender, receiver)``; the pair meets at the end of the producer's tick
+    (an eager exchange, also for ``exchange.lazy``: the search's proxy).
     """
     lo = min(tick, default=0)
     T = max(tick, default=-1) + 1 - lo

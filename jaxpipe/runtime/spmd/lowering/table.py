@@ -66,17 +66,17 @@ def fill_table(ticks: Ticks, messages: Messages, alloc: Allocation,
     recv_slot = np.full((T, D, len(perm_offsets), max(units, default=0)), dummy, np.int32)
     slot = alloc.message_slot
     in_slot[messages.read, messages.dst] = slot
-    p_step, p_tick = ticks.step[messages.producer], ticks.tick[messages.producer]
+    p_step = ticks.step[messages.producer]
     local = messages.src == messages.dst
     local_slot[p_step[local], messages.src[local]] = slot[local]
     # a message to another device goes out in unit r of its direction: the r-th message its
-    # device sends that way in the tick
+    # device sends that way in the exchange that moves it (none waits across another)
     remote = np.flatnonzero(~local)
     src, dst = messages.src[remote], messages.dst[remote]
     j = offset_index(perm_offsets, (dst - src) % D)
-    r = _rank_in_group((p_tick[remote] * D + src) * len(perm_offsets) + j)
-    out_unit[p_step[remote], src, j] = r
     end = messages.sent[remote]  # the step at whose end it arrives
+    r = _rank_in_group((end * D + src) * len(perm_offsets) + j)
+    out_unit[p_step[remote], src, j] = r
     recv_slot[end, dst, j, r] = slot[remote]
     exchange, patterns = exchange_patterns(end, j, src, T, D, len(perm_offsets),
                                            max_patterns)

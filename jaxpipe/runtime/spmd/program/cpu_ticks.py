@@ -12,12 +12,15 @@ other; ``"IW"``: an I and its own W in one step, the hand-off passed straight on
   per-class buffers at the slots the lowering chose, and a layer scan writes and reads
   its stacked values there itself (:mod:`.scan_buffers`);
 - an output message goes into the outbox unit of its direction (or into an inbox slot
-  when it stays on the device, the turn of a V). At the end of a tick's last step, every
-  permutation someone uses runs once (``lax.ppermute`` of that direction's whole outbox)
-  and the arriving units land in inbox slots. That ``ppermute`` lists only the pairs that
-  carry a message at that tick (one permutation per sender set, picked by the table), so
-  a device waits only for the devices it exchanges with, and a tick without messages
-  runs no collective (between virtual CPU devices one costs ~75 us).
+  when it stays on the device, the turn of a V), where it waits for the tick end the
+  lowering moves it at: its producer's, or where devices run concurrently, lazily with
+  the pair's other messages, at as few tick ends as their readers allow
+  (``Exchange.lazy``). At the end of such a tick's last
+  step, every permutation someone uses runs once (``lax.ppermute`` of that direction's
+  whole outbox) and the arriving units land in inbox slots. That ``ppermute`` lists only
+  the pairs that carry a message at that tick (one permutation per sender set, picked by
+  the table), so a device waits only for the devices it exchanges with, and a tick
+  without messages runs no collective (between virtual CPU devices one costs ~75 us).
 
 Branch selection is a chain of zero-or-one-trip ``while_loop``\\ s rather than
 ``lax.switch``: XLA copies every buffer that an untaken ``conditional`` branch passes
