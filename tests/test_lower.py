@@ -503,8 +503,16 @@ def test_local_search_over_ticks_is_deterministic_and_never_slower():
 def test_local_search_times_and_settles_as_the_lowering_does(schedule, seed):
     """The walk re-settles only what follows the moved action (:func:`resettle`) and
     times raw ticks (gaps, ticks below 0) from lists (:func:`clock_makespan`): equal to
-    :func:`settle` from scratch and to :func:`ticks_makespan` on the dense ticks."""
-    from jaxpipe.runtime.spmd.lowering import resettle, settle, tick_constraints, ticks_of
+    :func:`settle` from scratch and to :func:`ticks_makespan` on the dense ticks, with the
+    eager exchange and with the lazy one."""
+    from jaxpipe.runtime.spmd.lowering import (
+        CONCURRENT_CPU_EXCHANGE,
+        merge_exchanges,
+        resettle,
+        settle,
+        tick_constraints,
+        ticks_of,
+    )
     from jaxpipe.runtime.spmd.lowering.sync import clock_makespan, ticks_makespan
 
     ticks = assign_ticks(schedule)
@@ -513,8 +521,8 @@ def test_local_search_times_and_settles_as_the_lowering_does(schedule, seed):
     after = tick_constraints(graph)
     msgs = list_messages(ticks)
     remote = msgs.src != msgs.dst
-    pairs = list(zip(msgs.producer[remote].tolist(), msgs.src[remote].tolist(),
-                     msgs.dst[remote].tolist(), strict=True))
+    pairs = list(zip(msgs.producer[remote].tolist(), msgs.consumer[remote].tolist(),
+                     msgs.src[remote].tolist(), msgs.dst[remote].tolist(), strict=True))
     rng = np.random.default_rng(seed)
     want = ticks.tick.tolist()
     tick = list(want)
@@ -528,6 +536,10 @@ def test_local_search_times_and_settles_as_the_lowering_does(schedule, seed):
         raw = clock_makespan(tick, graph.devices.tolist(), costs.tolist(), pairs,
                              len(graph.lists))
         assert raw == ticks_makespan(t, list_messages(t), costs)
+        lazy = CONCURRENT_CPU_EXCHANGE
+        raw = clock_makespan(tick, graph.devices.tolist(), costs.tolist(), pairs,
+                             len(graph.lists), lazy)
+        assert raw == ticks_makespan(t, merge_exchanges(t, list_messages(t)), costs, lazy)
 
 
 # ------------------------------------------------------------ the accelerator program's ticks

@@ -26,15 +26,10 @@ from jaxpipe.runtime.spmd.backends import (
     packed_w_error,
     platform_of,
 )
-from jaxpipe.runtime.spmd.lowering import (
-    CONCURRENT_CPU_EXCHANGE,
-    CPU_EXCHANGE,
-    Lowering,
-    lower,
-    lower_accelerator,
-)
+from jaxpipe.runtime.spmd.lowering import Lowering, lower, lower_accelerator
 from jaxpipe.runtime.spmd.lowering.lanes import lanes_refusal, lower_lanes
 from jaxpipe.runtime.spmd.options import SpmdOptions
+from jaxpipe.runtime.spmd.predict import cpu_lowering
 from jaxpipe.runtime.spmd.program.bodies import group_bodies
 from jaxpipe.runtime.spmd.program.build import (
     Epilogue,
@@ -142,10 +137,9 @@ class SpmdExecutor(ExecutorReports, Executor):
         runtime, options = self._runtime, self._options
         if self.lanes:
             return lower_lanes(schedule, pool_counts, self.body_of_stage)
-        if not self.accelerated:  # lazily where processes run at once: fewer meetings
-            exchange = CONCURRENT_CPU_EXCHANGE if concurrent(self.spec.mesh) else CPU_EXCHANGE
-            return lower(schedule, pool_counts, self.body_of_stage, exchange=exchange,
-                         **options)
+        if not self.accelerated:
+            return lower(schedule, pool_counts, self.body_of_stage, **options, **cpu_lowering(
+                concurrent(self.spec.mesh), options["costs"] is not None))
         overlap = (runtime.overlap if self.spec.action_cost is not None
                    else runtime.overlap is True)
         return lower_accelerator(

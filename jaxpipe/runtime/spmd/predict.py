@@ -14,16 +14,31 @@ slower). Both constants are measured by ``jaxpipe calibrate`` (:mod:`.calibrate`
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from jaxpipe.runtime.spmd.backends import exchange_flops
 from jaxpipe.runtime.spmd.calibrate import stored_byte_flops, tick_overhead_flops
-from jaxpipe.runtime.spmd.lowering import CONCURRENT_CPU_EXCHANGE, lower, lower_accelerator
+from jaxpipe.runtime.spmd.lowering import (
+    CONCURRENT_CPU_EXCHANGE,
+    CPU_EXCHANGE,
+    lower,
+    lower_accelerator,
+)
 from jaxpipe.runtime.spmd.lowering.lanes import lanes_makespan, lanes_refusal, lower_lanes
 from jaxpipe.runtime.spmd.lowering.sync import lowered_makespan
 from jaxpipe.schedule import Action, Schedule
 from jaxpipe.schedule.simulate import resolve_costs
 
-__all__ = ["carried_bytes", "predicted_time", "program_work"]
+__all__ = ["carried_bytes", "cpu_lowering", "predicted_time", "program_work"]
+
+
+def cpu_lowering(concurrent: bool, costed: bool) -> dict[str, Any]:
+    """How the CPU program is lowered (:func:`~.lowering.lower`'s ``exchange`` and
+    ``tick_cost``): lazily where devices run concurrently (several processes), and, where
+    the actions have costs (the cutter's FLOPs), with a tick's fixed cost on top of the
+    sync model's makespan, so that fewer meetings are not bought with more ticks."""
+    return {"exchange": CONCURRENT_CPU_EXCHANGE if concurrent else CPU_EXCHANGE,
+            "tick_cost": tick_overhead_flops("cpu", concurrent) if costed else 0.0}
 
 
 def carried_bytes(num_devices: int, ticks: int, stored_bytes: float, concurrent: bool
@@ -65,14 +80,11 @@ def program_work(schedule: Schedule, action_cost: Callable[[Action], float] | No
         time = lanes_makespan(low, cost)
         if not concurrent:  # every device computes every lane of a tick
             time *= schedule.num_devices
-    elif not concurrent:
+    elif not concurrent or backend == "cpu":
         low = lower(schedule, {}, split_backward=split_backward, costs=action_cost,
-                    refine=refine)
-        time = sum(cost(a) for a in schedule.graph().actions)
-    elif backend == "cpu":
-        low = lower(schedule, {}, split_backward=split_backward, costs=action_cost,
-                    refine=refine, exchange=CONCURRENT_CPU_EXCHANGE)
-        time = lowered_makespan(low, cost)
+                    refine=refine, **cpu_lowering(concurrent, action_cost is not None))
+        time = (lowered_makespan(low, cost) if concurrent
+                else sum(cost(a) for a in schedule.graph().actions))
     else:
         low = lower_accelerator(schedule, {}, split_backward=split_backward,
                                 costs=action_cost, refine=refine, overlap=False)

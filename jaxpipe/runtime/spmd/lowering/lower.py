@@ -59,7 +59,7 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
           iw_same_tick: bool = False, fuse_fb: bool | str = False,
           max_patterns: int | None = None,
           costs: Callable[[Action], float] | None = None, refine: int = 0,
-          exchange: Exchange = CPU_EXCHANGE) -> Lowering:
+          exchange: Exchange = CPU_EXCHANGE, tick_cost: float = 0.0) -> Lowering:
     """Lower ``schedule`` (validated here) given what each stage stores per microbatch.
 
     Args:
@@ -83,14 +83,19 @@ def lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hashab
         ``costs``).
       exchange: how the program moves messages (:class:`~.types.Exchange`): which pairs
         meet at a tick's end, and after how many ticks another device can read a message.
+      tick_cost: the program's fixed cost of a tick (dispatch, the step's gated loops),
+        in the units of ``costs``: ticks are chosen by the sync model's makespan plus this
+        per tick (where waiting less would take more ticks).
     """
+    if tick_cost < 0:
+        raise ValueError(f"tick_cost must be >= 0, got {tick_cost}")
     if exchange.every_tick and iw_same_tick:
         raise ValueError("iw_same_tick packs a W into its I's tick as a second step; a "
                          "program that exchanges every tick runs one step per tick "
                          "(pass iw_same_tick=False)")
     with paused_gc():
         return _lower(schedule, pool_counts, body_of_stage, split_backward, iw_same_tick,
-                      fuse_fb, max_patterns, costs, refine, exchange)
+                      fuse_fb, max_patterns, costs, refine, exchange, tick_cost)
 
 
 def lower_accelerator(schedule: Schedule,
@@ -127,7 +132,7 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
            body_of_stage: Sequence[int] | None, split_backward: bool,
            iw_same_tick: bool, fuse_fb: bool | str, max_patterns: int | None,
            costs: Callable[[Action], float] | None, refine: int,
-           exchange: Exchange) -> Lowering:
+           exchange: Exchange, tick_cost: float) -> Lowering:
     schedule.graph()  # validates (once per schedule: the graph is cached)
     S, D = schedule.num_stages, schedule.num_devices
     if body_of_stage is None:
@@ -140,9 +145,10 @@ def _lower(schedule: Schedule, pool_counts: Mapping[Pool, Sequence[Mapping[Hasha
     counts = {pool: list(pool_counts.get(pool) or [{} for _ in range(S)]) for pool in Pool}
     run, split = expand(schedule, split_backward)
     ticks, messages, alloc = _placed(run, split, iw_same_tick, fuse_fb is True, counts, costs,
-                                     refine, exchange)
+                                     refine, exchange, tick_cost)
     if fuse_fb == "auto" and fused_backwards(ticks.graph).any():
-        fused = _placed(run, split, iw_same_tick, True, counts, costs, refine, exchange)
+        fused = _placed(run, split, iw_same_tick, True, counts, costs, refine, exchange,
+                        tick_cost)
         if fusing_saves_memory(alloc, fused[2], fused[0], counts):
             ticks, messages, alloc = fused
     return lowering_of(schedule, ticks, messages, alloc, counts, body_of_stage, max_patterns,
@@ -196,11 +202,11 @@ def lowering_of(schedule: Schedule, ticks: Ticks, messages: Messages, alloc: All
 def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
             counts: Mapping[Pool, Sequence[Mapping[Hashable, int]]],
             costs: Callable[[Action], float] | None, refine_evals: int,
-            exchange: Exchange) -> tuple[Ticks, Messages, Allocation]:
+            exchange: Exchange, tick_cost: float) -> tuple[Ticks, Messages, Allocation]:
     """Ticks, messages and buffers: the unit-cost ticks, or with ``costs`` whichever of
     them and the cost-grid ticks (:func:`assign_ticks`, both roundings) the sync model
-    says runs fastest, then refined by a local search (:mod:`.refine`), among those that
-    need no more buffer slots."""
+    says runs fastest (``tick_cost`` a tick on top), then refined by a local search
+    (:mod:`.refine`), among those that need no more buffer slots."""
     delay = exchange.delay
     ticks = assign_ticks(run, iw_same_tick, fuse_fb, delay=delay)
     messages = _messages(ticks, exchange)
@@ -213,11 +219,15 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
 
     cost = split_cost(costs, split)
     c = np.array([cost(a) for a in ticks.graph.actions], np.float64)
-    best, best_time = (ticks, messages, alloc), ticks_makespan(ticks, messages, c, exchange)
+
+    def time_of(t: Ticks, msgs: Messages) -> float:
+        return ticks_makespan(t, msgs, c, exchange) + tick_cost * t.num_ticks
+
+    best, best_time = (ticks, messages, alloc), time_of(ticks, messages)
     for nearest in (False, True):
         grid = assign_ticks(run, iw_same_tick, fuse_fb, c, nearest, delay)
         grid_messages = _messages(grid, exchange)
-        time = ticks_makespan(grid, grid_messages, c, exchange)
+        time = time_of(grid, grid_messages)
         if time >= best_time * (1 - 1e-9):
             continue
         grid_alloc = allocate(grid, grid_messages, counts)
@@ -233,11 +243,9 @@ def _placed(run: Schedule, split: frozenset, iw_same_tick: bool, fuse_fb: bool,
             placed[id(t)] = (t, msgs, allocate(t, msgs, counts))  # t stays alive: id unique
             return fits(placed[id(t)][2])
 
-        refined = refine(start, c, refine_evals, placed_fits, exchange=exchange)
-        # the search times the eager exchange (a move re-times only the ticks after it);
-        # a lazy one moves messages later, so the result is kept only where it still gains
-        if refined is not None and (not exchange.lazy or ticks_makespan(
-                refined, placed[id(refined)][1], c, exchange) < best_time):
+        refined = refine(start, c, refine_evals, placed_fits, exchange=exchange,
+                         tick_cost=tick_cost)
+        if refined is not None and time_of(refined, placed[id(refined)][1]) < best_time:
             best = placed[id(refined)]
     return best
 

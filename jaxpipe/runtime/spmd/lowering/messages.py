@@ -8,12 +8,14 @@ ends as their readers allow.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from jaxpipe.runtime.spmd.lowering.types import Messages, Ticks
 from jaxpipe.schedule.graph import KB, KF, KI
 
-__all__ = ["list_messages", "merge_exchanges"]
+__all__ = ["list_messages", "meeting_points", "merge_exchanges"]
 
 
 def list_messages(ticks: Ticks, delay: int = 1) -> Messages:
@@ -57,13 +59,21 @@ def merge_exchanges(ticks: Ticks, messages: Messages) -> Messages:
     at = first.copy()
     for key in np.unique(pair):
         idx = np.flatnonzero(pair == key)
-        meets: list[int] = []
-        for i in idx[np.argsort(last[idx], kind="stable")]:
-            if not meets or first[i] > meets[-1]:
-                meets.append(int(last[i]))
-        points = np.asarray(meets, np.int64)  # ascending: window ends are sorted
+        points = np.asarray(meeting_points(zip(first[idx].tolist(), last[idx].tolist(),
+                                               strict=True)), np.int64)
         at[idx] = points[np.searchsorted(points, first[idx])]
     sent = messages.sent.copy()
     sent[remote] = ticks.tick_end[at]
     return Messages(messages.producer, messages.consumer, messages.src, messages.dst, sent,
                     messages.read)
+
+
+def meeting_points(windows: Iterable[tuple[int, int]]) -> list[int]:
+    """The fewest ticks, ascending, that give each ``(first, last)`` window one inside it:
+    the greedy by window end (a new point at the end of the first window the points so
+    far miss). Each window's first point from its start on is inside it."""
+    points: list[int] = []
+    for first, last in sorted(windows, key=lambda w: w[1]):
+        if not points or first > points[-1]:
+            points.append(last)
+    return points

@@ -44,13 +44,16 @@ WORK_LIMIT = 1_200_000
 
 
 def refine(ticks: Ticks, costs: np.ndarray, evals: int, fits: Callable[[Ticks], bool],
-           seed: int = 0, exchange: Exchange = CPU_EXCHANGE) -> Ticks | None:
+           seed: int = 0, exchange: Exchange = CPU_EXCHANGE, tick_cost: float = 0.0
+           ) -> Ticks | None:
     """A tick assignment faster than ``ticks`` under the sync model, or ``None``.
 
     ``ticks``: one action per device and step (no fused or packed pairs). ``costs``: per
     action of ``ticks.graph``, as the program runs it. ``fits``: whether an assignment's
     buffers fit (checked at every improvement, which is rejected where they do not, and
     at the end: a walk across equal makespans may gather messages in flight).
+    ``tick_cost``: the program's fixed cost of a tick, added per tick (a move that merges
+    or opens a tick changes it).
     """
     graph = ticks.graph
     n = len(graph.actions)
@@ -67,12 +70,14 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, fits: Callable[[Ticks], 
     after = tick_constraints(graph, exchange.delay)
     messages = list_messages(ticks)
     remote = messages.src != messages.dst
-    pairs = list(zip(messages.producer[remote].tolist(), messages.src[remote].tolist(),
-                     messages.dst[remote].tolist(), strict=True))
+    pairs = list(zip(messages.producer[remote].tolist(), messages.consumer[remote].tolist(),
+                     messages.src[remote].tolist(), messages.dst[remote].tolist(),
+                     strict=True))
     devices, cost_list, D = graph.devices.tolist(), costs.tolist(), len(graph.lists)
 
     def makespan(tick: list[int]) -> float:
-        return clock_makespan(tick, devices, cost_list, pairs, D, exchange)
+        return (clock_makespan(tick, devices, cost_list, pairs, D, exchange)
+                + tick_cost * len(set(tick)))
 
     _, ends = graph.run_costs(cost_list)
     bound = max(ends)  # the asynchronous makespan: no tick assignment beats it
@@ -82,7 +87,7 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, fits: Callable[[Ticks], 
     last: tuple[list[int], Ticks] | None = None  # the latest improvement that fits
     rng = np.random.default_rng(seed)
     for _ in range(evals):
-        if best_time <= bound * (1 + 1e-9):
+        if best_time - tick_cost * len(set(best)) <= bound * (1 + 1e-9):
             break
         k, d = int(rng.integers(n)), int(rng.choice((-1, 1)))
         want[k] += d

@@ -33,11 +33,13 @@ its halves.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from jaxpipe.runtime.spmd.lowering.messages import meeting_points
 from jaxpipe.runtime.spmd.lowering.types import (
     CPU_EXCHANGE,
     Exchange,
@@ -152,8 +154,10 @@ def clock_makespan(tick: Sequence[int], device: Sequence[int], costs: Sequence[f
 
     ``tick``, ``device``, ``costs``: per action (ticks may have gaps or start below 0:
     an empty tick changes nothing). ``pairs``: per message between devices,
-    ``(producer, sender, receiver)``; the pair meets at the end of the producer's tick
-    (an eager exchange, also for ``exchange.lazy``: the search's proxy).
+    ``(producer, consumer, sender, receiver)``; the pair meets at the end of the
+    producer's tick, or lazily (``exchange.lazy``) at the meetings
+    :func:`~.messages.merge_exchanges` would give it (a window ends at the last tick with
+    an action before the consumer's: as on the dense ticks).
     """
     lo = min(tick, default=0)
     T = max(tick, default=-1) + 1 - lo
@@ -162,9 +166,18 @@ def clock_makespan(tick: Sequence[int], device: Sequence[int], costs: Sequence[f
         work[t - lo][d] += c
     meets: list[list[tuple[int, int]]] = [[] for _ in range(T)]
     if exchange.every_tick:
-        meets = [sorted({(s, r) for _, s, r in pairs})] * T
+        meets = [sorted({(s, r) for _, _, s, r in pairs})] * T
+    elif exchange.lazy:
+        busy = sorted(set(tick))
+        windows: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for p, c, s, r in pairs:
+            last = busy[bisect.bisect_right(busy, tick[c] - 1) - 1]
+            windows.setdefault((s, r) if s < r else (r, s), []).append((tick[p], last))
+        for two, ws in windows.items():
+            for t in meeting_points(ws):
+                meets[t - lo].append(two)
     else:
-        for p, s, r in pairs:
+        for p, _, s, r in pairs:
             meets[tick[p] - lo].append((s, r))
     overlap = exchange.every_tick and exchange.delay == 2
     clock = [0.0] * num_devices
