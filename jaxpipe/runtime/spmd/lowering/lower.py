@@ -6,10 +6,12 @@ The lowering runs in small steps, each a module of its own:
    run as I then W).
 2. :func:`~.ticks.assign_ticks` -- when every action runs: its tick and its step within
    the tick. Given per-action costs, ticks follow the simulation with those costs
-   instead where the sync model (:mod:`.sync`) says that runs faster, and a local search
-   (:mod:`.refine`) moves actions between ticks from there.
+   instead where the sync model (:mod:`.sync`) says that runs faster (``tick_cost`` a
+   tick on top), and a local search (:mod:`.refine`) moves actions between ticks from
+   there.
 3. :func:`~.messages.list_messages` -- every value that crosses from one action to
-   another.
+   another, and where the exchange is lazy, the tick end each moves at
+   (:func:`~.messages.merge_exchanges`).
 4. :func:`~.allocate.allocate` -- buffers sized by liveness, per value class. A stored
    value lives from the step that writes it to its last reader's step; a message from
    its arrival to the step that reads it. Slots are assigned first-fit, so a buffer has
