@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from jaxpipe.runtime.spmd.backends import exchange_flops
+from jaxpipe.runtime.spmd.backends import TICK_OVERHEAD_FLOPS, exchange_flops
 from jaxpipe.runtime.spmd.calibrate import stored_byte_flops, tick_overhead_flops
 from jaxpipe.runtime.spmd.lowering import (
     CONCURRENT_CPU_EXCHANGE,
@@ -36,9 +36,11 @@ def cpu_lowering(concurrent: bool, costed: bool) -> dict[str, Any]:
     """How the CPU program is lowered (:func:`~.lowering.lower`'s ``exchange`` and
     ``tick_cost``): lazily where devices run concurrently (several processes), and, where
     the actions have costs (the cutter's FLOPs), with a tick's fixed cost on top of the
-    sync model's makespan, so that fewer meetings are not bought with more ticks."""
+    sync model's makespan, so that fewer meetings are not bought with more ticks. The
+    default cost, not a kept calibration: every process must lower to the same table,
+    and hosts may keep different calibrations."""
     return {"exchange": CONCURRENT_CPU_EXCHANGE if concurrent else CPU_EXCHANGE,
-            "tick_cost": tick_overhead_flops("cpu", concurrent) if costed else 0.0}
+            "tick_cost": TICK_OVERHEAD_FLOPS["cpu"] if costed else 0.0}
 
 
 def carried_bytes(num_devices: int, ticks: int, stored_bytes: float, concurrent: bool
