@@ -77,6 +77,31 @@ def test_lowered_program_with_the_local_search(capsys):
     assert "lowered efficiency 0.966 (async makespan 57 / lowered 59;" in capsys.readouterr().out
 
 
+def test_lowered_program_across_processes(capsys):
+    """--processes lowers the CPU program as the runtime does where devices run in several
+    processes: messages move lazily (Interleaved1F1B p=2 m=8: devices meet at 19 tick ends,
+    not 30) and the local search is on; --tick-cost prices the ticks it adds (43 -> 36,
+    nothing lost). Both refuse the gpu program, and a tick cost nothing is chosen by."""
+    argv = ["simulate", "interleaved", "-p", "2", "-m", "8", "--lowered"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "devices meet at 30 of 34 tick ends" in out
+    assert "lowered efficiency 0.836 (async makespan 51 / lowered 61;" in out
+    assert main([*argv, "--processes"]) == 0
+    out = capsys.readouterr().out
+    assert "across processes messages move lazily" in out
+    assert "devices meet at 19 of 43 tick ends" in out
+    assert "lowered efficiency 1.000 (async makespan 51 / lowered 51; 43 ticks" in out
+    assert main([*argv, "--processes", "--tick-cost", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "devices meet at 19 of 36 tick ends" in out
+    assert "lowered efficiency 1.000 (async makespan 51 / lowered 51; 36 ticks" in out
+    assert main([*argv, "--backend", "gpu", "--processes"]) == 2
+    assert "describe the CPU program" in capsys.readouterr().err
+    assert main([*argv, "--tick-cost", "1"]) == 2
+    assert "pass --costs, or --refine N" in capsys.readouterr().err
+
+
 def test_lowered_accelerator_program_and_its_overlap(capsys):
     """--backend gpu lowers for the accelerator program (every B as I then W, every pair
     meeting every tick); --overlap on sends each tick's messages during the next tick, at

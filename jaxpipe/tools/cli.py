@@ -115,13 +115,26 @@ def _run_simulate(args: argparse.Namespace) -> int:
 def _print_lowered(schedule, args: argparse.Namespace):
     """The SPMD lowering of ``schedule``: which actions share a tick, and its efficiency."""
     from jaxpipe.runtime.spmd.backends import REFINE_EVALS
-    from jaxpipe.runtime.spmd.lowering import lower, lower_accelerator
+    from jaxpipe.runtime.spmd.lowering import (
+        CONCURRENT_CPU_EXCHANGE,
+        CPU_EXCHANGE,
+        lower,
+        lower_accelerator,
+    )
     from jaxpipe.runtime.spmd.lowering.sync import lowered_timeline, sync_report, tick_table
     from jaxpipe.schedule.simulate import resolve_costs
 
     accelerator = args.backend != "cpu"
+    if accelerator and (args.processes or args.tick_cost):
+        raise CLIError("--processes and --tick-cost describe the CPU program; the "
+                       f"{args.backend} program meets every tick and runs one step a tick "
+                       "(drop them, or use --backend cpu)")
+    concurrent = accelerator or args.processes
     split = args.split_backward if args.split_backward is not None else accelerator
-    refine = args.refine if args.refine is not None else (REFINE_EVALS if accelerator else 0)
+    refine = args.refine if args.refine is not None else (REFINE_EVALS if concurrent else 0)
+    if args.tick_cost and not (args.costs or refine):
+        raise CLIError("--tick-cost prices ticks where they are chosen by cost: pass "
+                       "--costs, or --refine N (or --processes, whose search is on)")
     # with costs given, ticks follow them where that runs faster (as the runtime does); the
     # local search needs costs, so --refine alone prices the default ones
     costs = resolve_costs(args.costs) if args.costs or refine else None
@@ -135,13 +148,20 @@ def _print_lowered(schedule, args: argparse.Namespace):
                   if low.exchange.delay == 2 else "what a tick computes is sent at its end "
                   "(overlap off)"))
     else:
-        low = lower(schedule, {}, split_backward=split, costs=costs, refine=refine)
+        low = lower(schedule, {}, split_backward=split, costs=costs, refine=refine,
+                    exchange=CONCURRENT_CPU_EXCHANGE if args.processes else CPU_EXCHANGE,
+                    tick_cost=args.tick_cost)
         how = ("cpu program: at a tick's end a device waits only for the devices it "
-               "exchanges a message with")
+               "exchanges a message with" + ("; across processes messages move lazily, "
+                                             "at as few tick ends as their readers allow"
+                                             if args.processes else ""))
     report = sync_report(schedule, low, args.costs, args.transfer)
     print()
     print(f"lowered SPMD program ({how}):")
     print(tick_table(low, max_ticks=args.width // 5 if args.width else None))
+    if not low.exchange.every_tick:
+        meets = int(low.table.exchange[:, 0, :].any(axis=1).sum())
+        print(f"devices meet at {meets} of {low.num_ticks} tick ends")
     print(report.summary())
     return lowered_timeline(low, resolve_costs(args.costs), args.transfer)
 
@@ -187,6 +207,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
                         "backend (cpu: exchanges only on ticks with messages; gpu/tpu: "
                         "straight-line ticks, one unconditional permutation per direction "
                         "each tick); default cpu")
+    parser.add_argument("--processes", action="store_true",
+                        help="with --lowered --backend cpu: the CPU program whose devices "
+                        "run concurrently, in several processes, as the SPMD runtime "
+                        "lowers it there (messages move lazily, at as few tick ends as "
+                        "their readers allow; the local search on)")
     parser.add_argument("--split-backward", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="with --lowered: run every B as I then W (default: on for "
@@ -194,7 +219,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--refine", type=_nonnegative_int, default=None, metavar="N",
                         help="with --lowered: N evaluations of the local search that moves "
                         "actions between ticks where that runs faster (default: 1200 for "
-                        "gpu/tpu, 0 for cpu, as the SPMD runtime does)")
+                        "gpu/tpu and --processes, 0 for cpu, as the SPMD runtime does)")
     parser.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                         help="with --lowered --backend gpu/tpu: send each tick's messages "
                         "during the next tick, overlapping its compute (one more tick "
@@ -203,6 +228,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--transfer", type=_nonnegative_float, default=0.0, metavar="T",
                         help="with --lowered: time of one permutation, in the units of "
                         "--costs (default 0)")
+    parser.add_argument("--tick-cost", type=_nonnegative_float, default=0.0, metavar="T",
+                        help="with --lowered --backend cpu and --costs or --refine: a tick's "
+                        "fixed cost (dispatch), in the units of --costs: ticks are chosen by "
+                        "the makespan plus this per tick, as the SPMD runtime does with its "
+                        "calibrated cost (default 0)")
     parser.set_defaults(func=_run_simulate)
 
 
