@@ -82,6 +82,9 @@ class CpuTicks:
         self.reads_inbox = {b for b in self.branches
                             if b not in {branch_id("W", x.index, num_bodies) for x in bodies}}
         table = lowering.table
+        # only V placements keep a message on its device: elsewhere no step writes one,
+        # and the program runs no loop for it
+        self.keeps = bool((table.local_slot != lowering.num_inbox).any())
         self.fields = (table.actions(gated_stages(bodies)),
                        table.steps(sorted(self.branches), lowering.num_inbox, lowering.units))
 
@@ -120,7 +123,9 @@ class CpuTicks:
         # The message goes to its inbox slot (it stays here, the turn of a V) or to its
         # outbox unit. Each write is gated: most steps send nothing in a given direction,
         # and a unit written to a dummy slot costs a full-unit copy.
-        inbox = gated(at.keep, lambda box: self._write_unit(box, msg, at.local_slot), inbox)
+        if self.keeps:
+            inbox = gated(at.keep, lambda box: self._write_unit(box, msg, at.local_slot),
+                          inbox)
         outbox = [gated(at.send[j],
                         lambda box, j=j: self._write_unit(box, msg, at.out_unit[j]), box)
                   for j, box in enumerate(outbox)]
