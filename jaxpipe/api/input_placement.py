@@ -67,6 +67,12 @@ class Placement:
             return jax.device_put(x, sharding)
         if isinstance(x, jax.Array) and x.sharding == sharding:
             return x
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            # the same shards under another name (P('pipe', None) for P('pipe')): the
+            # arrays again under the expected one, no copy and no dispatch (device_put
+            # was ~0.5 ms a leaf across processes, every train_step)
+            return jax.make_array_from_single_device_arrays(
+                x.shape, sharding, [s.data for s in x.addressable_shards])
         if self.compile_only:
             raise PipelineError(
                 f"{what} cannot be placed: this pipeline's mesh is of compile-only devices "
