@@ -115,13 +115,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
 def _print_lowered(schedule, args: argparse.Namespace):
     """The SPMD lowering of ``schedule``: which actions share a tick, and its efficiency."""
     from jaxpipe.runtime.spmd.backends import REFINE_EVALS
-    from jaxpipe.runtime.spmd.lowering import (
-        CONCURRENT_CPU_EXCHANGE,
-        CPU_EXCHANGE,
-        lower,
-        lower_accelerator,
-    )
+    from jaxpipe.runtime.spmd.lowering import lower, lower_accelerator
     from jaxpipe.runtime.spmd.lowering.sync import lowered_timeline, sync_report, tick_table
+    from jaxpipe.runtime.spmd.predict import cpu_lowering
     from jaxpipe.schedule.simulate import resolve_costs
 
     accelerator = args.backend != "cpu"
@@ -148,9 +144,9 @@ def _print_lowered(schedule, args: argparse.Namespace):
                   if low.exchange.delay == 2 else "what a tick computes is sent at its end "
                   "(overlap off)"))
     else:
+        # the runtime's exchange for these processes; the tick cost in --costs' units
         low = lower(schedule, {}, split_backward=split, costs=costs, refine=refine,
-                    exchange=CONCURRENT_CPU_EXCHANGE if args.processes else CPU_EXCHANGE,
-                    tick_cost=args.tick_cost)
+                    **cpu_lowering(args.processes, costed=False) | {"tick_cost": args.tick_cost})
         how = ("cpu program: at a tick's end a device waits only for the devices it "
                "exchanges a message with" + ("; across processes messages move lazily, "
                                              "at as few tick ends as their readers allow"

@@ -75,24 +75,25 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, fits: Callable[[Ticks], 
                      strict=True))
     devices, cost_list, D = graph.devices.tolist(), costs.tolist(), len(graph.lists)
 
-    def makespan(tick: list[int]) -> float:
-        return (clock_makespan(tick, devices, cost_list, pairs, D, exchange)
-                + tick_cost * len(set(tick)))
+    def makespan(tick: list[int]) -> tuple[float, float]:
+        """``(makespan + the ticks' cost, makespan)``."""
+        span = clock_makespan(tick, devices, cost_list, pairs, D, exchange)
+        return (span + tick_cost * len(set(tick)) if tick_cost else span), span
 
     _, ends = graph.run_costs(cost_list)
     bound = max(ends)  # the asynchronous makespan: no tick assignment beats it
     want = ticks.tick.tolist()
     best = list(want)
-    best_time = makespan(best)
+    best_time, best_span = makespan(best)
     last: tuple[list[int], Ticks] | None = None  # the latest improvement that fits
     rng = np.random.default_rng(seed)
     for _ in range(evals):
-        if best_time - tick_cost * len(set(best)) <= bound * (1 + 1e-9):
+        if best_span <= bound * (1 + 1e-9):
             break
         k, d = int(rng.integers(n)), int(rng.choice((-1, 1)))
         want[k] += d
         cand = resettle(after, want, best, k)
-        t = makespan(cand)
+        t, span = makespan(cand)
         accept = t <= best_time  # equal moves too: they walk across plateaus
         if t < best_time:
             cand_ticks = as_ticks(cand)
@@ -100,7 +101,7 @@ def refine(ticks: Ticks, costs: np.ndarray, evals: int, fits: Callable[[Ticks], 
             if accept:
                 last = (cand, cand_ticks)
         if accept:
-            best, best_time = cand, t
+            best, best_time, best_span = cand, t, span
         else:
             want[k] -= d
     if last is None:
