@@ -388,7 +388,8 @@ class Lowering:
       perm_patterns: per offset, the sets of devices that send over it at some tick end
         (``table.exchange`` numbers them from 1): a permutation lists only the pairs
         that carry a message then.
-      units: outbox units per offset (the most messages a device sends over it in a tick).
+      units: outbox units per offset (the most messages a device sends over it in one
+        exchange: a tick's, or with a lazy exchange, a meeting's).
       slots: per class, slots of stored values per device (the maximum over devices, since
         all devices run one program).
       num_inbox: message slots per device (maximum over devices); slot ``num_inbox`` is
