@@ -9,7 +9,8 @@ this package returns. Modules, in the order the lowering runs them:
 - :mod:`.messages` -- the values moved between actions, and when (the CPU program's lazy
   exchange);
 - :mod:`.allocate` -- liveness-sized buffer slots;
-- :mod:`.table` -- one row of integer fields per (step, device);
+- :mod:`.table` -- one row of integer fields per (step, device) (its types in
+  :mod:`.tick_table`);
 - :mod:`.sync` -- the sync model (how long the lowered program takes where devices run
   concurrently); :mod:`.refine` -- a local search over ticks under it;
 - :mod:`.lower` -- :func:`lower`, which runs them all.
@@ -20,32 +21,34 @@ from jaxpipe.runtime.spmd.lowering.lower import lower, lower_accelerator
 from jaxpipe.runtime.spmd.lowering.messages import list_messages, merge_exchanges
 from jaxpipe.runtime.spmd.lowering.table import fill_table
 from jaxpipe.runtime.spmd.lowering.tick_rule import resettle, settle, tick_constraints
+from jaxpipe.runtime.spmd.lowering.tick_table import (
+    IDLE,
+    PROGRAM_KINDS,
+    ActionFields,
+    StepFields,
+    TickTable,
+    branch_id,
+)
 from jaxpipe.runtime.spmd.lowering.ticks import assign_ticks, expand, ticks_of
 from jaxpipe.runtime.spmd.lowering.types import (
     ACCELERATOR_EXCHANGE,
     CONCURRENT_CPU_EXCHANGE,
     CPU_EXCHANGE,
-    IDLE,
     OVERLAPPED_EXCHANGE,
-    PROGRAM_KINDS,
-    ActionFields,
     Allocation,
     Exchange,
     Lowering,
     Message,
     Messages,
     Pool,
-    StepFields,
     Ticks,
-    TickTable,
     Timing,
-    branch_id,
 )
 
 __all__ = ["ACCELERATOR_EXCHANGE", "CONCURRENT_CPU_EXCHANGE", "CPU_EXCHANGE", "IDLE",
-           "OVERLAPPED_EXCHANGE",
-           "PROGRAM_KINDS", "ActionFields", "Allocation", "Exchange", "Lowering", "Message",
-           "Messages", "Pool", "StepFields", "TickTable", "Ticks", "Timing", "allocate",
-           "assign_ticks", "branch_id", "expand", "fill_table", "first_fit",
-           "list_messages", "lower", "lower_accelerator", "merge_exchanges", "resettle",
-           "settle", "tick_constraints", "ticks_of"]
+    "OVERLAPPED_EXCHANGE",
+    "PROGRAM_KINDS", "ActionFields", "Allocation", "Exchange", "Lowering", "Message",
+    "Messages", "Pool", "StepFields", "TickTable", "Ticks", "Timing", "allocate",
+    "assign_ticks", "branch_id", "expand", "fill_table", "first_fit",
+    "list_messages", "lower", "lower_accelerator", "merge_exchanges", "resettle",
+    "settle", "tick_constraints", "ticks_of"]

@@ -17,7 +17,7 @@ The lowering runs in small steps, each a module of its own:
    its arrival to the step that reads it. Slots are assigned first-fit, so a buffer has
    as many slots as are live at once on the busiest device.
 5. :func:`~.table.fill_table` -- one row per (step, device) of the typed
-   :class:`~.types.TickTable`, and each direction's sender sets (the permutation of a
+   :class:`~.tick_table.TickTable`, and each direction's sender sets (the permutation of a
    tick lists only the pairs that exchange then).
 
 The result, :class:`~.types.Lowering`, is what the program (:mod:`..program`) is built

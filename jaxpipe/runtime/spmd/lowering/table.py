@@ -11,15 +11,8 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from jaxpipe.runtime.spmd.lowering.types import (
-    IDLE,
-    PROGRAM_KINDS,
-    Allocation,
-    Messages,
-    Pool,
-    Ticks,
-    TickTable,
-)
+from jaxpipe.runtime.spmd.lowering.tick_table import IDLE, PROGRAM_KINDS, TickTable
+from jaxpipe.runtime.spmd.lowering.types import Allocation, Messages, Pool, Ticks
 
 __all__ = ["exchange_patterns", "fill_table", "offset_index"]
 

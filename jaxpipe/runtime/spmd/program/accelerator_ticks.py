@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpipe.runtime.spmd.lowering.types import IDLE, PROGRAM_KINDS, Lowering
+from jaxpipe.runtime.spmd.lowering.tick_table import IDLE, PROGRAM_KINDS
+from jaxpipe.runtime.spmd.lowering.types import Lowering
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
 from jaxpipe.runtime.spmd.program.layout import Bufs, StageLayouts

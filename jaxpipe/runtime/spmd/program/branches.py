@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 
 from jax import lax
 
-from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
+from jaxpipe.runtime.spmd.lowering.tick_table import ActionFields
+from jaxpipe.runtime.spmd.lowering.types import Pool
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.direct_io import DirectIO
 from jaxpipe.runtime.spmd.program.layout import Bufs, Packing, StageLayouts

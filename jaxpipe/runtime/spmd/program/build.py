@@ -1,7 +1,7 @@
 """The SPMD program: one ``jax.jit(jax.shard_map(...))`` runs a lowered schedule.
 
 Every device runs the same program: ``lax.scan`` over the steps of the lowering's
-:class:`~jaxpipe.runtime.spmd.lowering.types.TickTable`, read as one ``[steps,
+:class:`~jaxpipe.runtime.spmd.lowering.tick_table.TickTable`, read as one ``[steps,
 devices]`` int32 array per scalar. What a step does is the tick loop's, built for the
 backend the program runs on:
 

@@ -39,7 +39,8 @@ from typing import Any
 import jax
 from jax import lax
 
-from jaxpipe.runtime.spmd.lowering.types import IDLE, PROGRAM_KINDS, Lowering, branch_id
+from jaxpipe.runtime.spmd.lowering.tick_table import IDLE, PROGRAM_KINDS, branch_id
+from jaxpipe.runtime.spmd.lowering.types import Lowering
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
 from jaxpipe.runtime.spmd.program.gated import gated

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
+from jaxpipe.runtime.spmd.lowering.tick_table import ActionFields
+from jaxpipe.runtime.spmd.lowering.types import Pool
 from jaxpipe.runtime.spmd.program import scan_buffers as scanio
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.layout import Bufs, Packing, ValueClass

@@ -36,7 +36,8 @@ import numpy as np
 from jax import lax
 
 from jaxpipe.runtime.spmd.lowering.lanes import B_LANE, F_LANE, lane_offsets, lane_segments
-from jaxpipe.runtime.spmd.lowering.types import IDLE, Lowering
+from jaxpipe.runtime.spmd.lowering.tick_table import IDLE
+from jaxpipe.runtime.spmd.lowering.types import Lowering
 from jaxpipe.runtime.spmd.program.accelerator_ticks import (
     pack,
     storage_and_inbox,

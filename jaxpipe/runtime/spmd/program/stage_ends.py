@@ -16,7 +16,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxpipe.runtime.spmd.lowering.types import ActionFields, Pool
+from jaxpipe.runtime.spmd.lowering.tick_table import ActionFields
+from jaxpipe.runtime.spmd.lowering.types import Pool
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.gated import gated
 from jaxpipe.runtime.spmd.program.layout import StageLayouts

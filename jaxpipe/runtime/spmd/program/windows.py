@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from jaxpipe.runtime.spmd.lowering.types import ActionFields, Lowering, Pool
+from jaxpipe.runtime.spmd.lowering.tick_table import ActionFields
+from jaxpipe.runtime.spmd.lowering.types import Lowering, Pool
 from jaxpipe.runtime.spmd.program.layout import StageLayouts
 
 __all__ = ["Windows", "row_major"]
