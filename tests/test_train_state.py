@@ -1,6 +1,8 @@
 """A train state owns its optimizer: several states on one pipeline, and reports that
 compile their own steps, never change which optimizer a state trains with."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -57,30 +59,45 @@ def test_compare_compiled_leaves_user_state_alone(setup):
 
 
 def test_a_returned_state_goes_back_in_without_a_copy(setup, monkeypatch):
-    """train_step's outputs carry specs like ``P('pipe', None)``, equal to the state
-    layout's ``P('pipe')`` only up to trailing Nones: the next step takes the same
-    buffers under the layout's sharding (each leaf was device_put again every step:
-    across processes ~0.5 ms a leaf), so its program compiles once, and the old state
-    is still refused once donated."""
+    """train_step returns its state under the layout's very shardings (its program's
+    outputs would carry ``P('pipe', None)`` for the layout's ``P('pipe')``), so the next
+    step takes it as it is. A state under such an equivalent sharding (from a user's own
+    jit, say) gets the same buffers under the layout's sharding: no device_put (~0.5 ms
+    a leaf across processes, every step), one compile, and the old state is still refused
+    once donated."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     loss_fn, params, batch, pipe = setup
     state = pipe.init(params, optax.sgd(0.1, momentum=0.9))
     state, _ = pipe.train_step(state, batch)
     layout = jax.tree.leaves(pipe.inspect.executor.staged_abstract())
-    assert any(x.sharding != a.sharding for x, a in
-               zip(jax.tree.leaves(state.params), layout, strict=True))  # this test's case
+    assert [x.sharding for x in state.params] == [a.sharding for a in layout]
+    opt_layout = jax.tree.leaves(state.trainer.abstract_opt_state())
+    assert [x.sharding for x in jax.tree.leaves(state.opt_state)] == [
+        a.sharding for a in opt_layout]
+
+    def padded(x):  # the same shards, the spec padded with Nones: equivalent, not equal
+        spec = P(*x.sharding.spec, *[None] * (x.ndim - len(x.sharding.spec)))
+        return jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(x.sharding.mesh, spec),
+            [s.data for s in x.addressable_shards])
+
+    odd = dataclasses.replace(state, params=[padded(x) for x in state.params])
+    assert any(x.sharding != a.sharding for x, a in zip(odd.params, layout, strict=True))
     puts = []
     device_put = jax.device_put
     monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(a) or device_put(*a, **k))
-    live = pipe.inspect.live_state(state, "train_step")
+    live = pipe.inspect.live_state(odd, "train_step")
     monkeypatch.undo()
     assert not puts
-    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(live), strict=True):
+    for x, y in zip(jax.tree.leaves(odd), jax.tree.leaves(live), strict=True):
         assert [s.data.unsafe_buffer_pointer() for s in x.addressable_shards] == [
             s.data.unsafe_buffer_pointer() for s in y.addressable_shards]
     assert [x.sharding for x in live.params] == [a.sharding for a in layout]
     old = state
-    for _ in range(2):
-        state, _ = pipe.train_step(state, batch)
+    state, _ = pipe.train_step(odd, batch)
+    state, _ = pipe.train_step(state, batch)
     assert state.trainer.step_fn._cache_size() == 1
     _close(pipe.params(state), _plain_steps(loss_fn, params, batch,
                                             optax.sgd(0.1, momentum=0.9), 3))

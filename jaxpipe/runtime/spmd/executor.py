@@ -179,11 +179,16 @@ class SpmdExecutor(ExecutorReports, Executor):
         return [(D, *c.shape) for c, _ in self.layouts.slots.slots]
 
     def staged_abstract(self) -> list[jax.ShapeDtypeStruct]:
+        return list(self._staged_abstract)  # a new list: the caller may edit it
+
+    @functools.cached_property
+    def _staged_abstract(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        # built once: every train_step places its state against it (~0.2 ms to rebuild)
         mesh = self.spec.mesh
-        return [jax.ShapeDtypeStruct(shape, np.dtype(c.dtype),
-                                     sharding=NamedSharding(mesh, c.spec(self.spec.axis)))
-                for shape, c in zip(self.staged_shapes(), self.layouts.slots.classes,
-                                    strict=True)]
+        return tuple(jax.ShapeDtypeStruct(shape, np.dtype(c.dtype),
+                                          sharding=NamedSharding(mesh, c.spec(self.spec.axis)))
+                     for shape, c in zip(self.staged_shapes(), self.layouts.slots.classes,
+                                         strict=True))
 
     def check_staged(self, staged: Any, what: str) -> None:
         want = self.staged_shapes()
