@@ -3,6 +3,7 @@
     python benchmarks/probes/step_overhead.py                  # m = 8, 16 (~2 min)
     python benchmarks/probes/step_overhead.py --ms 4,8,16 --repeats 9
     python benchmarks/probes/step_overhead.py --ms 8 --rows 16 --width 1024   # weights dominate
+    python benchmarks/probes/step_overhead.py --share-bodies devices  # as across processes
 
 The peer comparison's model (``benchmarks/baselines/torch_pipelining.py``: 8 x 512 tanh
 MLP, 64 rows per microbatch, p=2) as one process: two virtual CPU devices sharing one
@@ -18,7 +19,10 @@ devices beforehand, and the programs are timed round-robin
 Prints, per schedule, the step time over plain JAX's and the excess per lowered step:
 the part of the two-process step time beyond the ideal that no gloo exchange explains
 (see the issue's per-tick analysis and ``benchmarks/probes/permute_cost.py`` for the
-exchange itself). Writes ``--out``/step_overhead.json.
+exchange itself). ``--share-bodies``: the runtime's option (``"auto"``, in one process
+every stage of a device through one shared body; ``"devices"``, what the runtime picks
+across processes: one body per chunk, no stage picked per step). Writes
+``--out``/step_overhead.json.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def _pipe_train(pipe: Any, state: Any, batch: Any) -> Any:
 
 
 def measure(ms: list[int], repeats: int, width: int = 512, layers: int = 8,
-            rows: int = 64) -> dict[str, Any]:
+            rows: int = 64, share_bodies: str = "auto") -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -70,6 +74,7 @@ def measure(ms: list[int], repeats: int, width: int = 512, layers: int = 8,
 
     import jaxpipe as jp
     from benchmarks import common as C
+    from jaxpipe.runtime.spmd import SpmdRuntime
 
     rng = np.random.default_rng(0)
     bound = 1 / np.sqrt(width)  # torch.nn.Linear's default range, as the peer comparison
@@ -93,7 +98,8 @@ def measure(ms: list[int], repeats: int, width: int = 512, layers: int = 8,
         steps = {}
         for name, sched in (("gpipe", jp.GPipe(2, m)), ("1f1b", jp.OneFOneB(2, m)),
                             ("interleaved", jp.Interleaved1F1B(2, m, stages_per_device=2))):
-            pipe = jp.pipeline(loss_fn, host, batch, mesh=mesh, schedule=sched, cut="auto")
+            pipe = jp.pipeline(loss_fn, host, batch, mesh=mesh, schedule=sched, cut="auto",
+                               runtime=SpmdRuntime(share_bodies=_share(share_bodies)))
             runs[name] = (_pipe_train(pipe, pipe.init(host, optax.sgd(1e-3)),
                                       pipe.inspect.place_batch(batch)), ())
             steps[name] = int(pipe.inspect.executor.lowering.num_steps)
@@ -108,7 +114,11 @@ def measure(ms: list[int], repeats: int, width: int = 512, layers: int = 8,
                   f"({plain * 1e3:.1f} ms)  {n} steps, {row['excess_per_step_ms']:+.3f} ms "
                   "a step", flush=True)
     return {"model": f"{layers} x {width} tanh MLP, {rows} rows a microbatch, p=2 on one core",
-            "repeats": repeats, "rows": rows_out}
+            "repeats": repeats, "share_bodies": share_bodies, "rows": rows_out}
+
+
+def _share(value: str) -> bool | str:
+    return {"true": True, "false": False}.get(value, value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--rows", type=int, default=64, help="rows a microbatch")
+    ap.add_argument("--share-bodies", default="auto", choices=("auto", "devices", "true", "false"),
+                    help="SpmdRuntime(share_bodies=...)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "step_overhead"))
     a = ap.parse_args(argv)
     if str(REPO) not in sys.path:
@@ -125,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
     single_core_cpu(2)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    res = measure([int(x) for x in a.ms.split(",")], a.repeats, a.width, rows=a.rows)
+    res = measure([int(x) for x in a.ms.split(",")], a.repeats, a.width, rows=a.rows,
+                  share_bodies=a.share_bodies)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_overhead.json").write_text(json.dumps(res, indent=1))
