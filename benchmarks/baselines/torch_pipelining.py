@@ -17,8 +17,9 @@ reference is plain ``jax.jit`` accumulating the m microbatches' gradients); the 
 the pipeline over it, against the ideal ``2m / (m + 1)`` of two stages, is the fraction of
 ideal. The default is the issue's configuration: 8 x 512 tanh, 64 rows per microbatch.
 
-Prints one line per (schedule, m): step times, jaxpipe / torch, and each framework's
-fraction of ideal; writes ``--out`` as JSON.
+Prints one line per (schedule, m): step times (jaxpipe's with the Python of its step, until
+``train_step`` returns), jaxpipe / torch, and each framework's fraction of ideal; writes
+``--out`` as JSON.
 """
 
 from __future__ import annotations
@@ -170,12 +171,17 @@ def _jaxpipe_worker(a: argparse.Namespace) -> dict[str, Any]:
                                cut="auto")
             state = pipe.init(params, optax.sgd(1e-3))
 
-            def step(pipe=pipe, batch=batch) -> None:
+            python: list[float] = []  # until train_step returns: jaxpipe's own Python
+
+            def step(pipe=pipe, batch=batch, python=python) -> None:
                 nonlocal state
+                t0 = time.perf_counter()
                 state, metrics = pipe.train_step(state, batch)
+                python.append(time.perf_counter() - t0)
                 jax.block_until_ready(metrics["loss"])
 
             out[f"{sched}/m={m}"] = _median_time(step, a)
+            out[f"{sched}/m={m}/python_s"] = statistics.median(python[a.warmup:])
             out[f"{sched}/m={m}/ticks"] = int(pipe.inspect.executor.lowering.num_ticks)
     return out
 
@@ -305,10 +311,14 @@ def main(argv: list[str] | None = None) -> int:
                            "runs": runs, "median_s": {}}
     for f, rs in runs.items():
         res["median_s"][f] = {k: statistics.median(r[k] for r in rs) for k in rs[0]
-                              if not k.endswith("/ticks")}
+                              if not k.endswith(("/ticks", "/python_s"))}
+    python = {k.removesuffix("/python_s"): statistics.median(r[k] for r in runs["jaxpipe"])
+              for k in runs["jaxpipe"][0] if k.endswith("/python_s")}
+    res["jaxpipe_python_s"] = python  # a step's Python, until train_step returns
     res["summary"] = _summary(res, a.ms)
     for key, row in res["summary"].items():
-        line = f"{key:<18} jaxpipe {row['jaxpipe_s'] * 1e3:8.2f} ms"
+        line = (f"{key:<18} jaxpipe {row['jaxpipe_s'] * 1e3:8.2f} ms"
+                f" (Python {python[key] * 1e3:.2f})")
         if "torch_s" in row:
             line += (f"  torch {row['torch_s'] * 1e3:8.2f} ms"
                      f"  jaxpipe/torch {row['jaxpipe_over_torch']:.2f}")
