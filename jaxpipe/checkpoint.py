@@ -285,11 +285,8 @@ def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
 
 def _abstract_state(pipe, optimizer, skip_nonfinite: bool, clip_global_norm):
     """A shape/sharding-only TrainState for ``pipe`` training with ``optimizer``."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from jaxpipe.train.options import TrainOptions
-    from jaxpipe.train.state import TrainState
 
     if optimizer is None:
         raise PipelineError(
@@ -299,9 +296,7 @@ def _abstract_state(pipe, optimizer, skip_nonfinite: bool, clip_global_norm):
         )
     trainer = pipe.inspect.trainer(optimizer, TrainOptions(
         skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm))
-    step = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(pipe.mesh, P()))
-    return TrainState(pipe.inspect.executor.staged_abstract(), trainer.abstract_opt_state(),
-                      step, trainer)
+    return trainer.abstract_state()
 
 
 # ----------------------------------------------------------------------- parameters

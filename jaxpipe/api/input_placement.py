@@ -149,8 +149,7 @@ def live_state(state: Any, executor: Any, placement: Placement, what: str) -> An
     executor.check_staged(state.params, f"{what} (state.params)")
     check_alive(state, "state", "Use the state the last train_step returned: "
                 "state, metrics = pipe.train_step(state, batch).")
-    placed = placement.like(
-        (state.params, state.opt_state, state.step),
-        (executor.staged_abstract(), state.trainer.abstract_opt_state(),
-         jax.ShapeDtypeStruct((), np.int32, sharding=placement.replicated)), "state")
+    want = state.trainer.abstract_state()
+    placed = placement.like((state.params, state.opt_state, state.step),
+                            (want.params, want.opt_state, want.step), "state")
     return TrainState(*placed, state.trainer)

@@ -11,12 +11,10 @@ import functools
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxpipe.runtime import Executor
 from jaxpipe.sharding.mesh_axes import to_spec
 from jaxpipe.train.options import TrainOptions
-from jaxpipe.train.state import TrainState
 
 __all__ = ["InternalsReports"]
 
@@ -77,10 +75,7 @@ class InternalsReports:
         if program == "loss":
             return self.eval_fn.trace(params, batch, key).lower()
         trainer = self.trainer(optimizer, options or TrainOptions())
-        state = TrainState(self.executor.staged_abstract(), trainer.abstract_opt_state(),
-                           jax.ShapeDtypeStruct((), np.int32,
-                                                sharding=self.placement.replicated), trainer)
-        return trainer.step_fn.trace(state, batch, key).lower()
+        return trainer.step_fn.trace(trainer.abstract_state(), batch, key).lower()
 
     @functools.cached_property
     def plan(self) -> Any:

@@ -160,21 +160,22 @@ class Trainer:
         from jaxpipe.xla_flags import compiler_options
 
         self._abstract_opt = executor.opt_state_abstract(self._init_opt)
-        opt_shardings = _shardings(self._abstract_opt)
         mesh = executor.spec.mesh
+        self._abstract_state = TrainState(
+            executor.staged_abstract(), self._abstract_opt,
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())), self)
         # The step returns its state under the very shardings a state is placed at
         # (Pipeline.init's), not merely equivalent ones (P('pipe', None) for P('pipe')):
         # the next train_step takes it as it is, with no array rewrapped a leaf (~1 ms a
         # step of Python for 9 leaves, 2 devices)
-        state_shardings = TrainState(_shardings(executor.staged_abstract()), opt_shardings,
-                                     NamedSharding(mesh, P()), self)
         self.step_fn = jax.jit(step_fn, donate_argnums=0,
-                               out_shardings=(state_shardings, None),
+                               out_shardings=(_shardings(self._abstract_state), None),
                                compiler_options=compiler_options(
                                    mesh.devices.flat[0].platform))
         self._watch = CompileWatch(self.step_fn, "pipe.train_step", executor.compiled_check(),
                                    times)
-        self._init_jit = jax.jit(self._init_opt, out_shardings=opt_shardings)
+        self._init_jit = jax.jit(self._init_opt,
+                                 out_shardings=_shardings(self._abstract_opt))
 
     def step(self, state: TrainState, batch: Any, key: Any = None) -> tuple[TrainState, dict]:
         """One step of :attr:`step_fn` (inputs already checked and placed)."""
@@ -187,6 +188,12 @@ class Trainer:
     def abstract_opt_state(self) -> Any:
         """Shape/dtype/sharding of the optimizer state (values not needed)."""
         return self._abstract_opt
+
+    def abstract_state(self) -> TrainState:
+        """A :class:`TrainState` of this trainer as ``jax.ShapeDtypeStruct``\\ s: the
+        staged parameters' and the optimizer state's layouts, the step count replicated.
+        Where a state is placed, what the step returns, what is lowered and restored."""
+        return self._abstract_state
 
     def __repr__(self) -> str:
         return f"Trainer({self.optimizer!r}, {self.options})"

@@ -46,9 +46,8 @@ from jaxpipe.runtime.spmd.lowering.types import (
 )
 
 __all__ = ["ACCELERATOR_EXCHANGE", "CONCURRENT_CPU_EXCHANGE", "CPU_EXCHANGE", "IDLE",
-    "OVERLAPPED_EXCHANGE",
-    "PROGRAM_KINDS", "ActionFields", "Allocation", "Exchange", "Lowering", "Message",
-    "Messages", "Pool", "StepFields", "TickTable", "Ticks", "Timing", "allocate",
-    "assign_ticks", "branch_id", "expand", "fill_table", "first_fit",
-    "list_messages", "lower", "lower_accelerator", "merge_exchanges", "resettle",
-    "settle", "tick_constraints", "ticks_of"]
+           "OVERLAPPED_EXCHANGE", "PROGRAM_KINDS", "ActionFields", "Allocation", "Exchange",
+           "Lowering", "Message", "Messages", "Pool", "StepFields", "TickTable", "Ticks",
+           "Timing", "allocate", "assign_ticks", "branch_id", "expand", "fill_table",
+           "first_fit", "list_messages", "lower", "lower_accelerator", "merge_exchanges",
+           "resettle", "settle", "tick_constraints", "ticks_of"]
