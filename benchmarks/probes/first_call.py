@@ -14,7 +14,8 @@ microbatches, first call minus a steady call; jaxpipe ``jp.pipeline(...)`` + fir
 schedule; program + lower; XLA compile). Then the same in a second process whose
 ``jax_compilation_cache_dir`` the first one filled (both programs load from it).
 
-``--xla-phases`` then splits XLA's compile of both programs at L=16 by its own trace
+``--xla-phases`` then times the Python before XLA starts (plain's trace + lower against
+jaxpipe's build + lower) and splits XLA's compile of both programs at L=16 by its own trace
 (``jax.profiler``; event names of jaxlib 0.10), beside plain JAX on one device and data
 parallel over the same 4 devices: HLO passes, SPMD partitioning (Shardy inside the
 partitioner, which a one-device program skips), emitting thunks and kernels
@@ -82,17 +83,24 @@ plain = jax.jit(vg)
 mesh = jax.make_mesh((4,), ("pipe",))
 if sys.argv[5] == "phases":
     from benchmarks.probes.first_call import xla_trace
+    # the Python before XLA starts: plain JAX's trace + lower against jaxpipe's build
+    # (trace, cut, schedule) + program + lower, on warm imports
+    t0 = time.perf_counter()
+    plain_low = plain.lower(params, batch)
+    t1 = time.perf_counter()
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, m),
                        cut="markers")
+    pipe_low = pipe.lower("value_and_grad")
+    t2 = time.perf_counter()
     # plain JAX again, data parallel over the same 4 devices: what a multi-device program
     # pays in SPMD partitioning without a pipeline
     from jax.sharding import NamedSharding, PartitionSpec as P
     dp = jax.jit(vg, in_shardings=(
         NamedSharding(mesh, P()), {"x": NamedSharding(mesh, P("pipe")),
                                    "y": NamedSharding(mesh, P("pipe"))}))
-    print(json.dumps({"plain": xla_trace(plain.lower(params, batch)),
+    print(json.dumps({"plain": xla_trace(plain_low) | {"python": t1 - t0},
                       "plain_4_devices": xla_trace(dp.lower(params, batch)),
-                      "jaxpipe": xla_trace(pipe.lower("value_and_grad"))}))
+                      "jaxpipe": xla_trace(pipe_low) | {"python": t2 - t1}}))
     sys.exit()
 first = wall(plain, params, batch)
 plain_s = first - wall(plain, params, batch)
@@ -157,7 +165,8 @@ def xla_phases(variants: list[str]) -> list[dict[str, Any]]:
         for who in ("plain", "plain_4_devices", "jaxpipe"):
             x = r[who]
             rows.append({"variant": variant, "program": who, **x})
-            print(f"{variant:8s} {who:15s}: XLA {x['xla']:.3f} s: HLO passes "
+            py = f"Python {x['python']:.3f} s, " if "python" in x else ""
+            print(f"{variant:8s} {who:15s}: {py}XLA {x['xla']:.3f} s: HLO passes "
                   f"{x['hlo_passes']:.3f}, SPMD {x['spmd']:.3f}, emit {x['emit']:.3f} "
                   f"({x['num_kernels']} kernels, {x['kernels']:.3f} thread-s), LLVM "
                   f"{x['llvm']:.3f}", flush=True)
