@@ -322,3 +322,31 @@ def test_first_call_probe_reads_xla_phases_from_its_trace() -> None:
     assert r["xla"] > 0 and r["llvm"] > 0
     for phase in ("hlo_passes", "kernels", "llvm", "emit"):
         assert 0 <= r[phase] <= r["xla"] * 2  # kernels: thread-seconds over two threads
+
+
+def test_peer_comparison_finds_the_steps_collectives_in_the_profile() -> None:
+    """benchmarks/baselines/torch_pipelining.py --profile-steps reads the collectives' time
+    from XLA:CPU's thunk events: a program of one ppermute and one psum, run 3 steps, is
+    found as 3 permutes and 3 all-reduces a device (a jaxlib that renames the events fails
+    here, not silently reads 0)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks.baselines.torch_pipelining import _in_collectives
+
+    mesh = jax.make_mesh((2,), ("pipe",), devices=jax.devices()[:2])
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=P("pipe"), out_specs=P())
+    def run(x):
+        y = jax.lax.ppermute(x, "pipe", [(0, 1), (1, 0)])
+        return jax.lax.psum(jnp.sum(y * y), "pipe")
+
+    x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, P("pipe")))
+    jax.block_until_ready(run(x))
+    out = _in_collectives(lambda: jax.block_until_ready(run(x)), 3)
+    assert set(out) == {"permute", "all_reduce"}
+    (t_p, n_p), (t_a, n_a) = out["permute"], out["all_reduce"]
+    assert n_p == n_a == 3 * 2  # one event a device a step
+    assert t_p > 0 and t_a > 0

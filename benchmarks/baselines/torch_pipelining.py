@@ -19,7 +19,10 @@ ideal. The default is the issue's configuration: 8 x 512 tanh, 64 rows per micro
 
 Prints one line per (schedule, m): step times (jaxpipe's with the Python of its step, until
 ``train_step`` returns), jaxpipe / torch, and each framework's fraction of ideal; writes
-``--out`` as JSON.
+``--out`` as JSON. ``--profile-steps N`` then profiles N more jaxpipe steps (a fresh
+``jax.profiler`` trace in each process) and prints, per rank, the time inside the step's
+collective-permutes and all-reduces: the exchange itself (gloo's permute alone costs ~0.19
+ms, ``probes/permute_cost.py``) plus the wait for the other process.
 """
 
 from __future__ import annotations
@@ -183,6 +186,38 @@ def _jaxpipe_worker(a: argparse.Namespace) -> dict[str, Any]:
             out[f"{sched}/m={m}"] = _median_time(step, a)
             out[f"{sched}/m={m}/python_s"] = statistics.median(python[a.warmup:])
             out[f"{sched}/m={m}/ticks"] = int(pipe.inspect.executor.lowering.num_ticks)
+            if a.profile_steps:
+                for kind, (total, count) in _in_collectives(step, a.profile_steps).items():
+                    out[f"{sched}/m={m}/{kind}_s/rank{a.rank}"] = total / a.profile_steps
+                    out[f"{sched}/m={m}/{kind}_n/rank{a.rank}"] = count / a.profile_steps
+    return out
+
+
+#: XLA:CPU's thunk events of the step's collectives: named after their HLO instructions,
+#: which JAX names after its primitive (``ppermute.3``, ``psum.7``; XLA's own, ``all-reduce``)
+COLLECTIVES = {"permute": ("ppermute", "collective-permute"),
+               "all_reduce": ("psum", "pmax", "pmin", "all-reduce")}
+
+
+def _in_collectives(step: Any, steps: int) -> dict[str, tuple[float, int]]:
+    """Per kind of :data:`COLLECTIVES`: seconds this process spent inside them over
+    ``steps`` profiled steps, and how many ran (XLA:CPU's thunk events): the exchange
+    itself plus the wait for the other process."""
+    import gzip
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                step()
+        trace, = Path(d).rglob("*.trace.json.gz")
+        events = json.loads(gzip.open(trace).read())["traceEvents"]
+    out = {}
+    for kind, names in COLLECTIVES.items():
+        durs = [e["dur"] for e in events if e.get("ph") == "X" and e["name"].startswith(names)]
+        out[kind] = (sum(durs) / 1e6, len(durs))
     return out
 
 
@@ -234,14 +269,15 @@ def _spawn(role: str, python: str, a: argparse.Namespace, processes: int) -> dic
          "--out", str(outs[r]), "--layers", str(a.layers), "--width", str(a.width),
          "--activation", a.activation, "--mb", str(a.mb), "--ms", ",".join(map(str, a.ms)),
          "--schedules", a.schedules, "--warmup", str(a.warmup), "--repeats", str(a.repeats),
-         "--transport-threads", a.transport_threads],
+         "--transport-threads", a.transport_threads, "--profile-steps", str(a.profile_steps)],
         env=env, cwd=REPO) for r in range(processes)]
     for p in procs:
         p.wait(timeout=a.timeout)
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{role} workers failed: {[p.returncode for p in procs]}")
     ranks = [json.loads(o.read_text()) for o in outs]
-    return {k: max(r[k] for r in ranks) for k in ranks[0]}  # a step ends on both ranks
+    # a step ends on both ranks; a rank's own figures (".../rank1") come from it alone
+    return {k: max(r[k] for r in ranks if k in r) for k in {k for r in ranks for k in r}}
 
 
 def _summary(res: dict[str, Any], ms: list[int]) -> dict[str, Any]:
@@ -266,6 +302,21 @@ def _summary(res: dict[str, Any], ms: list[int]) -> dict[str, Any]:
     return out
 
 
+def _exchange_line(runs: list[dict[str, Any]], key: str, step_s: float) -> str:
+    """Per rank (medians over the runs): the step's time inside its collective-permutes
+    (how many, each) and its all-reduces, against the step (``--profile-steps``)."""
+    def med(kind: str, r: int) -> float:
+        return statistics.median(x[f"{key}/{kind}/rank{r}"] for x in runs)
+
+    parts = []
+    for r in (0, 1):
+        t, n = med("permute_s", r), med("permute_n", r)
+        parts.append(f"rank {r} {t * 1e3:.1f} ms in {n:.0f} permutes ({t / max(n, 1) * 1e3:.2f}"
+                     f" ms each), {med('all_reduce_s', r) * 1e3:.1f} ms in all-reduces: "
+                     f"{(t + med('all_reduce_s', r)) / step_s:.0%} of the step")
+    return "inside collectives: " + "; ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", default="main", choices=(
@@ -285,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport-threads", choices=("idle", "normal"), default="idle",
                     help="jaxpipe.distributed.initialize's priority for gloo's threads")
     ap.add_argument("--runs", type=int, default=2, help="fresh process pairs; medians")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing, profile this many jaxpipe steps: the time each "
+                         "process spends inside collectives (exchange + wait)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--workdir", default="/tmp/jaxpipe_torch_compare")
     ap.add_argument("--out", default=None)
@@ -311,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                            "runs": runs, "median_s": {}}
     for f, rs in runs.items():
         res["median_s"][f] = {k: statistics.median(r[k] for r in rs) for k in rs[0]
-                              if not k.endswith(("/ticks", "/python_s"))}
+                              if not k.endswith(("/ticks", "/python_s")) and "/rank" not in k}
     python = {k.removesuffix("/python_s"): statistics.median(r[k] for r in runs["jaxpipe"])
               for k in runs["jaxpipe"][0] if k.endswith("/python_s")}
     res["jaxpipe_python_s"] = python  # a step's Python, until train_step returns
@@ -326,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{f} {row[f + '_fraction_of_ideal']:.2f}" for f in ("jaxpipe", "torch")
             if f + "_fraction_of_ideal" in row)
         print(line)
+        if a.profile_steps:
+            print(" " * 19 + _exchange_line(runs["jaxpipe"], key, row["jaxpipe_s"]))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
     return 0
