@@ -203,20 +203,12 @@ def _in_collectives(step: Any, steps: int) -> dict[str, tuple[float, int]]:
     """Per kind of :data:`COLLECTIVES`: seconds this process spent inside them over
     ``steps`` profiled steps, and how many ran (XLA:CPU's thunk events): the exchange
     itself plus the wait for the other process."""
-    import gzip
-    import tempfile
+    from benchmarks.trace_events import trace_events
 
-    import jax
-
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(steps):
-                step()
-        trace, = Path(d).rglob("*.trace.json.gz")
-        events = json.loads(gzip.open(trace).read())["traceEvents"]
+    events = trace_events(lambda: [step() for _ in range(steps)])
     out = {}
     for kind, names in COLLECTIVES.items():
-        durs = [e["dur"] for e in events if e.get("ph") == "X" and e["name"].startswith(names)]
+        durs = [e["dur"] for e in events if e["name"].startswith(names)]
         out[kind] = (sum(durs) / 1e6, len(durs))
     return out
 

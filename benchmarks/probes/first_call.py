@@ -133,19 +133,12 @@ def xla_trace(lowered: Any) -> dict[str, Any]:
     """Seconds of each phase in :data:`XLA_EVENTS` while XLA compiles ``lowered``, the
     number of kernels the fusion emitters built, and their names (XLA's default flags:
     the elemental emitter of ``jaxpipe.xla_flags.FAST_CPU_COMPILE`` emits no such event)."""
-    import gzip
+    from benchmarks.trace_events import trace_events
 
-    import jax
-
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            lowered.compile()
-        trace, = Path(d).rglob("*.trace.json.gz")
-        events = json.loads(gzip.open(trace).read())["traceEvents"]
+    events = trace_events(lowered.compile)
     out: dict[str, Any] = dict.fromkeys(XLA_EVENTS.values(), 0.0) | {"kernel_names": []}
     for e in events:
-        phase = next((v for k, v in XLA_EVENTS.items()
-                      if e.get("ph") == "X" and e["name"].startswith(k)), None)
+        phase = next((v for k, v in XLA_EVENTS.items() if e["name"].startswith(k)), None)
         if phase:
             out[phase] += e["dur"] / 1e6
         if phase == "kernels":
