@@ -47,9 +47,13 @@ class CompileWatch:
 
     def __init__(self, fn: Any, name: str,
                  check: Callable[[Any, str], None] | None = None,
-                 times: BuildTimes | None = None) -> None:
+                 times: BuildTimes | None = None, nested: Any = None) -> None:
         self.fn = fn
         self.name = name
+        #: what a call inside the caller's own ``jax.jit`` runs (``fn`` where ``None``):
+        #: JAX refuses per-compile options on a nested jit, so ``fn`` with them cannot be
+        #: traced into another program
+        self.nested = nested if nested is not None else fn
         #: ``check(compiled, name)`` runs once, on the program compiled for the first call
         #: (a runtime's refusal of a program it cannot run, before it runs)
         self.check = check
@@ -57,8 +61,17 @@ class CompileWatch:
         self.times = times
         self._first: list | None = None
         self._warned = False
+        self._nested_checked = False
 
     def __call__(self, *args: Any) -> Any:
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+            # inside the caller's jit: its program holds this one and is compiled with it
+            # (nothing of ours to time), but a program this runtime cannot run is refused
+            # all the same, from a compile of the pipeline alone
+            if self._first is None and self.check is not None and not self._nested_checked:
+                self.check(self.fn.lower(*args).compile(), self.name)
+                self._nested_checked = True
+            return self.nested(*args)
         if self._first is None and (self.check is not None or self.times is not None):
             # jit reuses this compilation for the call below
             t0 = time.perf_counter()

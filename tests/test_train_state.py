@@ -2,6 +2,7 @@
 compile their own steps, never change which optimizer a state trains with."""
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -134,6 +135,32 @@ def test_pipeline_runs_inside_the_callers_jit(setup):
     _close(jax.jit(lambda p: pipe.unshard(pipe.shard(p)))(params), params)
     state, _ = jax.jit(pipe.train_step)(pipe.init(params, sgd), batch)
     _close(pipe.params(state), _plain_steps(loss_fn, params, batch, sgd, 1))
+
+
+def test_pipeline_with_per_compile_options_runs_inside_the_callers_jit(setup, monkeypatch):
+    """Where ``XLA_FLAGS`` does not name them, a pipeline's own programs carry per-compile
+    XLA options (CPU: LLVM -O1), which JAX takes on the outermost jit only: called inside
+    the user's jit, the pipeline's programs go without them (the suite's ``XLA_FLAGS``
+    names the CPU option, which hides this everywhere else)."""
+    from jaxpipe.xla_flags import compiler_options
+
+    loss_fn, params, batch, _ = setup
+    monkeypatch.setenv("XLA_FLAGS", " ".join(f for f in os.environ["XLA_FLAGS"].split()
+                                             if "xla_backend_optimization_level" not in f))
+    assert compiler_options("cpu")  # the pipeline's programs get options
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=jp.OneFOneB(2, M), cut="markers")
+    want_loss, want_grads = reference(loss_fn, params, batch, M)
+    loss, grads = jax.jit(pipe.value_and_grad)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    _close(grads, want_grads)
+    staged = pipe.shard(params)
+    loss, sgrads = jax.jit(pipe.staged_value_and_grad)(staged, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    _close(pipe.unshard(sgrads), want_grads)
+    np.testing.assert_allclose(jax.jit(pipe.loss)(params, batch), want_loss, rtol=1e-5)
+    # and called outside a jit, the options are the pipeline's own
+    np.testing.assert_allclose(pipe.value_and_grad(params, batch)[0], want_loss, rtol=1e-5)
 
 
 def test_devices_that_update_alike_share_one_optimizer_branch(setup):

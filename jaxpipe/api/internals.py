@@ -183,12 +183,17 @@ class Internals(InternalsReports):
         self._loss_jit = jit(self._loss)
         self._staged_loss_jit = jit(self._staged_loss)
         check = self.executor.compiled_check()
-        self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad", check, self._times)
+        # called inside a user's jit, the programs go without the options (JAX takes
+        # them on the outermost jit only: the caller's to pass)
+        self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad", check, self._times,
+                                      jax.jit(self._value_and_grad))
         self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad",
-                                             check, self._times)
-        self._loss_watch = CompileWatch(self._loss_jit, "pipe.loss", check, self._times)
+                                             check, self._times,
+                                             jax.jit(self._staged_value_and_grad))
+        self._loss_watch = CompileWatch(self._loss_jit, "pipe.loss", check, self._times,
+                                        jax.jit(self._loss))
         self._staged_loss_watch = CompileWatch(self._staged_loss_jit, "pipe.loss", check,
-                                               self._times)
+                                               self._times, jax.jit(self._staged_loss))
         self._shard_jit = jax.jit(self.executor.shard)
         self._unshard_jit = jax.jit(self.executor.unshard)
         if jax.process_count() > 1:

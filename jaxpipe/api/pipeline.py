@@ -105,7 +105,9 @@ class Pipeline:
         ``jax.random.fold_in(key, i)``); otherwise ``None``. Inputs are moved onto the
         pipeline's mesh first, wherever they are. It may be called inside your own
         ``jax.jit`` (e.g. with an optax update around it); inputs are then placed by
-        sharding constraints.
+        sharding constraints, and the per-compile XLA options jaxpipe's own programs
+        carry are that jit's to pass: ``jax.jit(step, compiler_options=
+        jaxpipe.xla_flags.compiler_options(platform))``.
         """
         it = self._internals
         return it.run_value_and_grad(it.place_params(params), it.place_batch(batch),
