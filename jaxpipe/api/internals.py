@@ -20,7 +20,6 @@ the rest, for tables, lowered views and debugging (those: :mod:`jaxpipe.api.repo
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -175,25 +174,20 @@ class Internals(InternalsReports):
             self.executor: Executor = self.runtime.build(st.runtime_spec(
                 self.traced, schedule, mesh, axis, self.mesh_axes, self.param_dims))
         self._param_paths = leaf_paths(self.traced.params_treedef)
-        # XLA options for the mesh's platform (GPU: the permutes' overlap), per compile
-        jit = functools.partial(jax.jit, compiler_options=compiler_options(
-            mesh.devices.flat[0].platform))
-        self._vg = jit(self._value_and_grad)
-        self._staged_vg = jit(self._staged_value_and_grad)
-        self._loss_jit = jit(self._loss)
-        self._staged_loss_jit = jit(self._staged_loss)
+        # XLA options for the mesh's platform (GPU: the permutes' overlap), per compile;
+        # called inside a user's jit, a program goes without them (JAX takes them on the
+        # outermost jit only: the caller's to pass)
+        opts = compiler_options(mesh.devices.flat[0].platform)
         check = self.executor.compiled_check()
-        # called inside a user's jit, the programs go without the options (JAX takes
-        # them on the outermost jit only: the caller's to pass)
-        self._vg_watch = CompileWatch(self._vg, "pipe.value_and_grad", check, self._times,
-                                      jax.jit(self._value_and_grad))
-        self._staged_vg_watch = CompileWatch(self._staged_vg, "pipe.staged_value_and_grad",
-                                             check, self._times,
-                                             jax.jit(self._staged_value_and_grad))
-        self._loss_watch = CompileWatch(self._loss_jit, "pipe.loss", check, self._times,
-                                        jax.jit(self._loss))
-        self._staged_loss_watch = CompileWatch(self._staged_loss_jit, "pipe.loss", check,
-                                               self._times, jax.jit(self._staged_loss))
+
+        def watch(fn: Callable, name: str) -> CompileWatch:
+            return CompileWatch(jax.jit(fn, compiler_options=opts), name, check, self._times,
+                                jax.jit(fn))
+
+        self._vg_watch = watch(self._value_and_grad, "pipe.value_and_grad")
+        self._staged_vg_watch = watch(self._staged_value_and_grad, "pipe.staged_value_and_grad")
+        self._loss_watch = watch(self._loss, "pipe.loss")
+        self._staged_loss_watch = watch(self._staged_loss, "pipe.loss")
         self._shard_jit = jax.jit(self.executor.shard)
         self._unshard_jit = jax.jit(self.executor.unshard)
         if jax.process_count() > 1:
@@ -332,18 +326,18 @@ class Internals(InternalsReports):
     @property
     def value_and_grad_fn(self) -> Any:
         """The ``jax.jit`` object behind :meth:`value_and_grad` (for ``.lower``/AOT)."""
-        return self._vg
+        return self._vg_watch.fn
 
     @property
     def eval_fn(self) -> Any:
         """The ``jax.jit`` object behind :meth:`loss` with a parameter pytree (for
         ``.lower``/AOT: the forward-only program)."""
-        return self._loss_jit
+        return self._loss_watch.fn
 
     @property
     def staged_value_and_grad_fn(self) -> Any:
         """The ``jax.jit`` object behind :meth:`staged_value_and_grad`."""
-        return self._staged_vg
+        return self._staged_vg_watch.fn
 
     # ---------------------------------------------------------------- entry points
     def run_value_and_grad(self, params: Any, batch: Any, key: Any) -> tuple[Any, Any]:
