@@ -94,7 +94,8 @@ def test_unknown_compile_only_devices_need_a_budget():
 def test_auto_cut_budgets_the_targets_memory_and_nothing_is_placed(platform):
     """cut='auto' on a target's mesh gets its device memory as the budget (never a silent
     none) and says where it came from; anything that would place data is refused with
-    the ahead-of-time path named; lower() checks what it is asked for."""
+    the ahead-of-time path named; lower() checks what it is asked for; the pipeline
+    traces into a caller's jit."""
     pipe = _lm(platform, jp.OneFOneB(4, 8), cut="auto")
     t = _target(platform)
     res = pipe.inspect.cut_report
@@ -108,6 +109,11 @@ def test_auto_cut_budgets_the_targets_memory_and_nothing_is_placed(platform):
                  lambda: pipe.loss(params, batch)):
         with pytest.raises(jp.PipelineError, match=r"compile-only devices.*pipe\.lower"):
             call()
+    # traced into the user's own jit, it lowers with the target's per-compile options
+    # left to that jit (JAX refuses them on a nested one: the GPU's overlap options)
+    outer = jax.jit(lambda p, b: pipe.value_and_grad(p, b)[0] * 2)
+    assert "collective_permute" in outer.trace(*pipe.inspect.abstract_inputs()[:2]
+                                               ).lower().as_text()
     with pytest.raises(jp.PipelineError, match="needs the optax optimizer"):
         pipe.lower("train_step")
     with pytest.raises(jp.PipelineError, match="takes no optimizer"):
