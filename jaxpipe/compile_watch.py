@@ -42,18 +42,21 @@ class CompileWatch:
     Inputs are placed canonically before the call, so a second compilation for the same
     shapes means something else changed (a parameter sharding of the user's own, a
     weak type, a jax config flag). The warning names the entry point and the first input
-    whose signature differs from the first call's.
+    whose signature differs from the first call's. Called with tracers (inside the
+    caller's own jit), it runs ``fn`` without its per-compile options, which JAX refuses
+    on a nested jit.
     """
 
-    def __init__(self, fn: Any, name: str,
+    def __init__(self, fn: Callable, name: str,
                  check: Callable[[Any, str], None] | None = None,
-                 times: BuildTimes | None = None, nested: Any = None) -> None:
-        self.fn = fn
+                 times: BuildTimes | None = None, *,
+                 compiler_options: dict[str, Any] | None = None, **jit_kwargs: Any) -> None:
+        #: ``jax.jit(fn, compiler_options=..., **jit_kwargs)``: what a call runs
+        self.fn = jax.jit(fn, compiler_options=compiler_options, **jit_kwargs)
         self.name = name
-        #: what a call inside the caller's own ``jax.jit`` runs (``fn`` where ``None``):
-        #: JAX refuses per-compile options on a nested jit, so ``fn`` with them cannot be
-        #: traced into another program
-        self.nested = nested if nested is not None else fn
+        #: what a call inside the caller's own ``jax.jit`` runs: JAX takes per-compile
+        #: options on the outermost jit only (the caller's to pass), so ``fn`` without them
+        self.nested = jax.jit(fn, **jit_kwargs) if compiler_options else self.fn
         #: ``check(compiled, name)`` runs once, on the program compiled for the first call
         #: (a runtime's refusal of a program it cannot run, before it runs)
         self.check = check

@@ -159,6 +159,9 @@ def test_pipeline_with_per_compile_options_runs_inside_the_callers_jit(setup, mo
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     _close(pipe.unshard(sgrads), want_grads)
     np.testing.assert_allclose(jax.jit(pipe.loss)(params, batch), want_loss, rtol=1e-5)
+    sgd = optax.sgd(0.1)
+    state, _ = jax.jit(pipe.train_step)(pipe.init(params, sgd), batch)
+    _close(pipe.params(state), _plain_steps(loss_fn, params, batch, sgd, 1))
     # and called outside a jit, the options are the pipeline's own
     np.testing.assert_allclose(pipe.value_and_grad(params, batch)[0], want_loss, rtol=1e-5)
 

@@ -174,15 +174,12 @@ class Internals(InternalsReports):
             self.executor: Executor = self.runtime.build(st.runtime_spec(
                 self.traced, schedule, mesh, axis, self.mesh_axes, self.param_dims))
         self._param_paths = leaf_paths(self.traced.params_treedef)
-        # XLA options for the mesh's platform (GPU: the permutes' overlap), per compile;
-        # called inside a user's jit, a program goes without them (JAX takes them on the
-        # outermost jit only: the caller's to pass)
+        # XLA options for the mesh's platform (GPU: the permutes' overlap), per compile
         opts = compiler_options(mesh.devices.flat[0].platform)
         check = self.executor.compiled_check()
 
         def watch(fn: Callable, name: str) -> CompileWatch:
-            return CompileWatch(jax.jit(fn, compiler_options=opts), name, check, self._times,
-                                jax.jit(fn))
+            return CompileWatch(fn, name, check, self._times, compiler_options=opts)
 
         self._vg_watch = watch(self._value_and_grad, "pipe.value_and_grad")
         self._staged_vg_watch = watch(self._staged_value_and_grad, "pipe.staged_value_and_grad")

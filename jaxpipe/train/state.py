@@ -168,12 +168,11 @@ class Trainer:
         # (Pipeline.init's), not merely equivalent ones (P('pipe', None) for P('pipe')):
         # the next train_step takes it as it is, with no array rewrapped a leaf (~1 ms a
         # step of Python for 9 leaves, 2 devices)
-        self.step_fn = jax.jit(step_fn, donate_argnums=0,
-                               out_shardings=(_shardings(self._abstract_state), None),
-                               compiler_options=compiler_options(
-                                   mesh.devices.flat[0].platform))
-        self._watch = CompileWatch(self.step_fn, "pipe.train_step", executor.compiled_check(),
-                                   times)
+        self._watch = CompileWatch(
+            step_fn, "pipe.train_step", executor.compiled_check(), times,
+            compiler_options=compiler_options(mesh.devices.flat[0].platform),
+            donate_argnums=0, out_shardings=(_shardings(self._abstract_state), None))
+        self.step_fn = self._watch.fn
         self._init_jit = jax.jit(self._init_opt,
                                  out_shardings=_shardings(self._abstract_opt))
 
