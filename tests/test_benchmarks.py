@@ -324,6 +324,42 @@ def test_first_call_probe_reads_xla_phases_from_its_trace() -> None:
         assert 0 <= r[phase] <= r["xla"] * 2  # kernels: thread-seconds over two threads
 
 
+@pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "scanned"])
+def test_first_call_floor_is_a_real_pipeline(scanned: bool) -> None:
+    """benchmarks/probes/first_call_floor.py's hand-written pipeline, whose compile time is
+    the floor the closing notes cite, computes what jax.value_and_grad does (stored
+    activations and the backward written out by hand; recomputation under jax.vjp)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.probes.first_call_floor import floor_pipeline
+
+    L, m, W = 4, 2, 8
+    keys = jax.random.split(jax.random.key(1), L + 2)
+    params = [jax.random.normal(k, (W, W)) / 2 for k in keys[:L]]
+    batch = {"x": jax.random.normal(keys[-2], (4 * m, W)),
+             "y": jax.random.normal(keys[-1], (4 * m, W))}
+    if scanned:
+        params = jnp.stack(params)
+
+    def loss(params, batch):
+        h = batch["x"]
+        for w in params:
+            h = jnp.tanh(h @ w)
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    want = jax.value_and_grad(lambda p: sum(
+        loss(p, jax.tree.map(lambda a, i=i: a[4 * i:4 * (i + 1)], batch))
+        for i in range(m)) / m)(params)
+    for gating, stored in (("while", True), ("masked", False)):
+        f, mesh, _, _ = floor_pipeline(L, m, 2, gating, scanned, stored=stored)
+        with jax.set_mesh(mesh):
+            got = jax.jit(f)(params, batch)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
 def test_peer_comparison_finds_the_steps_collectives_in_the_profile() -> None:
     """benchmarks/baselines/torch_pipelining.py --profile-steps reads the collectives' time
     from XLA:CPU's thunk events: a program of one ppermute and one psum, run 3 steps, is
