@@ -330,25 +330,13 @@ def test_first_call_floor_is_a_real_pipeline(scanned: bool) -> None:
     the floor the closing notes cite, computes what jax.value_and_grad does (stored
     activations and the backward written out by hand; recomputation under jax.vjp)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
+    from benchmarks.probes.first_call import model
     from benchmarks.probes.first_call_floor import floor_pipeline
 
-    L, m, W = 4, 2, 8
-    keys = jax.random.split(jax.random.key(1), L + 2)
-    params = [jax.random.normal(k, (W, W)) / 2 for k in keys[:L]]
-    batch = {"x": jax.random.normal(keys[-2], (4 * m, W)),
-             "y": jax.random.normal(keys[-1], (4 * m, W))}
-    if scanned:
-        params = jnp.stack(params)
-
-    def loss(params, batch):
-        h = batch["x"]
-        for w in params:
-            h = jnp.tanh(h @ w)
-        return jnp.mean((h - batch["y"]) ** 2)
-
+    L, m = 4, 2
+    params, batch, loss = model(L, m, scanned, width=8, rows=4)
     want = jax.value_and_grad(lambda p: sum(
         loss(p, jax.tree.map(lambda a, i=i: a[4 * i:4 * (i + 1)], batch))
         for i in range(m)) / m)(params)

@@ -51,26 +51,8 @@ from benchmarks import common as C
 L, scanned, cache, m = int(sys.argv[1]), sys.argv[2] == "scanned", sys.argv[3], int(sys.argv[4])
 jax.config.update("jax_compilation_cache_dir", cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-W = 64
-keys = jax.random.split(jax.random.key(0), L + 2)
-params = [jax.random.normal(k, (W, W)) / 8 for k in keys[:L]]
-batch = {"x": jax.random.normal(keys[-2], (8 * m, W)),
-         "y": jax.random.normal(keys[-1], (8 * m, W))}
-if scanned:
-    params = jnp.stack(params)
-
-    def loss_fn(params, batch):
-        def body(h, w):
-            return jp.boundary(jnp.tanh(h @ w)), None
-        h, _ = jax.lax.scan(body, batch["x"], params)
-        return jnp.mean((h - batch["y"]) ** 2)
-else:
-    def loss_fn(params, batch):
-        h = batch["x"]
-        for w in params:
-            h = jp.boundary(jnp.tanh(h @ w))
-        return jnp.mean((h - batch["y"]) ** 2)
-
+from benchmarks.probes.first_call import model
+params, batch, loss_fn = model(L, m, scanned)
 
 def wall(f, *a):
     t0 = time.perf_counter()
@@ -127,6 +109,36 @@ XLA_EVENTS = {"PjRtCpuClient::Compile": "xla", "HLO passes through layout assign
               "ThunkEmitter::EmitEntryComputation": "emit",
               "ThunkEmitter::ConsumeKernels": "emit",
               "FusionCompiler::Compile": "kernels", "JitCompiler::Compile": "llvm"}
+
+
+def model(layers: int, m: int, scanned: bool, width: int = 64, rows: int = 8
+          ) -> tuple[Any, dict, Any]:
+    """The issue's model: ``(params, batch, loss_fn)`` of a tanh MLP of ``layers`` blocks
+    (``width`` wide, ``rows`` rows a microbatch, ``m`` microbatches), a
+    ``jaxpipe.boundary`` after every block; written unrolled (a Python loop over a list
+    of weights) or scanned (one ``lax.scan`` over them stacked)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxpipe as jp
+
+    keys = jax.random.split(jax.random.key(0), layers + 2)
+    params = [jax.random.normal(k, (width, width)) / 8 for k in keys[:layers]]
+    batch = {"x": jax.random.normal(keys[-2], (rows * m, width)),
+             "y": jax.random.normal(keys[-1], (rows * m, width))}
+    if scanned:
+        def loss_fn(params, batch):
+            h, _ = jax.lax.scan(lambda h, w: (jp.boundary(jnp.tanh(h @ w)), None),
+                                batch["x"], params)
+            return jnp.mean((h - batch["y"]) ** 2)
+        return jnp.stack(params), batch, loss_fn
+
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for w in params:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean((h - batch["y"]) ** 2)
+    return params, batch, loss_fn
 
 
 def xla_trace(lowered: Any) -> dict[str, Any]:

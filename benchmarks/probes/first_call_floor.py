@@ -187,35 +187,16 @@ FLOORS = ("while", "cond", "masked", "while/stored")
 
 def measure(layers: int, m: int, scanned: bool, repeats: int) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     import jaxpipe as jp
     import jaxpipe.api.pipeline  # noqa: F401  (imported before any clock starts)
     import jaxpipe.runtime.spmd  # noqa: F401
     from benchmarks import common as C
-    from benchmarks.probes.first_call import xla_trace
+    from benchmarks.probes.first_call import model, xla_trace
     from jaxpipe.xla_flags import compiler_options
 
-    W = 64
-    keys = jax.random.split(jax.random.key(0), layers + 2)
-    params = [jax.random.normal(k, (W, W)) / 8 for k in keys[:layers]]
-    batch = {"x": jax.random.normal(keys[-2], (8 * m, W)),
-             "y": jax.random.normal(keys[-1], (8 * m, W))}
-    if scanned:
-        params = jnp.stack(params)
-
-        def loss_fn(params, batch):
-            h, _ = jax.lax.scan(lambda h, w: (jp.boundary(jnp.tanh(h @ w)), None),
-                                batch["x"], params)
-            return jnp.mean((h - batch["y"]) ** 2)
-    else:
-        def loss_fn(params, batch):
-            h = batch["x"]
-            for w in params:
-                h = jp.boundary(jnp.tanh(h @ w))
-            return jnp.mean((h - batch["y"]) ** 2)
-
+    params, batch, loss_fn = model(layers, m, scanned)
     opts = compiler_options("cpu") or {}
     mesh = jax.make_mesh((4,), ("pipe",))
     plain_vg = C.plain_value_and_grad(loss_fn, m)
