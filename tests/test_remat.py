@@ -159,6 +159,41 @@ def test_a_users_own_checkpoint_is_never_wrapped_again(user_policy):
     assert pred.residuals == _stored(one)
 
 
+@pytest.mark.parametrize("user_policy", [None, jax.checkpoint_policies.dots_saveable],
+                         ids=["nothing_saveable", "dots_saveable"])
+def test_a_checkpointed_marked_layer_is_cut_and_keeps_its_recomputation(user_policy):
+    """``jax.checkpoint`` (linen's ``nn.remat``) around a ``@jp.layer``: the markers
+    inside become cuts (JAX names the primitive ``remat2``; it was refused), and what lies
+    between them stays checkpointed with the user's policy: each layer stores what the
+    checkpoint keeps, not every residual, and gradients stay exact."""
+    ks = jax.random.split(jax.random.key(4), 6)
+    params = [jax.random.normal(k, (16, 16)) / 4 for k in ks[:4]]
+    batch = {"x": jax.random.normal(ks[4], (8, 16)), "y": jax.random.normal(ks[5], (8, 16))}
+
+    @jp.layer
+    def block(w, h):
+        return jnp.tanh(jnp.tanh(h @ w) @ w)
+
+    def make(wrap):
+        def loss_fn(p, b):
+            h = b["x"]
+            for w in p:
+                h = wrap(block)(w, h)
+            return jnp.mean((h - b["y"]) ** 2)
+        return loss_fn
+
+    checkpointed = make(lambda f: jax.checkpoint(f, policy=user_policy))
+    t = trace(checkpointed, params, microbatch_like(batch, 2))
+    plain_t = trace(make(lambda f: f), params, microbatch_like(batch, 2))
+    assert len(t.markers) == len(plain_t.markers) == 4
+    assert [c.user_remat for c in segment_costs(t)] == [True] * 4 + [False]
+    stages, plain = split(t, [0, 1, 2]), split(plain_t, [0, 1, 2])
+    assert all(_stored(a) < _stored(b) for a, b in zip(stages, plain, strict=True))
+    mesh = jax.make_mesh((4,), ("pipe",))
+    pipe = jp.pipeline(checkpointed, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, 2))
+    assert_matches(pipe.value_and_grad(params, batch), reference(checkpointed, params, batch, 2))
+
+
 # ---------------------------------------------------------------------------------------
 # cost model
 

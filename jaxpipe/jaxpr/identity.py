@@ -221,4 +221,4 @@ def _printable(eqn: jcore.JaxprEqn, subs: list[str],
 
 
 #: Primitives whose sub-jaxpr parameters print as plain ``name=jaxpr`` pairs.
-_CONTROL = frozenset({"scan", "while", "cond", "checkpoint", "remat"})
+_CONTROL = frozenset({"scan", "while", "cond", "checkpoint", "remat", "remat2"})

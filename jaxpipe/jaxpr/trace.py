@@ -4,7 +4,9 @@ The traced program has the parameter leaves and the microbatch leaves as inputs 
 scalar loss as its first output (then, as the pipeline's :class:`~jaxpipe.jaxpr.objective.Objective`
 says, a weight and the aux leaves). ``jaxpipe_boundary`` equations at the top level are
 the candidate cut points. Boundaries hidden inside ``jit``-ted helpers are inlined to
-the top level. A top-level ``scan`` whose body holds boundaries is kept as it is: it is a
+the top level, and so are those inside a ``jax.checkpoint`` (a checkpointed
+``@jaxpipe.layer``), whose stretches between markers are checkpointed again with its
+policy. A top-level ``scan`` whose body holds boundaries is kept as it is: it is a
 scanned layer stack, cut between its iterations by :mod:`jaxpipe.stages.stacks`. Boundaries
 inside other control flow (``cond``, ``while``) or custom derivative rules cannot be cut
 there and raise a clear error.
@@ -32,7 +34,10 @@ __all__ = ["Traced", "trace", "trace_shard", "segments", "split_output", "microb
            "with_key"]
 
 # Call-like primitives whose bodies we may inline so markers inside them become cuttable.
-_INLINE = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"}
+_INLINE = {"pjit", "jit", "closed_call", "core_call"}
+# ``jax.checkpoint`` (``remat2`` since JAX 0.4.x; the older names for older releases):
+# inlined too, but what lies between its markers is checkpointed again as the user asked.
+_REMAT = {"remat2", "remat", "checkpoint"}
 
 
 @dataclass(frozen=True)
@@ -66,8 +71,14 @@ def _has_marker(jaxpr) -> bool:
     return False
 
 
-def _inline_eval(jaxpr: jcore.Jaxpr, consts, args) -> list:
-    """Evaluate ``jaxpr`` into the current trace, inlining call bodies that hold markers."""
+def _inline_eval(jaxpr: jcore.Jaxpr, consts, args, remat: dict | None = None) -> list:
+    """Evaluate ``jaxpr`` into the current trace, inlining call bodies that hold markers.
+
+    ``remat``: the parameters of the ``jax.checkpoint`` this body was inlined from (its
+    ``policy`` and ``prevent_cse``): every stretch between markers runs under a
+    ``jax.checkpoint`` of its own with them, so a checkpointed layer (``jax.checkpoint``
+    or ``nn.remat`` around a ``@jaxpipe.layer``) keeps its recomputation while its
+    markers become cuts."""
     env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
 
@@ -77,9 +88,10 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts, args) -> list:
             return None  # plain equation: bind it
         if eqn.primitive.name == "scan":
             return None  # a scanned layer stack: jaxpipe.stages.stacks cuts it between iterations
-        if eqn.primitive.name not in _INLINE:
+        name = eqn.primitive.name
+        if name not in _INLINE | _REMAT:
             raise PipelineError(
-                f"jaxpipe.boundary / @jaxpipe.layer was used inside `{eqn.primitive.name}` "
+                f"jaxpipe.boundary / @jaxpipe.layer was used inside `{name}` "
                 "(e.g. lax.cond, a while loop or a custom_vjp function). Cuts must be at the "
                 "top level of the loss function or between the iterations of a lax.scan over "
                 "layers: move the marker out of the control-flow body, or unroll that loop "
@@ -87,10 +99,60 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts, args) -> list:
             )
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
         inner_consts = getattr(inner, "consts", [])
-        return _inline_eval(getattr(inner, "jaxpr", inner), inner_consts, invals)
+        inner_remat = ({"policy": eqn.params.get("policy"),
+                        "prevent_cse": eqn.params.get("prevent_cse", True)}
+                       if name in _REMAT else remat)
+        return _inline_eval(getattr(inner, "jaxpr", inner), inner_consts, invals, inner_remat)
 
-    eval_eqns(jaxpr.eqns, env, override=inline_marked_calls)
+    if remat is None:
+        eval_eqns(jaxpr.eqns, env, override=inline_marked_calls)
+    else:
+        for eqns, marked in _stretches(jaxpr.eqns):
+            if marked:
+                eval_eqns(eqns, env, override=inline_marked_calls)
+            else:
+                _eval_checkpointed(eqns, env, remat, _read_after(jaxpr, eqns[-1]))
     return [read(env, v) for v in jaxpr.outvars]
+
+
+def _holds_marker(eqn) -> bool:
+    return eqn.primitive is boundary_p or any(
+        _has_marker(s) for s in jcore.jaxprs_in_params(eqn.params))
+
+
+def _stretches(eqns) -> list[tuple[list, bool]]:
+    """``eqns`` in runs: each equation holding a marker alone, the rest in maximal runs."""
+    out: list[tuple[list, bool]] = []
+    for e in eqns:
+        marked = _holds_marker(e)
+        if marked or not out or out[-1][1]:
+            out.append(([e], marked))
+        else:
+            out[-1][0].append(e)
+    return out
+
+
+def _read_after(jaxpr: jcore.Jaxpr, last) -> set:
+    """The variables read after equation ``last`` of ``jaxpr`` (or returned by it)."""
+    after = jaxpr.eqns[jaxpr.eqns.index(last) + 1:]
+    return ({v for e in after for v in e.invars if isinstance(v, jcore.Var)}
+            | {v for v in jaxpr.outvars if isinstance(v, jcore.Var)})
+
+
+def _eval_checkpointed(eqns, env: dict, remat: dict, needed: set) -> None:
+    """Run ``eqns`` as one ``jax.checkpoint(policy=, prevent_cse=)`` call, writing the
+    values read later (``needed``) to ``env``."""
+    defined = {v for e in eqns for v in e.outvars}
+    free = list(dict.fromkeys(v for e in eqns for v in e.invars
+                              if isinstance(v, jcore.Var) and v not in defined))
+    outs = [v for e in eqns for v in e.outvars if v in needed]
+
+    def run(*vals):
+        local = dict(zip(free, vals, strict=True))
+        eval_eqns(eqns, local)
+        return [read(local, v) for v in outs]
+
+    env.update(zip(outs, jax.checkpoint(run, **remat)(*[env[v] for v in free]), strict=True))
 
 
 def _check_array_leaves(tree: Any, what: str) -> None:
