@@ -257,6 +257,50 @@ def test_nnx_pipeline_matches_value_and_grad(sched, p):
     assert str(pipe.plan)  # printable
 
 
+_LIFTS = {"remat": nnx.remat, "jit": nnx.jit}
+
+
+class LiftedNet(nnx.Module):
+    """Blocks called through an nnx lifted transform, the markers outside it."""
+
+    def __init__(self, lift: str, bump: bool = False, *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([NnxBlock(8, rngs=rngs) for _ in range(4)])
+        self.lift, self.bump = lift, bump
+
+    def __call__(self, x):
+        def call(block, x):
+            if self.bump:  # an update the pipeline would lose, made inside the transform
+                block.linear.bias[...] = block.linear.bias[...] + 1.0
+            return block(x)
+        for b in self.blocks:
+            x = jp.boundary(_LIFTS[self.lift](call)(b, x))
+        return x
+
+
+@pytest.mark.parametrize("lift", sorted(_LIFTS))
+def test_nnx_lifted_transforms_in_the_model_pipeline(lift):
+    """nnx.remat / nnx.jit write every variable back into the model (new tracers, same
+    values): that is not an update, and the pipeline gives nnx.value_and_grad's loss and
+    gradients (it was refused as 'assigns to the parameter'); an assignment made inside
+    the transform still is refused."""
+    def loss(model, mb):
+        return jnp.mean((model(mb["x"]) - mb["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    batch = {k: rng.normal(size=(16, 8)).astype(np.float32) for k in ("x", "y")}
+    model = LiftedNet(lift, rngs=nnx.Rngs(0))
+    pipe = jp.flax.pipeline(model, loss, batch, mesh=_mesh(4), schedule=jp.OneFOneB(4, 4))
+    got_loss, got = pipe.value_and_grad(model, batch)
+    mbs = [jax.tree.map(lambda x, i=i: x[4 * i:4 * (i + 1)], batch) for i in range(4)]
+    want_loss, want = nnx.value_and_grad(
+        lambda m: sum(loss(m, mb) for mb in mbs) / 4)(model)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL)
+    _assert_trees_close(got, nnx.to_pure_dict(want))
+    with pytest.raises(jp.PipelineError, match=r"assigns to the parameter .*bias"):
+        jp.flax.pipeline(LiftedNet(lift, bump=True, rngs=nnx.Rngs(0)), loss, batch,
+                         mesh=_mesh(4), schedule=jp.OneFOneB(4, 4))
+
+
 @pytest.mark.parametrize("sched,p", CASES[2:])
 def test_linen_pipeline_matches_value_and_grad(sched, p):
     model = LinenNet(LayerLinenBlock, depth=4)

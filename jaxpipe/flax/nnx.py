@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
@@ -18,6 +19,7 @@ from jaxpipe.flax.state import (
     value,
     variables_of,
 )
+from jaxpipe.jaxpr.interpret import forwarded_outputs
 
 __all__ = ["NnxPipeline", "pipeline"]
 
@@ -125,6 +127,26 @@ def _state_from_pure(template: Any, pure: Any) -> Any:
 
 
 
+def _passed_through(call: Callable, param_state: Any, rest: Any, microbatch: Any,
+                    key: Any) -> set[str]:
+    """The paths of the variables whose values ``call`` (the model's loss) returns as
+    they came in, through any calls (:func:`jaxpipe.jaxpr.interpret.forwarded_outputs`):
+    traced once more, from the variables' shapes."""
+    def values_after(p_leaves: list, r_leaves: list, mb: Any, k: Any) -> list:
+        _, p_after, r_after = call(jax.tree.unflatten(p_def, p_leaves),
+                                   jax.tree.unflatten(r_def, r_leaves), mb, k)
+        return jax.tree.leaves(p_after) + jax.tree.leaves(r_after)
+
+    p_leaves, p_def = jax.tree.flatten(param_state)
+    r_leaves, r_def = jax.tree.flatten(rest)
+    shape = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
+    closed = jax.make_jaxpr(values_after)(*jax.tree.map(shape, (p_leaves, r_leaves,
+                                                                 microbatch, key)))
+    paths = [p for p, _ in variables_of(param_state)] + [p for p, _ in variables_of(rest)]
+    return {path for i, (path, src) in enumerate(zip(paths, forwarded_outputs(closed),
+                                                     strict=True)) if src == i}
+
+
 def pipeline(
     model: Any,
     loss_fn: Callable[[Any, Any], jax.Array],
@@ -196,6 +218,14 @@ def pipeline(
     params = nnx.to_pure_dict(template)
     streams = stream_tags(rest)
 
+    def call(param_state: Any, rest_state: Any, microbatch: Any, key: Any) -> tuple:
+        m = nnx.merge(graphdef, param_state, rest_state)
+        if key is not None:
+            reseed(m, key)
+        out = loss_fn(m, microbatch)
+        _, p_after, r_after = nnx.split(m, wrt, ...)
+        return out, p_after, r_after
+
     def run(p: Any, microbatch: Any, key: Any) -> jax.Array:
         # Fresh Variables belong to this trace, so the model may update them here (RNG
         # counters); what it updates is checked below.
@@ -203,12 +233,9 @@ def pipeline(
         before = {path: value(v) for path, v in variables_of(fresh)}
         param_state = _state_from_pure(template, p)
         before_p = {path: value(v) for path, v in variables_of(param_state)}
-        m = nnx.merge(graphdef, param_state, fresh)
-        if key is not None:
-            reseed(m, key)
-        out = loss_fn(m, microbatch)
-        _, p_after, r_after = nnx.split(m, wrt, ...)
-        check_updates(before, before_p, r_after, p_after, rng=key is not None)
+        out, p_after, r_after = call(param_state, fresh, microbatch, key)
+        check_updates(before, before_p, r_after, p_after, key is not None,
+                      lambda: _passed_through(call, param_state, fresh, microbatch, key))
         return out
 
     if rng:

@@ -15,6 +15,7 @@ state (RNG streams, batch statistics). This module holds the rules for that othe
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -68,19 +69,32 @@ def reseed(model: Any, key: jax.Array) -> Any:
 
 
 def check_updates(before: dict, before_p: dict, rest_after: Any, params_after: Any,
-                   rng: bool) -> None:
-    """Raise a PipelineError if ``loss_fn`` updated model state the pipeline would lose."""
+                  rng: bool, passed_through: Callable[[], set[str]]) -> None:
+    """Raise a PipelineError if ``loss_fn`` updated model state the pipeline would lose.
+
+    A variable holding a new value object is an update unless ``passed_through()`` (asked
+    only then) lists its path: the variables whose values only went through calls
+    unchanged (nnx's lifted transforms write every variable back)."""
     from flax import nnx
 
+    through: set[str] | None = None
+
+    def changed(path: str, now: Any, then: Any) -> bool:
+        nonlocal through
+        if now is then:
+            return False
+        through = passed_through() if through is None else through
+        return path not in through
+
     for path, v in variables_of(params_after):
-        if value(v) is not before_p[path]:
+        if changed(path, value(v), before_p[path]):
             raise PipelineError(
                 f"loss_fn assigns to the parameter {path}; inside a pipeline a parameter is "
                 "an input of the loss, and the update would be lost. Compute the new value "
                 "in loss_fn without storing it in the model.")
     drawn = []
     for path, v in variables_of(rest_after):
-        if value(v) is before.get(path):
+        if not changed(path, value(v), before.get(path)):
             continue
         if isinstance(v, nnx.RngState):
             drawn.append(v.tag)

@@ -16,7 +16,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-__all__ = ["eval_eqns", "read", "sub_jaxprs"]
+__all__ = ["eval_eqns", "forwarded_outputs", "read", "sub_jaxprs"]
 
 #: ``(equation, input values) -> output values``, or ``None`` to bind the primitive.
 Override = Callable[[Any, list[Any]], Sequence[Any] | None]
@@ -63,3 +63,40 @@ def eval_eqns(eqns: Iterable[Any], env: MutableMapping[Any, Any], *,
                 outs = [outs]
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
+
+
+#: Call-like primitives whose body runs once as it is: inlining one changes nothing.
+CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "remat", "checkpoint"})
+
+
+def forwarded_outputs(closed: jcore.ClosedJaxpr) -> list[int | None]:
+    """Per output of ``closed``: the input it returns unchanged, or ``None``.
+
+    Seen through calls (``jit``, ``jax.checkpoint``): a value a call passes through comes
+    out as a new variable, so flax nnx's lifted transforms (``nnx.jit``, ``nnx.remat``),
+    which write their outputs back into a model's variables, look like updates to every
+    variable; evaluated again with the calls inlined, it is its input again."""
+    import jax
+
+    found: list[int | None] = []
+
+    def inline(eqn: Any, invals: list[Any]) -> Sequence[Any] | None:
+        if eqn.primitive.name not in CALLS:
+            return None
+        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+        return run(getattr(inner, "jaxpr", inner), getattr(inner, "consts", []), invals)
+
+    def run(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        eval_eqns(jaxpr.eqns, env, override=inline)
+        return [read(env, v) for v in jaxpr.outvars]
+
+    def outer(*args: Any) -> list[Any]:
+        outs = run(closed.jaxpr, closed.consts, args)
+        position = {id(a): i for i, a in enumerate(args)}
+        found.extend(position.get(id(o)) for o in outs)
+        return outs
+
+    jax.make_jaxpr(outer)(*closed.in_avals)
+    return found
