@@ -16,7 +16,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-__all__ = ["eval_eqns", "forwarded_outputs", "read", "sub_jaxprs"]
+__all__ = ["CALLS", "eval_eqns", "forwarded_outputs", "read", "sub_jaxprs"]
 
 #: ``(equation, input values) -> output values``, or ``None`` to bind the primitive.
 Override = Callable[[Any, list[Any]], Sequence[Any] | None]

@@ -26,17 +26,16 @@ from jax import lax
 from jax.extend import core as jcore
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.jaxpr.interpret import eval_eqns, read
+from jaxpipe.jaxpr.interpret import CALLS, eval_eqns, read
 from jaxpipe.jaxpr.markers import boundary_p
 from jaxpipe.jaxpr.objective import MEAN, Objective
 
 __all__ = ["Traced", "trace", "trace_shard", "segments", "split_output", "microbatch_like",
            "with_key"]
 
-# Call-like primitives whose bodies we may inline so markers inside them become cuttable.
-_INLINE = {"pjit", "jit", "closed_call", "core_call"}
-# ``jax.checkpoint`` (``remat2`` since JAX 0.4.x; the older names for older releases):
-# inlined too, but what lies between its markers is checkpointed again as the user asked.
+# Call bodies holding markers are inlined (interpret.CALLS), so the markers become cuttable;
+# a ``jax.checkpoint``'s (``remat2``; older releases' names too) keeps its recomputation:
+# what lies between its markers is checkpointed again as the user asked.
 _REMAT = {"remat2", "remat", "checkpoint"}
 
 
@@ -89,7 +88,7 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts, args, remat: dict | None = None) ->
         if eqn.primitive.name == "scan":
             return None  # a scanned layer stack: jaxpipe.stages.stacks cuts it between iterations
         name = eqn.primitive.name
-        if name not in _INLINE | _REMAT:
+        if name not in CALLS:
             raise PipelineError(
                 f"jaxpipe.boundary / @jaxpipe.layer was used inside `{name}` "
                 "(e.g. lax.cond, a while loop or a custom_vjp function). Cuts must be at the "
