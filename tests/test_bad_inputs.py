@@ -297,6 +297,24 @@ def test_train_state_from_another_pipeline(pipe):
         pipe.train_step(foreign, _batch())
 
 
+def test_differentiating_a_pipeline_call_is_named(pipe):
+    """jax.grad around a pipeline call says to call pipe.value_and_grad (it failed inside
+    JAX, placing tracers on the mesh: 'Length of device assignment 1 is not equal to the
+    size of the mesh', then 'Reverse-mode differentiation does not work for
+    lax.while_loop')."""
+    params, batch = _params(), _batch()
+    with pytest.raises(jp.PipelineError, match=r"with respect to pipe\.loss\(params.*"
+                                               r"pipe\.value_and_grad\(params, batch\)"):
+        jax.grad(lambda p: pipe.loss(p, batch))(params)
+    with pytest.raises(jp.PipelineError, match=r"with respect to batch"):
+        jax.grad(lambda x: pipe.loss(params, {**batch, "x": x}))(batch["x"])
+    with pytest.raises(jp.PipelineError, match=r"with respect to params.*higher-order"):
+        jax.jit(jax.grad(lambda p: pipe.value_and_grad(p, batch)[0]))(params)
+    state = pipe.init(params, optax.sgd(0.1))
+    with pytest.raises(jp.PipelineError, match=r"with respect to train_step"):
+        jax.grad(lambda s: pipe.train_step(s, batch)[1]["loss"], allow_int=True)(state)
+
+
 def test_unshard_of_user_pytree(pipe):
     with pytest.raises(jp.PipelineError, match=r"unshard.*stage layout.*pipe.shard"):
         pipe.unshard(_params())

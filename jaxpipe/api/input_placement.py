@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.api.inputs import check_alive
+from jaxpipe.api.inputs import check_alive, check_not_differentiated
 from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.sharding.device_memory import is_compile_only
 from jaxpipe.sharding.mesh_axes import Dims, MeshAxes, to_spec
@@ -147,6 +147,7 @@ def live_state(state: Any, executor: Any, placement: Placement, what: str) -> An
             "pipe.init(other.params(state), optimizer)."
         )
     executor.check_staged(state.params, f"{what} (state.params)")
+    check_not_differentiated(state, what)
     check_alive(state, "state", "Use the state the last train_step returned: "
                 "state, metrics = pipe.train_step(state, batch).")
     want = state.trainer.abstract_state()

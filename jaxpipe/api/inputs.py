@@ -34,8 +34,8 @@ from jaxpipe.schedule import Schedule
 from jaxpipe.train.state import TrainState
 
 __all__ = ["check_alive", "check_batch", "check_key", "check_mesh", "check_microbatch_rows",
-           "check_no_keys", "check_objective", "check_params", "check_pipeline_args",
-           "leaf_paths"]
+           "check_no_keys", "check_not_differentiated", "check_objective", "check_params",
+           "check_pipeline_args", "leaf_paths"]
 
 
 def leaf_paths(treedef: Any) -> list[str]:
@@ -179,6 +179,34 @@ def check_alive(tree: Any, what: str, fix: str) -> None:
                 f"{what}{jax.tree_util.keystr(path)} was donated to an earlier train_step "
                 f"(or deleted): its buffers are gone. {fix}"
             )
+
+
+def _not_differentiable(x: jax.Array, what: str) -> jax.Array:
+    return x
+
+
+# an identity whose derivative rule refuses: how a JAX transformation differentiating an
+# entry point (jax.grad around pipe.loss) is told, before placement fails obscurely
+_not_differentiable = jax.custom_jvp(_not_differentiable, nondiff_argnums=(1,))
+
+
+@_not_differentiable.defjvp
+def _refuse(what: str, primals: tuple, tangents: tuple) -> Any:
+    raise PipelineError(
+        f"a JAX transformation (jax.grad, jax.jvp, jax.vjp, ...) differentiates a pipeline "
+        f"call with respect to {what}: a pipeline's programs compute gradients themselves "
+        "and are not differentiable in turn. Call pipe.value_and_grad(params, batch) for "
+        "the loss and its gradient (pipe.train_step to train) instead of differentiating "
+        "pipe.loss; "
+        "higher-order derivatives through a pipeline are not supported.")
+
+
+def check_not_differentiated(tree: Any, what: str) -> None:
+    """Raise :class:`PipelineError` if a JAX transformation differentiates ``tree``'s
+    floating-point leaves (only tracers are looked at; nothing is added to a program)."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.core.Tracer) and jax.numpy.issubdtype(x.dtype, np.inexact):
+            _not_differentiable(x, what)
 
 
 def check_pipeline_args(loss_fn: Any, schedule: Any, axis: Any, rng: Any) -> None:
