@@ -38,13 +38,17 @@ def thread_ids() -> set[int]:
         return set()
 
 
-def waiting_in_epoll(tids: set[int], samples: int = 20, interval_s: float = 0.002
-                     ) -> set[int]:
+def waiting_in_epoll(tids: set[int], samples: int = 20, interval_s: float = 0.002,
+                     patience_s: float = 1.0) -> set[int]:
     """Of ``tids``, the threads seen waiting in an ``epoll`` call in any of ``samples``
-    looks (a polling thread may be between two calls at one look)."""
+    looks (a polling thread may be between two calls at one look). Where none is seen
+    in those, looking goes on for up to ``patience_s``: on a loaded machine a thread
+    just started may not have reached its first wait yet."""
     epoll = EPOLL_SYSCALLS.get(os.uname().machine, set())
     found: set[int] = set()
-    for _ in range(samples):
+    deadline = time.monotonic() + patience_s
+    looks = 0
+    while looks < samples or (not found and time.monotonic() < deadline):
         for tid in tids - found:
             try:
                 call = (_TASKS / str(tid) / "syscall").read_text().split()
@@ -52,6 +56,7 @@ def waiting_in_epoll(tids: set[int], samples: int = 20, interval_s: float = 0.00
                 continue
             if call and call[0].isdigit() and int(call[0]) in epoll:
                 found.add(tid)
+        looks += 1
         time.sleep(interval_s)
     return found
 
