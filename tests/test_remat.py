@@ -193,6 +193,14 @@ def test_a_checkpointed_marked_layer_is_cut_and_keeps_its_recomputation(user_pol
     pipe = jp.pipeline(checkpointed, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, 2))
     assert_matches(pipe.value_and_grad(params, batch), reference(checkpointed, params, batch, 2))
 
+    # a checkpoint around a whole scanned stack cannot be kept once the stack is cut
+    def scanned(p, b):
+        body = jax.checkpoint(lambda x, ws: jax.lax.scan(
+            lambda h, w: (jp.boundary(jnp.tanh(h @ w)), None), x, ws)[0], policy=user_policy)
+        return jnp.mean((body(b["x"], jnp.stack(p)) - b["y"]) ** 2)
+    with pytest.raises(jp.PipelineError, match=r"inside a jax\.checkpoint.*inside the scan"):
+        trace(scanned, params, microbatch_like(batch, 2))
+
 
 # ---------------------------------------------------------------------------------------
 # cost model

@@ -85,9 +85,15 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts, args, remat: dict | None = None) ->
         subs = jcore.jaxprs_in_params(eqn.params)
         if not (subs and any(_has_marker(s) for s in subs)):
             return None  # plain equation: bind it
-        if eqn.primitive.name == "scan":
-            return None  # a scanned layer stack: jaxpipe.stages.stacks cuts it between iterations
         name = eqn.primitive.name
+        if name == "scan" and remat is not None:
+            raise PipelineError(
+                "a lax.scan holding jaxpipe.boundary / @jaxpipe.layer markers runs inside a "
+                "jax.checkpoint: its stack is cut between iterations, which would drop the "
+                "checkpoint around it. Checkpoint each layer inside the scan instead "
+                "(jax.checkpoint around the scan body, as nn.scan(nn.remat(Block)) does).")
+        if name == "scan":
+            return None  # a scanned layer stack: jaxpipe.stages.stacks cuts it between iterations
         if name not in CALLS:
             raise PipelineError(
                 f"jaxpipe.boundary / @jaxpipe.layer was used inside `{name}` "
@@ -133,7 +139,8 @@ def _stretches(eqns) -> list[tuple[list, bool]]:
 
 def _read_after(jaxpr: jcore.Jaxpr, last) -> set:
     """The variables read after equation ``last`` of ``jaxpr`` (or returned by it)."""
-    after = jaxpr.eqns[jaxpr.eqns.index(last) + 1:]
+    at = next(i for i, e in enumerate(jaxpr.eqns) if e is last)  # by identity: params
+    after = jaxpr.eqns[at + 1:]  # may hold arrays, which == cannot compare
     return ({v for e in after for v in e.invars if isinstance(v, jcore.Var)}
             | {v for v in jaxpr.outvars if isinstance(v, jcore.Var)})
 
