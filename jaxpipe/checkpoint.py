@@ -177,8 +177,10 @@ def save(path: str | os.PathLike, state, *, pipe=None, overwrite: bool = False) 
     Args:
       path: a new directory (``overwrite=True`` replaces an existing one).
       state: the state from ``pipe.init`` / ``pipe.train_step``.
-      pipe: optional; records the pipeline layout (schedule, p, m, cut) so that
-        restoring into a different layout names the difference.
+      pipe: optional; also records the pipeline's schedule, p, m and cut, named when
+        a restore finds another layout. (Where each parameter sits, stage by stage, is
+        recorded from the state itself, and :func:`restore` refuses a pipeline that
+        keeps it elsewhere.)
       overwrite: replace ``path`` if it exists.
     """
     from jaxpipe.distributed import fetch
@@ -195,7 +197,8 @@ def save(path: str | os.PathLike, state, *, pipe=None, overwrite: bool = False) 
     tree = {"params": state.params, "opt_state": state.opt_state,
             "step": np.asarray(fetch(state.step), np.int32)}
     meta = {"kind": _KIND_STATE, "format": _FORMAT,
-            "layout": _layout_summary(pipe) if pipe is not None else None}
+            "layout": _layout_summary(pipe) if pipe is not None else None,
+            "stage_layout": state.trainer.executor.stage_layout()}
     _save(path, tree, meta, overwrite)
 
 
@@ -270,6 +273,7 @@ def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
             + ". To change p, schedule, cut or optimizer, save the unsharded parameters "
             "with save_params, restore them with restore_params and call pipe.init."
         )
+    _check_stage_layout(path, meta.get("stage_layout"), pipe.inspect.executor.stage_layout())
     ocp = _ocp()
     try:
         out = _checkpointer().restore(
@@ -281,6 +285,24 @@ def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
     step = jax.make_array_from_process_local_data(
         NamedSharding(pipe.mesh, P()), np.asarray(out["step"], np.int32))
     return TrainState(out["params"], out["opt_state"], step, like.trainer)
+
+
+def _check_stage_layout(path: Path, saved: Any, now: dict[str, Any]) -> None:
+    """Refuse a state whose arrays have this pipeline's shapes but whose parameters sit
+    elsewhere in them (another cut or placement): restored, every stage would train
+    another stage's weights. Checkpoints written before the layout was recorded cannot
+    be checked."""
+    if saved is None or saved == now:
+        return
+    diff = next((f"stage {s}: saved {a}, this pipeline {b}" for s, (a, b) in enumerate(
+        zip(saved.get("stages", []), now["stages"], strict=False)) if a != b),
+        f"saved {saved}, this pipeline {now}")
+    raise PipelineError(
+        f"the checkpoint at {str(path)!r} keeps its parameters in another stage layout than "
+        f"this pipeline, though its arrays have the same shapes (each stage: its device and "
+        f"[leaf, rows] it holds; {diff}); restored, stages would train each other's "
+        "weights. Build the pipeline with the cut and schedule placement it was saved with, "
+        "or save_params / restore_params and pipe.init to change the layout.")
 
 
 def _abstract_state(pipe, optimizer, skip_nonfinite: bool, clip_global_norm):

@@ -149,6 +149,31 @@ def test_state_checkpoint_into_other_layout_names_the_fix(run):
         jpc.restore(run["dir"] / "state4", other, like=like)
 
 
+def test_state_checkpoint_into_another_cut_of_the_same_shapes_is_refused(tmp_path):
+    """Stages of 1 and 3 layers, or 3 and 1: the staged arrays have the same shapes, but
+    each device holds other layers. Restoring one into the other loaded every weight into
+    another layer, silently; the recorded stage layout now refuses it."""
+    params, _ = _model()
+    mesh = jax.make_mesh((2,), ("pipe",), devices=jax.devices()[:2])
+
+    def cut_after(i):
+        return jp.pipeline(loss_fn, params, _model()[1], mesh=mesh, schedule=jp.OneFOneB(2, M),
+                           cut=jp.Cut(indices=[i]))
+
+    saved, other = cut_after(0), cut_after(2)
+    state = saved.init(params, _tx())
+    assert jax.tree.map(jnp.shape, state.params) == jax.tree.map(
+        jnp.shape, other.init(params, _tx()).params)
+    jpc.save(tmp_path / "s", state)  # no pipe=: the state knows its layout
+    with pytest.raises(jp.PipelineError, match=r"another stage layout.*same shapes.*stage 0"):
+        jpc.restore(tmp_path / "s", other, optimizer=_tx())
+    same = cut_after(0)
+    again = jpc.restore(tmp_path / "s", same, optimizer=_tx())
+    for a, b in zip(jax.tree.leaves(_np(same.params(again))), jax.tree.leaves(_np(params)),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_wrong_kind_missing_and_existing_paths(run, tmp_path):
     pipe = run["pipe"]
     with pytest.raises(jp.PipelineError,

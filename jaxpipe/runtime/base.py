@@ -191,6 +191,17 @@ class Executor(abc.ABC):
         inputs = self.spec.views.take(self.unshard(staged))
         return [[inputs[i] for i in st.param_ids] for st in self.spec.stages]
 
+    def stage_layout(self) -> dict[str, Any]:
+        """Where the staged layout keeps the parameters, as JSON: per stage, its device
+        and the user leaves (rows of a stacked leaf: ``[leaf, start, stop]``) it holds.
+        Executors of one runtime with equal layouts put every parameter in the same
+        place, so a checkpoint of the staged layout restores only into an equal one."""
+        sched, views = self.spec.schedule, self.spec.views.views
+        return {"runtime": type(self).__name__, "stages": [
+            {"device": int(sched.placement(st.index)),
+             "params": [[views[i].leaf, views[i].start, views[i].stop] for i in st.param_ids]}
+            for st in self.spec.stages]}
+
     # -- compute ------------------------------------------------------------------
     @abc.abstractmethod
     def value_and_grad(self, param_leaves: list, batch_mb: list
