@@ -80,6 +80,14 @@ def test_bad_auto_options_name_the_fix(auto, match):
         _pipe(auto())
 
 
+def test_an_infeasible_budget_names_each_candidates_smallest_budget():
+    """Every candidate's reason keeps its figure: the smallest budget it would fit (the
+    reasons were cut at 160 characters, before it)."""
+    with pytest.raises(jp.PipelineError, match=r"1f1b v=1: [^;]*smallest feasible budget is "
+                                               r"[\d.]+ [KMG]?i?B[^;]*; gpipe v=1"):
+        _pipe(jp.Auto(), cut=jp.Cut(memory_budget=1000))
+
+
 def test_a_family_of_your_own_is_a_candidate():
     """A Schedule subclass constructible as cls(p, m) (the gallery's Eager1F1B) competes
     with the built-ins and is named by its class."""
@@ -182,6 +190,17 @@ def test_auto_microbatches_tries_every_divisor_from_p_to_4p_and_takes_the_best()
     assert chosen.time == min(c.time for c in rows if c.time is not None)
     assert pipe.num_microbatches == chosen.microbatches == pipe.schedule.num_microbatches
     assert sum(c.verdict == f"slower than m={chosen.microbatches}" for c in rows) == 2
+    assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_auto_picks_microbatches_the_data_axes_can_split():
+    """On a data x pipe mesh the chosen m leaves microbatches that split over the data
+    shards: 16 rows over 4 shards and p=2 give m=4 (the largest divisor up to 4p, 8, left
+    2-row microbatches and raised that they do not split over the 4 data devices)."""
+    loss_fn, params, batch = _model()
+    mesh = jax.make_mesh((4, 2), ("data", "pipe"))
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule="auto")
+    assert pipe.num_microbatches == 4
     assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
 
 

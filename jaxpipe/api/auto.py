@@ -108,9 +108,11 @@ class Auto:
                  if batch_size % d == 0]
         return found or [max(d for d in range(1, num_devices) if batch_size % d == 0)]
 
-    def num_microbatches(self, num_devices: int, batch_size: int) -> int:
+    def num_microbatches(self, num_devices: int, batch_size: int, shards: int = 1) -> int:
         """``m`` for a pipe of ``num_devices`` and a batch of ``batch_size`` rows (with
-        ``"auto"``: the largest of :meth:`microbatch_options`)."""
+        ``"auto"``: the largest of :meth:`microbatch_options`); by default the largest
+        ``m <= 4 * num_devices`` whose microbatches split into the ``shards`` pieces of
+        the data axes."""
         if self.microbatches == "auto":
             return max(self.microbatch_options(num_devices, batch_size))
         if self.microbatches is not None:
@@ -119,8 +121,11 @@ class Auto:
                     f"Auto(microbatches={self.microbatches}) does not divide the batch's "
                     f"{batch_size} rows; pass a divisor of {batch_size}.")
             return self.microbatches
-        return max(d for d in range(1, min(batch_size, 4 * num_devices) + 1)
-                   if batch_size % d == 0)
+        fits = [d for d in range(1, min(batch_size, 4 * num_devices) + 1)
+                if batch_size % (d * shards) == 0]
+        # none where the data axes do not divide the batch: the input check names that
+        return max(fits or [d for d in range(1, min(batch_size, 4 * num_devices) + 1)
+                            if batch_size % d == 0])
 
     def candidates(self, num_devices: int, num_microbatches: int, max_stages: int
                    ) -> list[tuple[str, int, Schedule | str]]:
@@ -274,14 +279,17 @@ def choose_microbatches(auto: Auto, num_devices: int, batch_size: int,
 
 
 def _first(err: Exception) -> str:
-    text = str(err).split(". ")[0]
-    return text if len(text) <= 160 else text[:157] + "..."
+    """An error's first clause: what went wrong and its figure (an infeasible budget's
+    message names the smallest feasible budget before its first ';')."""
+    text = str(err).split(". ")[0].split("; ")[0]
+    return text if len(text) <= 320 else text[:317] + "..."
 
 
-def placeholder(auto: Auto, mesh: Any, axis: str, batch: Any) -> Schedule:
+def placeholder(auto: Auto, mesh: Any, axis: str, batch: Any, shards: int = 1) -> Schedule:
     """The schedule a pipeline checks its arguments and traces with before it chooses:
     1F1B over the mesh's pipe size and :meth:`Auto.num_microbatches` (the choice keeps
-    ``m``; only the family and chunks change)."""
+    ``m``; only the family and chunks change); ``shards``: the pieces the data axes
+    split each microbatch into."""
     if not hasattr(mesh, "axis_names") or axis not in mesh.axis_names:
         raise PipelineError(f"schedule='auto' takes the pipe size from the mesh's '{axis}' "
                             f"axis; the mesh has {tuple(getattr(mesh, 'axis_names', ()))}. "
@@ -291,7 +299,7 @@ def placeholder(auto: Auto, mesh: Any, axis: str, batch: Any) -> Schedule:
     if auto.num_devices is not None and auto.num_devices != p:
         raise PipelineError(f"Auto(num_devices={auto.num_devices}) but the mesh's '{axis}' "
                             f"axis has {p} devices; drop num_devices or match the mesh.")
-    return OneFOneB(p, auto.num_microbatches(p, rows))
+    return OneFOneB(p, auto.num_microbatches(p, rows, shards))
 
 
 def batch_rows(batch: Any) -> int:

@@ -126,6 +126,8 @@ class Internals(InternalsReports):
         mesh_axes, self.param_dims = resolve_mesh_axes(
             mesh, axis, batch_axes, param_specs, params, param_tree,
             [tuple(np.shape(x)) for x in param_leaves], placed)
+        if auto is not None:  # an m whose microbatches split over the data axes too
+            schedule = placeholder(auto, mesh, axis, batch, self._shards(mesh_axes.batch_axes))
         self.num_microbatches = schedule.num_microbatches
         mb = microbatch_like(batch, self.num_microbatches)
         self._mb_shapes = [a.shape for a in jax.tree.leaves(mb)]
