@@ -411,4 +411,11 @@ def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> A
         return _checkpointer().restore(
             path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
     except Exception as err:
+        saved, want = list(_shape_map(tree_meta)), list(_shape_map(target))
+        if like is not None and saved != want:  # same shapes, another tree: not damage
+            raise PipelineError(
+                f"the parameters at {str(path)!r} are a tree of another structure than "
+                f"like's (saved leaves {saved}, like's {want}); pass a like of the saved "
+                "structure, pipe= of the model it was saved from, or neither (numpy "
+                "arrays in the saved structure).") from err
         raise _damaged(path, "its arrays cannot be read", err) from err

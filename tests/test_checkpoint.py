@@ -223,6 +223,17 @@ def test_damaged_checkpoint_is_reported_as_damaged(run, tmp_path):
         assert "tensorstore_spec" not in message and "not a jaxpipe" not in message
 
 
+def test_params_restored_like_a_tree_of_another_structure_is_not_called_damaged(run):
+    """Same shapes, another tree (the saved list of layers as a dict): the files are
+    fine, so the message says the structures differ (it said the checkpoint was damaged)."""
+    saved = run["params4"]
+    like = {"layers": {str(i): layer for i, layer in enumerate(saved["layers"])}}
+    with pytest.raises(jp.PipelineError, match=r"another structure than like's.*saved leaves "
+                                               r"\[\"\['layers'\]\[0\]") as err:
+        jpc.restore_params(run["dir"] / "params4", like=like)
+    assert "damaged" not in str(err.value)
+
+
 def test_overwrite_never_deletes_what_is_not_a_checkpoint(run, tmp_path):
     notes = tmp_path / "notes"
     notes.mkdir()
