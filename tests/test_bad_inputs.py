@@ -160,6 +160,11 @@ def test_schedule_class_instead_of_instance():
     with pytest.raises(jp.PipelineError, match=r"schedule must be a jaxpipe.Schedule instance"
                                                r".*OneFOneB\(num_devices="):
         build(schedule=jp.OneFOneB)
+    with pytest.raises(jp.PipelineError, match=r"instance or 'auto', got str \('1f1b' is not "
+                                               r"a name.*jp\.load_schedule\(name\)"):
+        build(schedule="1f1b")
+    with pytest.raises(jp.PipelineError, match=r"tuple of family names.*families=\('gpipe',\)"):
+        jp.Auto(families="gpipe")
 
 
 def test_mesh_without_the_axis():

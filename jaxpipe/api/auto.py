@@ -80,6 +80,10 @@ class Auto:
         if self.objective not in _OBJECTIVES:
             raise PipelineError(f"Auto(objective=...) must be one of {_OBJECTIVES}, got "
                                 f"{self.objective!r}.")
+        if isinstance(self.families, str) or isinstance(self.families, type):
+            raise PipelineError(f"Auto(families=...) takes a tuple of family names or "
+                                f"Schedule subclasses, got {self.families!r}; write "
+                                f"families=({self.families!r},).")
         if not self.families:
             raise PipelineError("Auto(families=...) is empty; name at least one of "
                                 f"{sorted(FAMILIES)} or pass a Schedule subclass.")

@@ -212,9 +212,13 @@ def check_not_differentiated(tree: Any, what: str) -> None:
 def check_pipeline_args(loss_fn: Any, schedule: Any, axis: Any, rng: Any) -> None:
     """The types of ``jp.pipeline``'s plain arguments, each with the fix in its error."""
     if not isinstance(schedule, Schedule):
+        named = (f" ({schedule!r} is not a name it takes: schedule='auto' chooses one, "
+                 "jp.load_schedule(name)(num_devices, num_microbatches) builds one by "
+                 "name)") if isinstance(schedule, str) else ""
         raise PipelineTypeError(
-            f"schedule must be a jaxpipe.Schedule instance, got {type(schedule).__name__};"
-            " e.g. jp.OneFOneB(num_devices=4, num_microbatches=8).")
+            f"schedule must be a jaxpipe.Schedule instance or 'auto', got "
+            f"{type(schedule).__name__}{named}; e.g. jp.OneFOneB(num_devices=4, "
+            "num_microbatches=8).")
     if not callable(loss_fn):
         raise PipelineTypeError(
             f"loss_fn must be a function loss_fn(params, microbatch) -> scalar, got "
