@@ -92,6 +92,20 @@ def _run_simulate(args: argparse.Namespace) -> int:
         schedule = cls(args.p, args.m, **kwargs)
     except TypeError as err:
         raise CLIError(f"cannot construct {cls.__name__}(p={args.p}, m={args.m}): {err}") from err
+    # options of the lowered program, refused without it rather than silently ignored
+    lowered_only = [flag for flag, given in (
+        ("--backend", args.backend != "cpu"), ("--processes", args.processes),
+        ("--split-backward", args.split_backward is not None),
+        ("--refine", args.refine is not None), ("--overlap", args.overlap != "auto"),
+        ("--transfer", bool(args.transfer)), ("--tick-cost", bool(args.tick_cost))) if given]
+    if lowered_only and not args.lowered:
+        verb = "describes" if len(lowered_only) == 1 else "describe"
+        raise CLIError(f"{', '.join(lowered_only)} {verb} the lowered SPMD program: add "
+                       "--lowered to see it, or drop them")
+    if args.backend == "cpu" and args.overlap != "auto":
+        raise CLIError("--overlap describes the gpu/tpu program (the cpu program sends a "
+                       "message at the tick end its readers need); use --backend gpu or tpu, "
+                       "or drop it")
     timeline = schedule.simulate(args.costs)
 
     print(timeline.to_ascii(width=args.width))
