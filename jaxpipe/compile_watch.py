@@ -93,7 +93,10 @@ class CompileWatch:
             self._warned = True
             now = _signature(args)
             diff = next((f"{p}: {b} (first call: {a})" for (p, a), (_, b) in zip(
-                self._first, now, strict=False) if a != b), "no input signature changed")
+                self._first, now, strict=False) if a != b),
+                "no input signature changed: something around the call did, e.g. a "
+                "jax.set_mesh context or a jax config flag set for one call and not the "
+                "other")
             warnings.warn(
                 f"{self.name} compiled again for inputs of the same shapes ({diff}); every "
                 "new input signature costs a full compilation. Pass inputs with the same "

@@ -118,6 +118,8 @@ def test_auto_cut_budgets_the_targets_memory_and_nothing_is_placed(platform):
         pipe.lower("train_step")
     with pytest.raises(jp.PipelineError, match="takes no optimizer"):
         pipe.lower("loss", optimizer=optax.adam(1e-3))
+    with pytest.raises(jp.PipelineError, match=r"takes no skip_nonfinite / clip_global_norm"):
+        pipe.lower("value_and_grad", clip_global_norm=1.0)  # (it was dropped silently)
     with pytest.raises(jp.PipelineError, match="program must be one of"):
         pipe.lower("step")
 

@@ -101,6 +101,22 @@ def test_params_from_a_pipeline_on_other_devices(pipe):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_recompile_from_around_the_call_says_so():
+    """Called inside ``jax.set_mesh`` and then outside, the program compiles again with
+    the same inputs: the warning names what changes around a call (it said only 'no
+    input signature changed' and to pass the same shardings)."""
+    mesh = jax.make_mesh((P_,), ("pipe",), devices=jax.devices()[:P_])
+    pipe = jp.pipeline(loss_fn, _params(), _batch(), mesh=mesh, schedule=jp.OneFOneB(P_, M))
+    params, batch = _params(), _batch()
+    pipe.value_and_grad(params, batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with jax.set_mesh(mesh):
+            pipe.value_and_grad(params, batch)
+    recompiles = [str(w.message) for w in caught if issubclass(w.category, RecompileWarning)]
+    assert len(recompiles) == 1 and "jax.set_mesh" in recompiles[0], recompiles
+
+
 def test_a_real_recompile_warns_once(pipe):
     params, batch = _params(), _batch()
     pipe.value_and_grad(params, batch)  # compiled (maybe by an earlier test)

@@ -247,6 +247,10 @@ class Pipeline:
                 "state trains with" if optimizer is None else
                 f"pipe.lower({program!r}) takes no optimizer (only 'train_step' has "
                 "optimizer state).")
+        if program != "train_step" and (skip_nonfinite or clip_global_norm is not None):
+            raise PipelineTypeError(
+                f"pipe.lower({program!r}) takes no skip_nonfinite / clip_global_norm: they "
+                "are options of the optimizer step, only in 'train_step'; drop them.")
         return self._internals.lower(program, optimizer, TrainOptions(
             skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm))
 
@@ -317,7 +321,11 @@ def pipeline(
         hand (data parallelism), a second axis holds each data shard's value. Aux values
         never enter the gradient.
       reduction: how the microbatches' losses combine: ``"mean"`` (default), ``"sum"``, or
-        ``"weighted"``: ``loss_fn`` returns ``(loss_sum, weight)`` (with ``has_aux``,
+        ``"weighted"``. With ``"mean"`` and ``"sum"``, over batch axes the program splits
+        by hand (data parallelism) each shard's ``loss_fn`` value counts as a mean over
+        its rows (the shards' values are averaged), so ``loss_fn`` must average over
+        rows there; a loss that sums over rows takes ``"weighted"``, which is exact for
+        any split. ``"weighted"``: ``loss_fn`` returns ``(loss_sum, weight)`` (with ``has_aux``,
         ``((loss_sum, weight), aux)``) and the pipeline's loss is ``sum(loss_sum) /
         sum(weight)`` over every microbatch and data shard, with exactly that quotient's
         gradient (the weights are not differentiated; the division happens once, after

@@ -6,7 +6,8 @@ it imports nothing of jaxpipe.
 - ``reduction="mean"`` (default): ``loss_fn`` returns the microbatch's loss; the
   pipeline's loss is their mean over microbatches (for a mean loss over equal
   microbatches, the full batch's loss).
-- ``"sum"``: their sum.
+- ``"sum"``: their sum. (With both, over batch axes a runtime splits by hand each
+  shard's value counts as a mean over its rows: the shards' values are averaged.)
 - ``"weighted"``: ``loss_fn`` returns ``(loss_sum, weight)`` (e.g. the summed loss of a
   microbatch's real tokens and their count); the pipeline's loss is ``sum(loss_sum) /
   sum(weight)`` over every microbatch and data shard, and its gradient that quotient's:
