@@ -125,11 +125,10 @@ class Auto:
                     f"Auto(microbatches={self.microbatches}) does not divide the batch's "
                     f"{batch_size} rows; pass a divisor of {batch_size}.")
             return self.microbatches
-        fits = [d for d in range(1, min(batch_size, 4 * num_devices) + 1)
-                if batch_size % (d * shards) == 0]
+        ms = range(1, min(batch_size, 4 * num_devices) + 1)
         # none where the data axes do not divide the batch: the input check names that
-        return max(fits or [d for d in range(1, min(batch_size, 4 * num_devices) + 1)
-                            if batch_size % d == 0])
+        return max([d for d in ms if batch_size % (d * shards) == 0]
+                   or [d for d in ms if batch_size % d == 0])
 
     def candidates(self, num_devices: int, num_microbatches: int, max_stages: int
                    ) -> list[tuple[str, int, Schedule | str]]:

@@ -61,13 +61,13 @@ class Traced:
 
 
 def _has_marker(jaxpr) -> bool:
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is boundary_p:
-            return True
-        if any(_has_marker(sub) for sub in jcore.jaxprs_in_params(eqn.params)):
-            return True
-    return False
+    return any(_holds_marker(e) for e in getattr(jaxpr, "jaxpr", jaxpr).eqns)
+
+
+def _holds_marker(eqn) -> bool:
+    """``eqn`` is a marker, or a call or loop with one inside."""
+    return eqn.primitive is boundary_p or any(
+        _has_marker(s) for s in jcore.jaxprs_in_params(eqn.params))
 
 
 def _inline_eval(jaxpr: jcore.Jaxpr, consts, args, remat: dict | None = None) -> list:
@@ -112,17 +112,18 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts, args, remat: dict | None = None) ->
     if remat is None:
         eval_eqns(jaxpr.eqns, env, override=inline_marked_calls)
     else:
-        for eqns, marked in _stretches(jaxpr.eqns):
+        stretches = _stretches(jaxpr.eqns)
+        # what is read after each stretch (or returned): one pass from the end
+        read_after, later = [], {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+        for eqns, _ in reversed(stretches):
+            read_after.append(set(later))
+            later |= {v for e in eqns for v in e.invars if isinstance(v, jcore.Var)}
+        for (eqns, marked), needed in zip(stretches, reversed(read_after), strict=True):
             if marked:
                 eval_eqns(eqns, env, override=inline_marked_calls)
             else:
-                _eval_checkpointed(eqns, env, remat, _read_after(jaxpr, eqns[-1]))
+                _eval_checkpointed(eqns, env, remat, needed)
     return [read(env, v) for v in jaxpr.outvars]
-
-
-def _holds_marker(eqn) -> bool:
-    return eqn.primitive is boundary_p or any(
-        _has_marker(s) for s in jcore.jaxprs_in_params(eqn.params))
 
 
 def _stretches(eqns) -> list[tuple[list, bool]]:
@@ -135,14 +136,6 @@ def _stretches(eqns) -> list[tuple[list, bool]]:
         else:
             out[-1][0].append(e)
     return out
-
-
-def _read_after(jaxpr: jcore.Jaxpr, last) -> set:
-    """The variables read after equation ``last`` of ``jaxpr`` (or returned by it)."""
-    at = next(i for i, e in enumerate(jaxpr.eqns) if e is last)  # by identity: params
-    after = jaxpr.eqns[at + 1:]  # may hold arrays, which == cannot compare
-    return ({v for e in after for v in e.invars if isinstance(v, jcore.Var)}
-            | {v for v in jaxpr.outvars if isinstance(v, jcore.Var)})
 
 
 def _eval_checkpointed(eqns, env: dict, remat: dict, needed: set) -> None:
