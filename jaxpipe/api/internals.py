@@ -59,6 +59,7 @@ from jaxpipe.sharding.mesh_axes import (
     placed_batch_axes,
     resolve_mesh_axes,
     trace_context,
+    typed_batch_sharding,
     typed_shardings,
 )
 from jaxpipe.sharding.param_views import ParamViews
@@ -220,7 +221,8 @@ class Internals(InternalsReports):
             return trace_shard(loss_fn, params, mb, self._shards(mesh_axes.manual_batch_axes),
                                self._shards(mesh_axes.auto_batch_axes) if self.rng else 0,
                                self.key_dtype, objective,
-                               typed_shardings(self.mesh, mesh_axes, self.param_dims))
+                               typed_shardings(self.mesh, mesh_axes, self.param_dims),
+                               typed_batch_sharding(self.mesh, mesh_axes))
 
     def _shards(self, axes: tuple[str, ...]) -> int:
         return int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.jaxpr.interpret import CALLS, eval_eqns, read
@@ -204,13 +205,15 @@ def microbatch_like(batch: Any, num_microbatches: int) -> Any:
 
 
 def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any,
-          objective: Objective = MEAN, param_shardings: Sequence[Any] | None = None
-          ) -> Traced:
+          objective: Objective = MEAN, param_shardings: Sequence[Any] | None = None,
+          batch_shardings: Sequence[Any] | None = None) -> Traced:
     """Trace ``loss_fn(params, microbatch)`` to a flat ClosedJaxpr with top-level markers.
 
     ``params`` and ``microbatch`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. The
     jaxpr outputs the loss, then (``objective``) the weight and the aux leaves; the
     returned :attr:`Traced.objective` records the aux leaves' shapes and structure.
+    ``param_shardings`` / ``batch_shardings``: per flat leaf, the sharding its traced
+    type carries (``None``: none).
     """
     _check_array_leaves(params, "params")
     p_leaves, p_tree = jax.tree.flatten(params)
@@ -225,7 +228,8 @@ def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any,
         aux_tree.append(tree)
         return [*main, *aux_leaves]
 
-    shardings = list(param_shardings or [None] * len(p_leaves)) + [None] * len(b_leaves)
+    shardings = (list(param_shardings or [None] * len(p_leaves))
+                 + list(batch_shardings or [None] * len(b_leaves)))
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sh)
              for x, sh in zip(p_leaves + b_leaves, shardings, strict=True)]
     raw = jax.make_jaxpr(flat_loss)(*avals)
@@ -321,6 +325,8 @@ def with_key(loss_fn: Callable[..., jax.Array]) -> Callable[[Any, Any], jax.Arra
     """``loss_fn(params, mb, key)`` as a two-argument loss over ``(mb, keys)``."""
     def traced(params: Any, batch: Any) -> jax.Array:
         microbatch, keys = batch
+        if any(jax.typeof(keys).sharding.spec):  # split over Explicit axes: every piece
+            keys = jax.sharding.reshard(keys, P())  # draws with the first
         return loss_fn(params, microbatch, keys[0])
 
     return traced
@@ -328,20 +334,23 @@ def with_key(loss_fn: Callable[..., jax.Array]) -> Callable[[Any, Any], jax.Arra
 
 def trace_shard(loss_fn: Callable[..., jax.Array], params: Any, microbatch: Any,
                 manual_shards: int, key_shards: int = 0, key_dtype: Any = None,
-                objective: Objective = MEAN, param_shardings: Sequence[Any] | None = None
-                ) -> Traced:
+                objective: Objective = MEAN, param_shardings: Sequence[Any] | None = None,
+                batch_sharding: Any = None) -> Traced:
     """Trace ``loss_fn`` on what one stage call sees: one manual batch shard of a microbatch.
 
     Stage functions run on one manual batch shard (the global view of the automatic batch
     axes is left to JAX's sharding), so the leading axis of every ``microbatch`` leaf is
     divided by ``manual_shards``. With ``key_shards`` (a loss that draws random numbers),
     one key per automatic batch shard rides along as a hidden batch leaf, and the stage
-    draws with the first (:func:`with_key`).
+    draws with the first (:func:`with_key`). ``batch_sharding``: the sharding every
+    microbatch leaf's traced type carries (``None``: none).
     """
     shard = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((a.shape[0] // manual_shards, *a.shape[1:]), a.dtype),
         microbatch)
+    rows = [batch_sharding] * len(jax.tree.leaves(shard))
     if not key_shards:
-        return trace(loss_fn, params, shard, objective, param_shardings)
+        return trace(loss_fn, params, shard, objective, param_shardings, rows)
     keys = jax.ShapeDtypeStruct((key_shards,), key_dtype)
-    return trace(with_key(loss_fn), params, (shard, keys), objective, param_shardings)
+    return trace(with_key(loss_fn), params, (shard, keys), objective, param_shardings,
+                 [*rows, batch_sharding])

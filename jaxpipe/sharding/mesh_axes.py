@@ -43,7 +43,7 @@ from jaxpipe.errors import PipelineError, PipelineTypeError
 
 __all__ = ["Dims", "MeshAxes", "constrain", "constrain_to", "manual_spec", "placed_batch_axes",
            "placed_spec", "resolve_mesh_axes", "spec_dims", "to_spec", "trace_context",
-           "typed_shardings"]
+           "typed_batch_sharding", "typed_shardings"]
 
 #: One tuple of mesh axis names per array dimension (``()``: not sharded).
 Dims = tuple[tuple[str, ...], ...]
@@ -375,6 +375,19 @@ def typed_shardings(mesh: Mesh, mesh_axes: MeshAxes, dims: Sequence[Dims]) -> li
     if not explicit_param_axes(mesh, mesh_axes):
         return None
     return [NamedSharding(mesh, to_spec(d)) for d in dims]
+
+
+def typed_batch_sharding(mesh: Mesh, mesh_axes: MeshAxes) -> NamedSharding | None:
+    """The ``NamedSharding`` a microbatch leaf's traced type carries: its rows split over
+    the automatic batch axes (a parameter axis the batch is split over too: FSDP) when
+    types carry the mesh's Explicit axes; else ``None``. Inside the program the stages
+    see the microbatch so split (``build_step`` reshards it), and what they compute from
+    it (a residual, a message) has that type: its buffers must be traced with it."""
+    axes = tuple(a for a in mesh_axes.auto_batch_axes
+                 if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit)
+    if not explicit_param_axes(mesh, mesh_axes) or not axes:
+        return None
+    return NamedSharding(mesh, to_spec((axes,)))
 
 
 def trace_context(mesh: Mesh, mesh_axes: MeshAxes) -> Any:
