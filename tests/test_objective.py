@@ -146,6 +146,27 @@ def test_mean_and_sum_with_aux_on_data_and_pipe(reduction):
     assert_matches((loss, grads), jax.value_and_grad(full)(params))
     assert aux["rows"].shape == (M, 2) and (np.asarray(aux["rows"]) == BATCH // M // 2).all()
     np.testing.assert_allclose(pipe.loss(params, batch)[0], loss, rtol=1e-6)
+    # the sequential reference runs the data shards one by one and reduces them alike
+    (ref_loss, ref_aux), ref_grads = pipe.inspect.reference_value_and_grad(params, batch)
+    assert_matches((ref_loss, ref_grads), (loss, grads))
+    np.testing.assert_array_equal(ref_aux["rows"], aux["rows"])
+
+
+def test_weighted_with_aux_on_data_and_pipe_in_the_reference_runtime():
+    """The reference runtime over data 2 x pipe 2 (stages traced on one data shard's
+    rows): the shards' loss sums and weights are totalled before dividing, as the
+    program does; each aux leaf gets the shard axis after the microbatch axis."""
+    params, batch = _lm(2)
+    mesh = jax.make_mesh((2, 2), ("data", "pipe"))
+    pipe = jp.pipeline(weighted_loss, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                       cut="markers", runtime="reference", has_aux=True,
+                       reduction="weighted")
+    (loss, aux), grads = pipe.value_and_grad(params, batch)
+    (ref_loss, ref_aux), ref_grads = weighted_reference(params, batch)
+    assert_matches((loss, grads), (ref_loss, ref_grads))
+    assert aux["tokens"].shape == (M, 2)
+    np.testing.assert_array_equal(jnp.sum(aux["tokens"], 1), ref_aux["tokens"])
+    np.testing.assert_allclose(pipe.loss(params, batch)[0], loss, rtol=1e-6)
 
 
 def test_weighted_training_matches_optax_and_logs_aux():

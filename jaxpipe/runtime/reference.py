@@ -26,12 +26,12 @@ from jaxpipe.stages.stage_fn import StageFn
 from jaxpipe.train.options import TrainOptions, global_norm_scale, sq_norm
 from jaxpipe.train.state import StageOptimizer
 
-__all__ = ["ReferenceExecutor", "ReferenceRuntime", "run_reference"]
+__all__ = ["ReferenceExecutor", "ReferenceRuntime", "reduce_shards", "run_reference"]
 
 
 def run_reference(
     stages: list[StageFn], schedule: Schedule, param_leaves: list, batch_mb: list,
-    objective: Objective = MEAN, forward_only: bool = False,
+    objective: Objective = MEAN, forward_only: bool = False, reduce: bool = True,
 ) -> tuple[jax.Array, list, list, list[int]]:
     """Run ``schedule`` on ``stages``; ``batch_mb`` leaves are shaped ``[m, microbatch, ...]``.
 
@@ -39,6 +39,9 @@ def run_reference(
     device)``, the loss reduced and the gradients scaled as ``objective`` says, each aux
     leaf stacked over microbatches. ``forward_only``: run the schedule's forward actions
     only (:class:`~jaxpipe.schedule.forward.ForwardOnly`); no gradients (``[]``).
+    ``reduce=False``: the sum of the microbatches' losses, the weight leaf (if any) among
+    the stacked outputs and the gradients not divided by the total weight (data shards
+    run one by one are reduced together: :func:`reduce_shards`).
     """
     m = schedule.num_microbatches
     run = ForwardOnly(schedule) if forward_only else schedule
@@ -102,11 +105,11 @@ def run_reference(
             del res[key]
     assert not res and not acts and not cts, "schedule left work undone"
     rows = [jnp.stack([extras[i][k] for i in range(m)]) for k in range(len(extras[0]))]
-    if objective.weighted:
+    if reduce and objective.weighted:
         total = jnp.sum(rows[0].astype(jnp.float32))
         loss, rows = loss / total, rows[1:]
         grads = [(g / total.astype(g.dtype)).astype(g.dtype) for g in grads]
-    elif objective.reduction == "mean":
+    elif reduce and objective.reduction == "mean":
         loss = loss / m
     # residual sets live from F to the last backward action, counted in execution order
     peaks = []
@@ -114,6 +117,23 @@ def run_reference(
         mine = [(e.action, i) for i, e in enumerate(o for o in order if o.device == d)]
         peaks.append(peak_overlap(unit_lifetimes(mine).values()))
     return loss, rows, [] if forward_only else grads, peaks
+
+
+def reduce_shards(runs: list[tuple[jax.Array, list, list]], objective: Objective, m: int
+                  ) -> tuple[jax.Array, list, list]:
+    """``(loss, aux leaves, gradients)`` of the data shards' unreduced runs (``run_reference(
+    ..., reduce=False)``, one a shard in mesh order), reduced as the SPMD program reduces
+    over its manual batch axes: a weighted loss is the quotient of the shards' totals,
+    a mean or sum the mean of the shards' values; an aux leaf is ``[m, shards, *shape]``."""
+    losses, rows, grads = zip(*runs, strict=True)
+    rows = [jnp.stack(r, axis=1) for r in zip(*rows, strict=True)]
+    if objective.weighted:
+        total = jnp.sum(rows[0].astype(jnp.float32))
+        grads = [(sum(g) / total.astype(g[0].dtype)).astype(g[0].dtype)
+                 for g in zip(*grads, strict=True)]
+        return sum(losses) / total, rows[1:], grads
+    loss = sum(losses) / len(losses) / (m if objective.reduction == "mean" else 1)
+    return loss, rows, [(sum(g) / len(g)).astype(g[0].dtype) for g in zip(*grads, strict=True)]
 
 
 class ReferenceRuntime(Runtime):
@@ -169,17 +189,32 @@ class ReferenceExecutor(Executor):
 
     def staged_value_and_grad(self, staged: Any, batch_mb: list
                               ) -> tuple[jax.Array, list, list]:
-        loss, aux, grads, _ = run_reference(list(self.spec.stages), self.spec.schedule,
-                                            list(staged), batch_mb, self.spec.objective)
-        return loss, aux, grads
+        return self._run(staged, batch_mb, forward_only=False)
+
+    def _run(self, staged: Any, batch_mb: list, forward_only: bool
+             ) -> tuple[jax.Array, list, list]:
+        """Every data shard of the manual batch axes run on its own (a stage is traced on
+        one shard's rows), then reduced together as the program reduces them."""
+        spec = self.spec
+        # whole microbatches on one device (the placed batch is split over the data axes)
+        batch_mb = [jnp.asarray(jax.device_get(x)) for x in batch_mb]
+        run = (lambda mbs, reduce=True: run_reference(
+            list(spec.stages), spec.schedule, list(staged), mbs, spec.objective,
+            forward_only=forward_only, reduce=reduce)[:3])
+        shards = spec.shards((spec.mesh_axes.manual_batch_axes,))
+        if shards == 1:
+            return run(batch_mb)
+        rows = [a.shape[0] for a in spec.microbatch_avals]  # one shard's, per leaf
+        return reduce_shards(
+            [run([x[:, j * r:(j + 1) * r] for x, r in zip(batch_mb, rows, strict=True)],
+                 reduce=False) for j in range(shards)],
+            spec.objective, spec.schedule.num_microbatches)
 
     def loss(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
         return self.staged_loss(self.spec.views.take(param_leaves), batch_mb)
 
     def staged_loss(self, staged: Any, batch_mb: list) -> tuple[jax.Array, list]:
-        loss, aux, _, _ = run_reference(list(self.spec.stages), self.spec.schedule,
-                                        list(staged), batch_mb, self.spec.objective,
-                                        forward_only=True)
+        loss, aux, _ = self._run(staged, batch_mb, forward_only=True)
         return loss, aux
 
     def make_train_step(self, optimizer: Any, options: TrainOptions) -> tuple[StepFn, Any]:
