@@ -383,21 +383,6 @@ class Internals(InternalsReports):
         ``optimizer`` trains with."""
         return Trainer(self.executor, optimizer, options, self.microbatches, self._times)
 
-    def abstract_inputs(self) -> tuple[Any, Any, Any]:
-        """``(params, batch, key)`` as ``jax.ShapeDtypeStruct`` s placed as a call places
-        them (``key``: ``None`` without ``rng``): what the ahead-of-time path lowers."""
-        placement = self.placement
-        params = jax.tree.unflatten(self.traced.params_treedef, [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s or placement.replicated)
-            for a, s in zip(self.param_avals, placement.param_shardings
-                            or [None] * len(self.param_avals), strict=True)])
-        batch = jax.tree.unflatten(self._batch_treedef, [
-            jax.ShapeDtypeStruct(shape, dtype, sharding=placement.batch)
-            for shape, dtype in zip(self._batch_shapes, self._batch_dtypes, strict=True)])
-        key = (jax.ShapeDtypeStruct((), self.key_dtype, sharding=placement.replicated)
-               if self.rng else None)
-        return params, batch, key
-
     def live_state(self, state: Any, what: str) -> Any:
         """``state`` checked (type, owner, layout, not donated) and placed on the mesh."""
         return live_state(state, self.executor, self.placement, what)

@@ -65,6 +65,21 @@ class InternalsReports:
             self.check_params(params), self.microbatches(self.place_batch(batch), key))
         return self.value(loss, aux), self.user_tree(grads)
 
+    def abstract_inputs(self) -> tuple[Any, Any, Any]:
+        """``(params, batch, key)`` as ``jax.ShapeDtypeStruct`` s placed as a call places
+        them (``key``: ``None`` without ``rng``): what the ahead-of-time path lowers."""
+        placement = self.placement
+        params = jax.tree.unflatten(self.traced.params_treedef, [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s or placement.replicated)
+            for a, s in zip(self.param_avals, placement.param_shardings
+                            or [None] * len(self.param_avals), strict=True)])
+        batch = jax.tree.unflatten(self._batch_treedef, [
+            jax.ShapeDtypeStruct(shape, dtype, sharding=placement.batch)
+            for shape, dtype in zip(self._batch_shapes, self._batch_dtypes, strict=True)])
+        key = (jax.ShapeDtypeStruct((), self.key_dtype, sharding=placement.replicated)
+               if self.rng else None)
+        return params, batch, key
+
     def lower(self, program: str, optimizer: Any = None,
               options: TrainOptions | None = None) -> Any:
         """``program`` (``"train_step"``, ``"value_and_grad"`` or ``"loss"``) lowered from
