@@ -41,35 +41,20 @@ import jax
 import numpy as np
 
 from jaxpipe.api.inputs import check_alive
+from jaxpipe.checkpoint_files import (
+    FORMAT,
+    KIND_PARAMS,
+    KIND_STATE,
+    abspath,
+    checkpointer,
+    damaged,
+    ocp_module,
+    read_meta,
+    write,
+)
 from jaxpipe.errors import PipelineError, PipelineTypeError
 
 __all__ = ["restore", "restore_params", "save", "save_params"]
-
-_FORMAT = 1
-_KIND_STATE = "jaxpipe.train_state"
-_KIND_PARAMS = "jaxpipe.params"
-
-
-def _ocp():
-    import orbax.checkpoint as ocp
-
-    return ocp
-
-
-def _checkpointer():
-    ocp = _ocp()
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
-        state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()))
-
-
-def _abspath(path: str | os.PathLike) -> Path:
-    if not isinstance(path, str | os.PathLike):
-        raise PipelineTypeError(
-            f"a checkpoint path must be a str or os.PathLike (a directory), got "
-            f"{type(path).__name__}.")
-    # orbax needs absolute paths.
-    return Path(path).expanduser().absolute()
-
 
 def _pipeline(pipe: Any, what: str, required: bool = True):
     """The :class:`jaxpipe.Pipeline` behind ``pipe`` (flax wrappers included), checked."""
@@ -87,87 +72,6 @@ def _pipeline(pipe: Any, what: str, required: bool = True):
 
 def _layout_summary(pipe) -> dict[str, Any]:
     return pipe.inspect.layout_summary()
-
-
-# Files orbax writes into every checkpoint directory it finishes.
-_ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
-
-
-def _looks_like_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (any((path / m).exists() for m in _ORBAX_MARKERS)
-                              or (path / "meta").is_dir() or (path / "state").is_dir())
-
-
-def _reason(err: BaseException) -> str:
-    """The first readable sentence of a (tensorstore/orbax) error, without driver specs."""
-    text = " ".join(str(err).split())
-    for cut in (" [tensorstore_spec", "[tensorstore_spec", " [source locations", "; spec="):
-        text = text.split(cut)[0]
-    return text if len(text) <= 200 else text[:200] + " ..."
-
-
-def _damaged(path: Path, what: str, err: BaseException) -> PipelineError:
-    return PipelineError(
-        f"the checkpoint at {str(path)!r} is damaged: {what} ({type(err).__name__}: "
-        f"{_reason(err)}). Restore from another copy, or save it again.")
-
-
-def _save(path: Path, tree: Any, meta: dict, overwrite: bool) -> None:
-    ocp = _ocp()
-    if not isinstance(overwrite, bool):
-        raise PipelineTypeError(f"overwrite must be True or False, got {overwrite!r}.")
-    if path.exists() and not overwrite:
-        raise PipelineError(
-            f"checkpoint directory {str(path)!r} already exists; pass overwrite=True to "
-            "replace it or choose a new path (e.g. one directory per step)."
-        )
-    if path.exists() and not (_looks_like_checkpoint(path)
-                              or (path.is_dir() and not any(path.iterdir()))):
-        kind = "a directory that is not a checkpoint" if path.is_dir() else "a file"
-        raise PipelineError(
-            f"{str(path)!r} is {kind}; overwrite=True only replaces checkpoints, so its "
-            "contents stay. Choose another path, or remove it yourself first."
-        )
-    _checkpointer().save(
-        path,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                meta=ocp.args.JsonSave(meta)),
-        force=overwrite,
-    )
-
-
-def _read_meta(path: Path, want_kind: str) -> tuple[dict, Any]:
-    """The checkpoint's json metadata and its array-tree metadata; clear errors if not ours."""
-    if not path.is_dir():
-        raise PipelineError(f"no checkpoint at {str(path)!r} (not a directory).")
-    if not _looks_like_checkpoint(path):
-        raise PipelineError(
-            f"{str(path)!r} is not a jaxpipe checkpoint (no checkpoint files in it; "
-            "jaxpipe.checkpoint.save and save_params write them)."
-        )
-    ocp = _ocp()
-    ckptr = _checkpointer()
-    try:
-        meta = ckptr.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except Exception as err:  # orbax/tensorstore raise many types for a bad directory
-        raise _damaged(path, "its metadata (meta/) cannot be read", err) from err
-    if not isinstance(meta, dict) or meta.get("kind") not in (_KIND_STATE, _KIND_PARAMS):
-        raise PipelineError(
-            f"{str(path)!r} is an orbax checkpoint but not a jaxpipe one (its metadata has "
-            f"no jaxpipe kind); read it with orbax, or save with jaxpipe.checkpoint."
-        )
-    try:
-        tree_meta = ckptr.metadata(path).item_metadata["state"].tree
-    except Exception as err:
-        raise _damaged(path, "the array metadata (state/) cannot be read", err) from err
-    kind = (meta or {}).get("kind")
-    if kind != want_kind:
-        other = {_KIND_STATE: "restore", _KIND_PARAMS: "restore_params"}.get(kind, "?")
-        raise PipelineError(
-            f"{str(path)!r} holds a {kind!r} checkpoint, not {want_kind!r}; read it with "
-            f"jaxpipe.checkpoint.{other}."
-        )
-    return meta, tree_meta
 
 
 # ----------------------------------------------------------------------- train state
@@ -192,14 +96,14 @@ def save(path: str | os.PathLike, state, *, pipe=None, overwrite: bool = False) 
             " for a parameter pytree use jaxpipe.checkpoint.save_params."
         )
     pipe = _pipeline(pipe, "save(..., pipe=)", required=False)
-    path = _abspath(path)
+    path = abspath(path)
     check_alive(state, "state", "Save the state the last train_step returned.")
     tree = {"params": state.params, "opt_state": state.opt_state,
             "step": np.asarray(fetch(state.step), np.int32)}
-    meta = {"kind": _KIND_STATE, "format": _FORMAT,
+    meta = {"kind": KIND_STATE, "format": FORMAT,
             "layout": _layout_summary(pipe) if pipe is not None else None,
             "stage_layout": state.trainer.executor.stage_layout()}
-    _save(path, tree, meta, overwrite)
+    write(path, tree, meta, overwrite)
 
 
 def _shape_map(tree: Any) -> dict[str, tuple]:
@@ -238,8 +142,8 @@ def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
     from jaxpipe.train.state import TrainState
 
     pipe = _pipeline(pipe, "restore(path, pipe, ...)")
-    path = _abspath(path)
-    meta, tree_meta = _read_meta(path, _KIND_STATE)
+    path = abspath(path)
+    meta, tree_meta = read_meta(path, KIND_STATE)
     if like is not None and optimizer is not None:
         raise PipelineError(
             "restore takes like= or optimizer=, not both: like's optimizer would be "
@@ -274,12 +178,12 @@ def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
             "with save_params, restore them with restore_params and call pipe.init."
         )
     _check_stage_layout(path, meta.get("stage_layout"), pipe.inspect.executor.stage_layout())
-    ocp = _ocp()
+    ocp = ocp_module()
     try:
-        out = _checkpointer().restore(
+        out = checkpointer().restore(
             path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
     except Exception as err:
-        raise _damaged(path, "its arrays cannot be read", err) from err
+        raise damaged(path, "its arrays cannot be read", err) from err
     # The step counter goes back replicated over the pipeline's mesh (as train_step
     # returns it); every process passes the same value.
     step = jax.make_array_from_process_local_data(
@@ -337,7 +241,7 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
 
     wrapper = pipe
     pipe = _pipeline(pipe, "save_params(path, pipe, state)")
-    path = _abspath(path)
+    path = abspath(path)
     if isinstance(state_or_params, TrainState):
         params = pipe.params(state_or_params)
     elif _is_staged(pipe, state_or_params):
@@ -348,9 +252,9 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
         pipe.inspect.check_params(state_or_params, "save_params")
         check_alive(state_or_params, "params", "Save live parameters.")
         params = state_or_params
-    meta = {"kind": _KIND_PARAMS, "format": _FORMAT,
+    meta = {"kind": KIND_PARAMS, "format": FORMAT,
             "treedef": str(jax.tree.structure(params)), "layout": _layout_summary(pipe)}
-    _save(path, params, meta, overwrite)
+    write(path, params, meta, overwrite)
 
 
 def _is_staged(pipe, x) -> bool:
@@ -375,8 +279,8 @@ def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> A
       PipelineError: not a params checkpoint, or shapes/structure differ from the target.
     """
     pipe = _pipeline(pipe, "restore_params(path, pipe=...)", required=False)
-    path = _abspath(path)
-    meta, tree_meta = _read_meta(path, _KIND_PARAMS)
+    path = abspath(path)
+    meta, tree_meta = read_meta(path, KIND_PARAMS)
     if like is None and pipe is not None:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -406,9 +310,9 @@ def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> A
                 f"{saved}) do not match the target (structure {jax.tree.structure(target)}, "
                 f"shapes {want}); restore into the same model."
             )
-    ocp = _ocp()
+    ocp = ocp_module()
     try:
-        return _checkpointer().restore(
+        return checkpointer().restore(
             path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
     except Exception as err:
         saved, want = list(_shape_map(tree_meta)), list(_shape_map(target))
@@ -418,4 +322,4 @@ def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> A
                 f"like's (saved leaves {saved}, like's {want}); pass a like of the saved "
                 "structure, pipe= of the model it was saved from, or neither (numpy "
                 "arrays in the saved structure).") from err
-        raise _damaged(path, "its arrays cannot be read", err) from err
+        raise damaged(path, "its arrays cannot be read", err) from err

@@ -111,7 +111,7 @@ LAYERS = [
     ("jaxpipe.train",),
     ("jaxpipe.runtime",),
     ("jaxpipe.api",),
-    ("jaxpipe.flax", "jaxpipe.checkpoint", "jaxpipe.aot"),
+    ("jaxpipe.flax", "jaxpipe.checkpoint", "jaxpipe.checkpoint_files", "jaxpipe.aot"),
     ("jaxpipe.tools", "jaxpipe.launch"),
 ]
 
