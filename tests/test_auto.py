@@ -88,6 +88,20 @@ def test_an_infeasible_budget_names_each_candidates_smallest_budget():
         _pipe(jp.Auto(), cut=jp.Cut(memory_budget=1000))
 
 
+def test_the_advice_follows_the_reasons():
+    """No candidate fits the budget: the advice is a budget that fits; a class of the
+    user's that cannot be built for m (DualPipeV needs m >= 2p) is named without a chunk
+    count it never had, and the advice is an m it accepts, not fewer microbatches."""
+    with pytest.raises(jp.PipelineError, match=r"Give a memory budget that fits"):
+        _pipe(jp.Auto(), cut=jp.Cut(memory_budget=1000))
+    dualpipe = jp.load_schedule("schedules/dualpipe_v.py:DualPipeV")
+    with pytest.raises(jp.PipelineError, match=r"candidate that can run: DualPipeV: cannot be "
+                                               r"built: .*m >= 4\. Give a microbatch count the "
+                                               r"families accept \(each reason above says "
+                                               r"which\); or pass a schedule\.$"):
+        _pipe(jp.Auto(microbatches=2, families=(dualpipe,)))
+
+
 def test_a_family_of_your_own_is_a_candidate():
     """A Schedule subclass constructible as cls(p, m) (the gallery's Eager1F1B) competes
     with the built-ins and is named by its class."""

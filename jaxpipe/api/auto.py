@@ -20,7 +20,7 @@ order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,19 +132,21 @@ class Auto:
 
     def candidates(self, num_devices: int, num_microbatches: int, max_stages: int
                    ) -> list[tuple[str, int, Schedule | str]]:
-        """``(family, chunks, schedule or why it cannot be built)`` of every candidate;
+        """``(family, chunks, schedule or why it cannot be built)`` of every candidate
+        (chunks ``None``: a class of the user's that could not be built);
         ``max_stages``: the most stages the model can be cut into."""
         out: list[tuple[str, int, Schedule | str]] = []
         for f in self.families:
+            # a class of the user's: how many chunks it places is known once it is built
             name, (cls, chunks) = ((f, FAMILIES[f]) if isinstance(f, str)
-                                   else (f.__name__, (f, (1,))))
+                                   else (f.__name__, (f, (None,))))
             for v in chunks:
-                if num_devices * v > max_stages:
+                if v is not None and num_devices * v > max_stages:
                     out.append((name, v, f"needs {num_devices * v} stages; the model has "
                                          f"{max_stages} cuttable segments"))
                     continue
                 try:
-                    sched = cls(num_devices, num_microbatches, v) if v > 1 else cls(
+                    sched = cls(num_devices, num_microbatches, v) if (v or 1) > 1 else cls(
                         num_devices, num_microbatches)
                     sched.validate()
                 except Exception as err:  # a family's own rule (e.g. m a multiple of p)
@@ -154,12 +156,26 @@ class Auto:
         return out
 
 
+def _advice(verdicts: Sequence[str]) -> str:
+    """What to change, for the reasons no candidate could run (each says which rule)."""
+    fixes = []
+    if any(v.startswith("does not fit") for v in verdicts):
+        fixes.append("a memory budget that fits (jp.Cut(memory_budget=...)) or fewer "
+                     "microbatches")
+    if any(v.startswith("cannot be built") for v in verdicts):
+        fixes.append("a microbatch count the families accept (each reason above says "
+                     "which)")
+    if any(v.startswith("needs") for v in verdicts):
+        fixes.append("more cut markers in the model")
+    return f"Give {', or '.join(fixes)}; or pass a schedule." if fixes else "Pass a schedule."
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One schedule :class:`Auto` considered (a row of ``pipe.plan``'s table)."""
 
     family: str
-    chunks: int
+    chunks: int | None  # None: a class of the user's that could not be built
     microbatches: int
     time: float | None  # predicted step time (the cut's simulated makespan)
     memory: float | None  # predicted peak bytes per device
@@ -183,7 +199,8 @@ class AutoChoice:
         for c in self.candidates:
             t = "-" if c.time is None else f"{c.time:.4g}"
             mem = "-" if c.memory is None else f"{c.memory / 2**20:.2f} MiB"
-            lines.append(f"{c.family:>12} {c.chunks:>2} {c.microbatches:>4} {t:>10} "
+            v = "-" if c.chunks is None else c.chunks
+            lines.append(f"{c.family:>12} {v:>2} {c.microbatches:>4} {t:>10} "
                          f"{mem:>10}  {c.verdict}")
         lines.append(f"(time: the runtime's program simulated with the stages' costs, a "
                      f"cost a tick and a cost a stored byte a tick, in {self.time_unit}; "
@@ -227,10 +244,10 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
         reports[id(sched)] = report
     fitting = [r for r in rows if r[2] is not None]
     if not fitting:
-        why = "; ".join(f"{r[0]} v={r[1]}: {r[5]}" for r in rows)
+        why = "; ".join(f"{r[0]}{'' if r[1] is None else f' v={r[1]}'}: {r[5]}"
+                        for r in rows)
         raise PipelineError(f"schedule='auto' found no candidate that can run: {why}. "
-                            "Give a memory budget that fits (jp.Cut(memory_budget=...)), "
-                            "fewer microbatches, or a schedule.")
+                            f"{_advice([r[5] for r in rows])}")
 
     # (min keeps the first of equals: FAMILIES order)
     best = min(fitting, key=lambda r: _order(auto.objective, r[3], r[4]))
