@@ -111,6 +111,22 @@ def _shape_map(tree: Any) -> dict[str, tuple]:
     return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in leaves}
 
 
+def _check_dtypes(path: Path, saved: Any, target: Any) -> None:
+    """Refuse a state saved in other dtypes: restoring would cast the parameters and the
+    optimizer's moments without a word (a resume is bit-for-bit or refused)."""
+    want = {jax.tree_util.keystr(k): np.dtype(v.dtype)
+            for k, v in jax.tree_util.tree_flatten_with_path(target)[0]}
+    for k, v in jax.tree_util.tree_flatten_with_path(saved)[0]:
+        name = jax.tree_util.keystr(k)
+        if name in want and np.dtype(v.dtype) != want[name]:
+            raise PipelineError(
+                f"the checkpoint at {str(path)!r} holds {name} as {np.dtype(v.dtype)}, "
+                f"this pipeline's state as {want[name]}; restoring would cast the "
+                "parameters and optimizer state. Build the pipeline with parameters of "
+                "the saved dtypes, or, to change dtypes, save_params / restore_params, "
+                "cast, and pipe.init a new optimizer state.")
+
+
 def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
             skip_nonfinite: bool = False, clip_global_norm: float | None = None):
     """Restore a :class:`~jaxpipe.train.state.TrainState` saved by :func:`save`.
@@ -178,6 +194,7 @@ def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
             "with save_params, restore them with restore_params and call pipe.init."
         )
     _check_stage_layout(path, meta.get("stage_layout"), pipe.inspect.executor.stage_layout())
+    _check_dtypes(path, tree_meta, target)
     ocp = ocp_module()
     try:
         out = checkpointer().restore(
@@ -271,7 +288,8 @@ def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> A
       pipe: restore in this pipeline's parameter structure, replicated over its mesh
         (global arrays; the right input for ``pipe.init`` in every process).
       like: or: a pytree of arrays / ``jax.ShapeDtypeStruct`` giving structure, shapes,
-        dtypes and (optionally) shardings.
+        dtypes and (optionally) shardings. Leaves are cast to its dtypes (with ``pipe``:
+        the pipeline's), e.g. float32 weights into a bfloat16 model.
 
     With neither, returns numpy arrays in the saved structure (lists and dicts).
 

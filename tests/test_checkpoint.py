@@ -149,6 +149,24 @@ def test_state_checkpoint_into_other_layout_names_the_fix(run):
         jpc.restore(run["dir"] / "state4", other, like=like)
 
 
+def test_a_state_saved_in_other_dtypes_is_refused_and_params_are_cast(run):
+    """A float32 train state into a bfloat16 pipeline of the same layout: restore would
+    cast the weights and Adam's moments without a word, so it is refused with the way to
+    change dtypes; restore_params casts, as documented (into the pipeline's dtypes)."""
+    params, batch = _model()
+    low = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    mesh = jax.make_mesh((4,), ("pipe",), devices=jax.devices()[:4])
+    bf16 = jp.pipeline(loss_fn, low, batch, mesh=mesh, schedule=jp.OneFOneB(4, M),
+                       cut="markers")
+    with pytest.raises(jp.PipelineError, match=r"as float32, this pipeline's state as "
+                                               r"bfloat16.*save_params / restore_params"):
+        jpc.restore(run["dir"] / "state4", bf16, optimizer=_tx())
+    cast = jpc.restore_params(run["dir"] / "params4", pipe=bf16)
+    for a, b in zip(jax.tree.leaves(cast), jax.tree.leaves(run["params4"]), strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(a, b.astype(jnp.bfloat16))
+
+
 def test_state_checkpoint_into_another_cut_of_the_same_shapes_is_refused(tmp_path):
     """Stages of 1 and 3 layers, or 3 and 1: the staged arrays have the same shapes, but
     each device holds other layers. Restoring one into the other loaded every weight into
