@@ -273,11 +273,13 @@ def test_flax_models_evaluate_through_the_pipeline():
     """An nnx model trained with dropout (rng=True) evaluates in eval mode through the
     pipeline: pipe.loss(model.eval(), batch) traces the eval-mode pipeline once and
     equals the unpipelined eval loss; has_aux passes through jp.flax.pipeline, and a
-    linen pipeline evaluates its params."""
+    linen pipeline evaluates its params. The model keeps a config dict (its graphdef
+    cannot be hashed: the eval-mode pipelines are not keyed by it)."""
     from flax import nnx
     from test_stateful import DropNet, LinenDrop, _batch, _mbs, _mesh, nnx_loss
 
     model, batch = DropNet(nnx.Rngs(0, dropout=1)), _batch()
+    model.cfg = {"note": "a config dict kept on the model"}
 
     def loss_fn(m, mb):
         out = m(mb["x"])

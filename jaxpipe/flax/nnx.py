@@ -63,7 +63,9 @@ class NnxPipeline(Delegating):
         # ``rebuild(model, rng)``: this pipeline's arguments over another model (the same
         # model in another mode, for evaluation); one pipeline per mode, built once
         self._rebuild = rebuild
-        self._modes: dict[Any, NnxPipeline] = {}
+        # (graphdef, rng, pipeline): a list searched by ==, since a graphdef holding an
+        # unhashable static attribute (a config dict on the model) cannot be a dict key
+        self._modes: list[tuple[Any, bool, NnxPipeline]] = []
 
     def loss(self, params: Any, batch: Any, key: Any = None) -> Any:
         """The pipelined loss, forward only (``Pipeline.loss``).
@@ -79,9 +81,12 @@ class NnxPipeline(Delegating):
             graphdef = nnx.split(params, self.wrt, ...)[0]
             if graphdef != self.graphdef:
                 rng = self.pipe.inspect.rng and key is not None
-                if (graphdef, rng) not in self._modes:
-                    self._modes[(graphdef, rng)] = self._rebuild(params, rng)
-                return self._modes[(graphdef, rng)].loss(params, batch, key)
+                mode = next((p for g, r, p in self._modes if r == rng and g == graphdef),
+                            None)
+                if mode is None:
+                    mode = self._rebuild(params, rng)
+                    self._modes.append((graphdef, rng, mode))
+                return mode.loss(params, batch, key)
         return super().loss(params, batch, key)
 
     def _as_params(self, params: Any) -> Any:
