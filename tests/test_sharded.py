@@ -706,6 +706,31 @@ def test_the_gpt_example_on_pipe_fsdp_tp_is_exact():
     assert gpt.param_bytes_per_device(staged) < 1.1 * total / 8  # tables, norms: the excess
 
 
+def test_interleaved_with_weights_split_on_their_rows_on_explicit_axes():
+    """Two stages a device hold their weights in a group (:mod:`param_groups`); gathered
+    back to the user's leaves on Explicit axes, the untiled all-gather typed the group
+    one dimension early and the call raised (P("model", None) weights, pipe 2 x model
+    4). Exact, and the gradients keep the weights' sharding."""
+    mesh = jax.make_mesh((2, 4), ("pipe", "model"))
+    ks = jax.random.split(jax.random.key(0), 6)
+    host = [jax.random.normal(k, (16, 16)) / 4 for k in ks[:4]]
+    params = [jax.device_put(w, NamedSharding(mesh, P("model", None))) for w in host]
+    batch = {"x": jax.random.normal(ks[4], (16, 16)), "y": jax.random.normal(ks[5], (16, 16))}
+
+    def loss_fn(params, b):
+        h = b["x"]
+        for w in params:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean((h - b["y"]) ** 2)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh,
+                       schedule=jp.Interleaved1F1B(2, 4, stages_per_device=2))
+    loss, grads = pipe.value_and_grad(params, batch)
+    assert_matches((loss, grads), jax.value_and_grad(loss_fn)(host, batch))
+    for g in grads:
+        assert _axes(jax.typeof(g).sharding.spec) == {"model"}
+
+
 def test_fsdp_with_the_batch_over_its_axis_on_explicit_axes():
     """docs/multihost.md: Explicit and Auto axes both work. On Auto axes this is the fsdp
     case above; on Explicit ones (jax.make_mesh's default) the values a stage computes

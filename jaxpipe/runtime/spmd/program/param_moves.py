@@ -271,7 +271,10 @@ def from_slots(spec: RuntimeSpec, slots: SlotLayout, crossing: Crossing, bufs: l
     whole: dict[int, jax.Array] = {}  # leaves that are a gathered group, transposed
     for members, arr in zip(groups.groups if groups else (), arrays, strict=True):
         c = slots.classes[members[0]]
-        gathered = lax.all_gather(groups.constrain(arr[0], members), spec.axis)
+        # untiled as a tiled gather of x[None], as _Gathered does: under sharding in
+        # types the untiled rule shards the new axis as x's first
+        gathered = lax.all_gather(groups.constrain(arr[0], members)[None], spec.axis,
+                                  tiled=True)
         every.update((k, _GroupRow(gathered, q, c)) for q, k in enumerate(members))
         leaf = interleaved_leaf(spec, slots, holds, members)
         if leaf is not None and all(len(where[pid]) == 1 for pid, w in enumerate(views.views)
