@@ -731,6 +731,30 @@ def test_interleaved_with_weights_split_on_their_rows_on_explicit_axes():
         assert _axes(jax.typeof(g).sharding.spec) == {"model"}
 
 
+def test_a_model_sharding_over_a_manual_batch_axis_on_explicit_axes_is_named():
+    """On Explicit axes a model whose own out_sharding= splits rows over 'data', the axis
+    the program splits the batch over by hand: with one row a shard the trace failed
+    inside JAX; now the error names the model's sharding over the batch axis and the
+    fixes."""
+    mesh = jax.make_mesh((2, 2, 2), ("pipe", "data", "model"))
+    ks = jax.random.split(jax.random.key(0), 6)
+    params = [jax.random.normal(k, (16, 16)) / 4 for k in ks[:4]]
+    batch = jax.device_put({"x": jax.random.normal(ks[4], (16, 16)),
+                            "y": jax.random.normal(ks[5], (16, 16))},
+                           NamedSharding(mesh, P("data")))
+
+    def loss_fn(params, b):
+        h = b["x"]
+        for w in params:
+            h = jp.boundary(jnp.tanh(jnp.dot(h, w, out_sharding=P("data", None))))
+        return jnp.mean((h - b["y"]) ** 2)
+
+    with jax.set_mesh(mesh), pytest.raises(
+            jp.PipelineError, match=r"shards its values over mesh axes \('data',\).*one "
+                                    r"shard's rows.*Drop these axes from the model's"):
+        jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, 8))
+
+
 def test_fsdp_with_the_batch_over_its_axis_on_explicit_axes():
     """docs/multihost.md: Explicit and Auto axes both work. On Auto axes this is the fsdp
     case above; on Explicit ones (jax.make_mesh's default) the values a stage computes

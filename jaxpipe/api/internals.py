@@ -47,13 +47,13 @@ from jaxpipe.api.inputs import (
 from jaxpipe.api.reports import InternalsReports
 from jaxpipe.build_times import BuildTimes
 from jaxpipe.compile_watch import CompileWatch
-from jaxpipe.errors import PipelineTypeError
+from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.jaxpr.avals import to_boundary
 from jaxpipe.jaxpr.objective import Objective
 from jaxpipe.jaxpr.trace import Traced, microbatch_like, trace_shard
 from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
-from jaxpipe.sharding.constraints import without_constrained_batch_axes
+from jaxpipe.sharding.constraints import sharded_batch_error, without_constrained_batch_axes
 from jaxpipe.sharding.mesh_axes import (
     MeshAxes,
     placed_batch_axes,
@@ -138,7 +138,16 @@ class Internals(InternalsReports):
         self.key_dtype = jax.random.key(0).dtype if rng else None
         self._times = BuildTimes()
         with self._times.phase("trace"):
-            self.traced = self._trace(mesh_axes, loss_fn, params, mb, objective)
+            try:
+                self.traced = self._trace(mesh_axes, loss_fn, params, mb, objective)
+            except PipelineError:
+                raise
+            except Exception as err:  # a model sharding over the manual batch axes?
+                why = sharded_batch_error(mesh, mesh_axes, lambda axes: self._trace(
+                    axes, loss_fn, params, mb, objective), err)
+                if why is None:
+                    raise
+                raise why from err
         # Batch axes the model's own sharding constraints name stay under JAX's sharding.
         kept = without_constrained_batch_axes(mesh_axes, self.traced.jaxpr,
                                               batch_axes is None and placed is None)
