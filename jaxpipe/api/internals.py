@@ -53,7 +53,10 @@ from jaxpipe.jaxpr.objective import Objective
 from jaxpipe.jaxpr.trace import Traced, microbatch_like, trace_shard
 from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
-from jaxpipe.sharding.constraints import sharded_batch_error, without_constrained_batch_axes
+from jaxpipe.sharding.constraints import (
+    explicit_batch_axes_automatic,
+    without_constrained_batch_axes,
+)
 from jaxpipe.sharding.mesh_axes import (
     MeshAxes,
     placed_batch_axes,
@@ -142,12 +145,17 @@ class Internals(InternalsReports):
                 self.traced = self._trace(mesh_axes, loss_fn, params, mb, objective)
             except PipelineError:
                 raise
-            except Exception as err:  # a model sharding over the manual batch axes?
-                why = sharded_batch_error(mesh, mesh_axes, lambda axes: self._trace(
-                    axes, loss_fn, params, mb, objective), err)
-                if why is None:
+            except Exception as err:
+                # a model on Explicit axes sharding its values over a manual batch axis:
+                # the axis is left to JAX's sharding (the rows typed split over it)
+                automatic = explicit_batch_axes_automatic(mesh, mesh_axes)
+                if automatic is None:
                     raise
-                raise why from err
+                try:
+                    self.traced = self._trace(automatic, loss_fn, params, mb, objective)
+                except Exception:
+                    raise err from None
+                mesh_axes = automatic
         # Batch axes the model's own sharding constraints name stay under JAX's sharding.
         kept = without_constrained_batch_axes(mesh_axes, self.traced.jaxpr,
                                               batch_axes is None and placed is None)

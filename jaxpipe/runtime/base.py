@@ -69,7 +69,8 @@ class RuntimeSpec:
       param_dims: per parameter input, its sharding over the non-pipe mesh axes as
         :data:`jaxpipe.sharding.mesh_axes.Dims` (one tuple of axis names per dimension); empty when
         every parameter is replicated over them.
-      param_axes: the mesh axes some parameter is sharded over (see
+      param_axes: the mesh axes left to JAX's sharding: some parameter is sharded over
+        them, or a model on Explicit axes shards its values over them (see
         :class:`jaxpipe.sharding.mesh_axes.MeshAxes`: the program is manual over the pipe axis and
         the other batch axes, and leaves these to JAX's sharding inside the stages).
       action_cost: the cutter's cost of every action (``CutResult.action_cost``), or

@@ -31,8 +31,8 @@ from jaxpipe.sharding.mesh_axes import MeshAxes
 #: the primitive of jax.lax.with_sharding_constraint (private in JAX)
 _CONSTRAINT = sharding_constraint_p()
 
-__all__ = ["constraint_axes", "entering", "for_context", "leaving", "sharded_batch_error",
-           "stage_as_fun", "typed_axes", "without_constrained_batch_axes"]
+__all__ = ["constraint_axes", "entering", "explicit_batch_axes_automatic", "for_context",
+           "leaving", "stage_as_fun", "without_constrained_batch_axes"]
 
 
 def _spec_axes(spec: Any) -> set[str]:
@@ -78,46 +78,23 @@ def without_constrained_batch_axes(mesh_axes: MeshAxes, jaxpr: Jaxpr,
                     mesh_axes.param_axes)
 
 
-def typed_axes(jaxpr: Jaxpr) -> frozenset[str]:
-    """The mesh axes the types of ``jaxpr``'s values (and its sub-jaxprs') are sharded
-    over: on Explicit axes, what ``out_sharding=``, ``reshard`` and constraints name."""
-    out: set[str] = set()
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            spec = getattr(getattr(v.aval, "sharding", None), "spec", None)
-            out |= _spec_axes(spec) if spec is not None else set()
-        for sub in sub_jaxprs(eqn.params):
-            out |= typed_axes(sub)
-    return frozenset(out)
+def explicit_batch_axes_automatic(mesh: Mesh, mesh_axes: MeshAxes) -> MeshAxes | None:
+    """``mesh_axes`` with the manual batch axes of type Explicit left to JAX's sharding
+    inside the stages (automatic batch axes, as FSDP's), or ``None`` without such axes.
 
-
-def sharded_batch_error(mesh: Mesh, mesh_axes: MeshAxes, retrace: Callable[[MeshAxes], Any],
-                        err: BaseException) -> PipelineError | None:
-    """Why tracing the loss on one shard of the manual batch axes raised ``err``, when
-    that is a model sharding its values over those axes on Explicit axes (a stage sees
-    one shard's rows; ``out_sharding=P('data')`` of one row fails): traced again on the
-    whole microbatch (``retrace(mesh_axes)``), it names them. ``None`` otherwise."""
-    explicit = [a for a in mesh_axes.manual_batch_axes
-                if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit]
+    On Explicit axes a model may shard its own values over a batch axis
+    (``out_sharding=P('data')``, ``reshard``, a constraint, which there asserts the
+    type): traced on one shard of the rows, as the program splits a manual batch axis,
+    that fails (one row cannot be split over 'data'; an assert sees no 'data' in the
+    batch's type). Over an automatic batch axis a stage sees the whole microbatch, its
+    rows typed split over the axis, as the model was written for."""
+    explicit = tuple(a for a in mesh_axes.manual_batch_axes
+                     if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit)
     if not explicit:
         return None
-    try:
-        traced = retrace(MeshAxes(mesh_axes.axis, tuple(
-            a for a in mesh_axes.batch_axes if a not in explicit), mesh_axes.param_axes))
-    except Exception:
-        return None
-    named = tuple(a for a in explicit if a in typed_axes(traced.jaxpr))
-    if not named:
-        return None
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return PipelineError(
-        f"the model shards its values over mesh axes {named} (out_sharding=, reshard or "
-        "a sharding constraint, on Explicit axes), which the batch is split over: the "
-        "program splits every microbatch over them by hand, so a stage sees one shard's "
-        f"rows, and tracing the loss on them failed ({type(err).__name__}: {first}). Drop "
-        "these axes from the model's shardings (the pipeline splits the batch over them "
-        "itself), or shard a parameter over them too (FSDP: such an axis is left to "
-        "JAX's sharding inside the stages).")
+    auto = set(mesh_axes.param_axes) | set(explicit)
+    return MeshAxes(mesh_axes.axis, mesh_axes.batch_axes,
+                    tuple(a for a in mesh.axis_names if a in auto))
 
 
 def _target(m: Any, names: tuple, types: tuple) -> tuple | None:

@@ -134,7 +134,9 @@ class MeshAxes:
     Attributes:
       axis: the pipe axis.
       batch_axes: axes the batch is split over (gradients averaged over them).
-      param_axes: axes some parameter is sharded over (in mesh order).
+      param_axes: axes left to JAX's sharding inside the stages (in mesh order): those
+        some parameter is sharded over, and batch axes a model on Explicit axes shards
+        its own values over (:func:`~jaxpipe.sharding.constraints.explicit_batch_axes_automatic`).
     """
 
     axis: str
