@@ -3,6 +3,7 @@ compile their own steps, never change which optimizer a state trains with."""
 
 import dataclasses
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from models import MODELS, reference
 
 import jaxpipe as jp
+from jaxpipe.compile_watch import RecompileWarning
 
 M = 4
 
@@ -201,9 +203,13 @@ def test_evaluate_train_evaluate_in_a_training_loops_order(runtime, has_aux, ord
     loop calls them, on every runtime, with and without aux: the evaluation program built
     inside the first loss call's trace once leaked its tick tables into later calls
     (UnexpectedTracerError); every value equals the reference's at that point of
-    training."""
+    training. No entry point compiles twice (the state's parameters, P(None,), came back
+    under another name for the replicated sharding than the user's, P(), and
+    value_and_grad compiled again)."""
     from jaxpipe.runtime.reference import ReferenceRuntime
     from jaxpipe.runtime.spmd import SpmdRuntime
+
+    warnings.simplefilter("error", RecompileWarning)
 
     # the lanes program needs stages of one body: two tiny_lm blocks a stage
     loss_fn, params, batch = (MODELS["tiny_lm"](4, batch=8) if runtime == "lanes"

@@ -106,7 +106,11 @@ class Placement:
         if any(self.param_shardings):
             return [self.put(x, s or self.replicated, f"params{p}")
                     for x, s, p in zip(leaves, self.param_shardings, paths, strict=True)]
-        return [x if self.on_mesh(x) else self.put(x, self.replicated, f"params{p}")
+        # a leaf on the mesh keeps its sharding, but a replicated one under another name
+        # (P(None,) for P()) is named as the first call's was: jit would compile again
+        return [x if self.on_mesh(x) and not x.sharding.is_equivalent_to(
+                    self.replicated, np.ndim(x))
+                else self.put(x, self.replicated, f"params{p}")
                 for x, p in zip(leaves, paths, strict=True)]
 
     def batch_leaves(self, leaves: list, paths: list[str]) -> list:
