@@ -261,34 +261,51 @@ _LIFTS = {"remat": nnx.remat, "jit": nnx.jit}
 
 
 class LiftedNet(nnx.Module):
-    """Blocks called through an nnx lifted transform, the markers outside it."""
+    """Blocks called through an nnx lifted transform, the markers outside it; ``scanned``:
+    the blocks stacked (nnx.vmap) and run by nnx.scan, the transform inside its body (as
+    flax's docs remat a scanned block)."""
 
-    def __init__(self, lift: str, bump: bool = False, *, rngs: nnx.Rngs):
-        self.blocks = nnx.List([NnxBlock(8, rngs=rngs) for _ in range(4)])
-        self.lift, self.bump = lift, bump
+    def __init__(self, lift: str, bump: bool = False, scanned: bool = False, *,
+                 rngs: nnx.Rngs):
+        if scanned:
+            @nnx.split_rngs(splits=4)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return NnxBlock(8, rngs=rngs)
+            self.blocks = make(rngs)
+        else:
+            self.blocks = nnx.List([NnxBlock(8, rngs=rngs) for _ in range(4)])
+        self.lift, self.bump, self.scanned = lift, bump, scanned
 
     def __call__(self, x):
         def call(block, x):
             if self.bump:  # an update the pipeline would lose, made inside the transform
                 block.linear.bias[...] = block.linear.bias[...] + 1.0
             return block(x)
+        if self.scanned:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def step(x, block):
+                return jp.boundary(_LIFTS[self.lift](call)(block, x))
+            return step(x, self.blocks)
         for b in self.blocks:
             x = jp.boundary(_LIFTS[self.lift](call)(b, x))
         return x
 
 
+@pytest.mark.parametrize("scanned", [False, True], ids=["list", "nnx.scan"])
 @pytest.mark.parametrize("lift", sorted(_LIFTS))
-def test_nnx_lifted_transforms_in_the_model_pipeline(lift):
+def test_nnx_lifted_transforms_in_the_model_pipeline(lift, scanned):
     """nnx.remat / nnx.jit write every variable back into the model (new tracers, same
-    values): that is not an update, and the pipeline gives nnx.value_and_grad's loss and
-    gradients (it was refused as 'assigns to the parameter'); an assignment made inside
-    the transform still is refused."""
+    values), inside nnx.scan too (the stacked blocks it returns): that is not an update,
+    and the pipeline gives nnx.value_and_grad's loss and gradients (it was refused as
+    'assigns to the parameter'); an assignment made inside the transform still is
+    refused."""
     def loss(model, mb):
         return jnp.mean((model(mb["x"]) - mb["y"]) ** 2)
 
     rng = np.random.default_rng(0)
     batch = {k: rng.normal(size=(16, 8)).astype(np.float32) for k in ("x", "y")}
-    model = LiftedNet(lift, rngs=nnx.Rngs(0))
+    model = LiftedNet(lift, scanned=scanned, rngs=nnx.Rngs(0))
     pipe = jp.flax.pipeline(model, loss, batch, mesh=_mesh(4), schedule=jp.OneFOneB(4, 4))
     got_loss, got = pipe.value_and_grad(model, batch)
     mbs = [jax.tree.map(lambda x, i=i: x[4 * i:4 * (i + 1)], batch) for i in range(4)]
@@ -297,8 +314,8 @@ def test_nnx_lifted_transforms_in_the_model_pipeline(lift):
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL)
     _assert_trees_close(got, nnx.to_pure_dict(want))
     with pytest.raises(jp.PipelineError, match=r"assigns to the parameter .*bias"):
-        jp.flax.pipeline(LiftedNet(lift, bump=True, rngs=nnx.Rngs(0)), loss, batch,
-                         mesh=_mesh(4), schedule=jp.OneFOneB(4, 4))
+        jp.flax.pipeline(LiftedNet(lift, bump=True, scanned=scanned, rngs=nnx.Rngs(0)),
+                         loss, batch, mesh=_mesh(4), schedule=jp.OneFOneB(4, 4))
 
 
 @pytest.mark.parametrize("sched,p", CASES[2:])

@@ -72,31 +72,37 @@ CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "remat",
 def forwarded_outputs(closed: jcore.ClosedJaxpr) -> list[int | None]:
     """Per output of ``closed``: the input it returns unchanged, or ``None``.
 
-    Seen through calls (``jit``, ``jax.checkpoint``): a value a call passes through comes
-    out as a new variable, so flax nnx's lifted transforms (``nnx.jit``, ``nnx.remat``),
-    which write their outputs back into a model's variables, look like updates to every
-    variable; evaluated again with the calls inlined, it is its input again."""
-    import jax
+    Seen through calls (``jit``, ``jax.checkpoint``) and scans: a value a call passes
+    through comes out as a new variable, so flax nnx's lifted transforms (``nnx.jit``,
+    ``nnx.remat``), which write their outputs back into a model's variables, look like
+    updates to every variable; so do the stacked blocks ``nnx.scan`` returns (its body's
+    outputs, those of such a call inside it). Followed through the equations, each is
+    its input again."""
+    return _forwarded(closed.jaxpr)
 
-    found: list[int | None] = []
 
-    def inline(eqn: Any, invals: list[Any]) -> Sequence[Any] | None:
-        if eqn.primitive.name not in CALLS:
-            return None
+def _forwarded(jaxpr: jcore.Jaxpr) -> list[int | None]:
+    source: dict = {v: i for i, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        for out, k in zip(eqn.outvars, _passes(eqn), strict=True):
+            x = eqn.invars[k] if k is not None else None
+            if isinstance(x, jcore.Var) and x in source:
+                source[out] = source[x]
+    return [source.get(v) if isinstance(v, jcore.Var) else None for v in jaxpr.outvars]
+
+
+def _passes(eqn: Any) -> list[int | None]:
+    """Per output of ``eqn``: the input it is unchanged, or ``None``."""
+    name = eqn.primitive.name
+    if name in CALLS:
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-        return run(getattr(inner, "jaxpr", inner), getattr(inner, "consts", []), invals)
-
-    def run(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        eval_eqns(jaxpr.eqns, env, override=inline)
-        return [read(env, v) for v in jaxpr.outvars]
-
-    def outer(*args: Any) -> list[Any]:
-        outs = run(closed.jaxpr, closed.consts, args)
-        position = {id(a): i for i, a in enumerate(args)}
-        found.extend(position.get(id(o)) for o in outs)
-        return outs
-
-    jax.make_jaxpr(outer)(*closed.in_avals)
-    return found
+        return _forwarded(getattr(inner, "jaxpr", inner))
+    if name == "scan":
+        nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+        body = _forwarded(eqn.params["jaxpr"].jaxpr)
+        # a carry is unchanged when the body returns it in its place; a y is the
+        # stacked x the body returns as it is
+        carry = [i if i == nc + k else None for k, i in enumerate(body[:nk])]
+        ys = [i if i is not None and i >= nc + nk else None for i in body[nk:]]
+        return carry + ys
+    return [None] * len(eqn.outvars)
