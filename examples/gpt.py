@@ -2,7 +2,7 @@
 
     python examples/gpt.py                      # 4 virtual CPU devices, 1F1B, auto cut
     python examples/gpt.py --schedule gpipe --microbatches 8
-    python examples/gpt.py --schedule schedules/zb.py:ZeroBubbleH1
+    python examples/gpt.py --schedule schedules/zero_bubble.py:ZeroBubbleH1
     python examples/gpt.py --plain              # same model, plain single-device JAX
     python examples/gpt.py --scan-layers        # the blocks as one nnx.scan over stacked weights
     python examples/gpt.py --mesh pipe=2,fsdp=2,tp=2     # + FSDP and tensor parallelism

@@ -93,7 +93,10 @@ def initialize(
        i.e. ``jax.distributed.initialize()`` with no arguments.
 
     If none applies the script runs single-process and this returns ``False`` (set
-    ``require=True`` to raise instead). Call it before any other JAX call.
+    ``require=True`` to raise instead). Call it before any other JAX call. Under the
+    launcher, an uncaught exception ends the process at once (exit code 1) rather than
+    in JAX's shutdown barrier, which waits for processes still inside a collective; the
+    launcher then stops the others.
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordination service.
@@ -123,6 +126,7 @@ def initialize(
     if _already_initialized():
         return True
     env = os.environ
+    launched = process_id is None and ENV_PROCESS_ID in env  # by python -m jaxpipe.launch
     if coordinator_address is None and ENV_COORDINATOR in env:
         coordinator_address = env[ENV_COORDINATOR]
     if num_processes is None and ENV_NUM_PROCESSES in env:
@@ -162,10 +166,30 @@ def initialize(
     if heartbeat_timeout is not None:
         kwargs["heartbeat_timeout_seconds"] = heartbeat_timeout
     jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+    if launched:
+        _exit_on_uncaught()
     if transport_threads == "idle" and jax.config.jax_cpu_collectives_implementation == "gloo":
         # (starting the backend here; an accelerator host's is left alone)
         idle_transport_threads(lambda: jax.default_backend() == "cpu")
     return True
+
+
+def _exit_on_uncaught() -> None:
+    """Under ``python -m jaxpipe.launch``: an uncaught exception ends the process at once
+    (its traceback printed, exit code 1). Otherwise JAX's shutdown barrier waits for the
+    processes still inside a collective, minutes, before the launcher sees any exit and
+    stops them."""
+    import sys
+
+    hook = sys.excepthook
+
+    def excepthook(kind: type, value: BaseException, tb: Any) -> None:
+        hook(kind, value, tb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = excepthook
 
 
 def _already_initialized() -> bool:
@@ -223,8 +247,9 @@ def global_batch(local_batch: Any, mesh, *, axis: str = "pipe",
 def replicate(tree: Any, mesh) -> Any:
     """Place a pytree replicated on every device of ``mesh`` (e.g. initial parameters).
 
-    Every process must pass the same values (e.g. the same ``jax.random.key`` seed);
-    use :func:`check_consistent` or ``multihost_utils.assert_equal`` if unsure.
+    Every process must pass the same values (e.g. the same ``jax.random.key`` seed):
+    nothing compares them (:func:`check_consistent` compares shapes and the program,
+    not values); use ``jax.experimental.multihost_utils.assert_equal`` if unsure.
     """
     import jax
     from jax.sharding import NamedSharding
@@ -261,9 +286,11 @@ def config_summary(pipe) -> dict[str, Any]:
     """A JSON-able summary of everything that must agree across processes.
 
     ``pipe.inspect.fingerprint()``: schedule (class, p, m, v, every device's action
-    list), cut, mesh shape and axis names, parameter and microbatch shapes/dtypes, and
-    the executor's digests (for SPMD, of the lowered tick table: what the compiled
-    program's collectives depend on). ``pipe``: a pipeline (or its ``pipe.inspect``).
+    list), cut, mesh shape and axis names, parameter and microbatch shapes/dtypes, what
+    the loss returns (the reduction, ``has_aux`` and the shapes of its outputs: the
+    program's final reductions move them), and the executor's digests (for SPMD, of the
+    lowered tick table: what the compiled program's collectives depend on). ``pipe``: a
+    pipeline (or its ``pipe.inspect``).
     """
     pipe = getattr(pipe, "inspect", pipe)  # what a built pipeline holds
     sched = pipe.schedule
@@ -282,6 +309,9 @@ def config_summary(pipe) -> dict[str, Any]:
         "params": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[:n]],
         "params_tree_sha256": _sha(str(pipe.traced.params_treedef)),
         "microbatch": [f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in avals[n:]],
+        "loss": {"reduction": pipe.objective.reduction, "has_aux": pipe.objective.has_aux,
+                 "outputs": [f"{tuple(a.shape)}:{a.dtype}"
+                             for a in pipe.traced.closed_jaxpr.out_avals]},
         "runtime": pipe.runtime.name,
         # only when used, so pipelines without them keep their fingerprint
         **({"batch_axes": list(pipe.batch_axes),

@@ -175,6 +175,26 @@ def test_launcher_stops_all_on_first_failure(tmp_path):
     assert elapsed < 30
 
 
+def test_an_exception_in_one_process_stops_the_run_at_once(tmp_path):
+    """Process 1 raises while process 0 waits in a collective: process 1 exits at once
+    with code 1 (not minutes later, from JAX's shutdown barrier, after process 0 gave
+    up) and the launcher stops process 0 and returns that code."""
+    script = _script(tmp_path, """
+        import jax
+        from jaxpipe import distributed as jpd
+        jpd.initialize()
+        from jax.experimental import multihost_utils
+        if jax.process_index() == 1:
+            raise ValueError("boom in process 1")
+        multihost_utils.sync_global_devices("never")
+    """)
+    rc, log, elapsed = _launch(script, devices=1, timeout=100, run_timeout=120)
+    assert rc == 1, log
+    assert "ValueError: boom in process 1" in log, log
+    assert "[launch] process 1 exited with code 1" in log, log
+    assert elapsed < 60, log
+
+
 def test_launcher_timeout_kills_everything(tmp_path):
     script = _script(tmp_path, """
         import time
@@ -258,6 +278,36 @@ def test_single_process_helpers():
     np.testing.assert_array_equal(jpd.fetch(b)["x"], np.arange(8.0).reshape(4, 2))
     if os.environ.get(jpd.ENV_NUM_PROCESSES) is None:
         assert jax.process_count() == 1
+
+
+def test_the_config_summary_covers_what_the_loss_returns():
+    """check_consistent compares config_summary across processes: pipelines differing
+    only in has_aux, the aux leaves or the reduction differ there (two processes that
+    disagreed on them crashed in gloo or hung, or each reported another loss)."""
+    import jaxpipe as jp
+
+    w = [jnp.eye(4) for _ in range(2)]
+    batch = {"x": jnp.ones((8, 4))}
+
+    def loss(p, b, aux=0):
+        h = jp.boundary(jnp.tanh(b["x"] @ p[0])) @ p[1]
+        value = jnp.mean(h ** 2)
+        return (value, {"h": h[:, :aux]}) if aux else value
+
+    mesh = jax.make_mesh((2,), ("pipe",), devices=jax.devices()[:2])
+
+    def summary(fn, **kw):
+        pipe = jp.pipeline(fn, w, batch, mesh=mesh, schedule=jp.GPipe(2, 2), cut="markers",
+                           **kw)
+        return jpd.config_summary(pipe)
+
+    plain = summary(loss)
+    summaries = [summary(lambda p, b: loss(p, b, 1), has_aux=True),
+                 summary(lambda p, b: loss(p, b, 2), has_aux=True),
+                 summary(loss, reduction="sum")]
+    for other in summaries:
+        assert {k for k in plain if plain[k] != other[k]} == {"loss"}
+    assert summaries[0]["loss"] != summaries[1]["loss"]
 
 
 def test_overlap_probe_runs(tmp_path):
