@@ -238,6 +238,27 @@ def test_dropout_with_aux_matches_the_reference_runtime():
         _check(r, results[0])
 
 
+def test_a_key_in_aux_comes_back_a_key():
+    """A PRNG key among the aux leaves crosses the program as its key data; it comes back
+    a key (stacked over microbatches) from value_and_grad and train_step, as
+    jax.value_and_grad returns it, not as uint32 key data."""
+    params, batch = _lm(2)
+
+    def loss_fn(p, mb):
+        nll, _ = _nll(p, mb)
+        return jnp.mean(nll), {"key": jax.random.fold_in(jax.random.key(0), mb["tokens"][0, 0])}
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=jp.OneFOneB(2, M), cut="markers", has_aux=True)
+    (_, aux), _ = pipe.value_and_grad(params, batch)
+    want = jnp.stack([jax.random.key_data(loss_fn(params, mb)[1]["key"])
+                      for mb in _microbatches(batch)])
+    assert jax.dtypes.issubdtype(aux["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(aux["key"]), want)
+    _, metrics = pipe.train_step(pipe.init(params, optax.sgd(0.1)), batch)
+    np.testing.assert_array_equal(jax.random.key_data(metrics["aux"]["key"]), want)
+
+
 def test_constant_loss_has_a_zero_gradient():
     """A loss function returning a constant while the model is being written pipelines,
     with a zero gradient (it crashed inside the stage splitter)."""

@@ -48,7 +48,7 @@ from jaxpipe.api.reports import InternalsReports
 from jaxpipe.build_times import BuildTimes
 from jaxpipe.compile_watch import CompileWatch
 from jaxpipe.errors import PipelineError, PipelineTypeError
-from jaxpipe.jaxpr.avals import to_boundary
+from jaxpipe.jaxpr.avals import from_boundary, to_boundary
 from jaxpipe.jaxpr.objective import Objective
 from jaxpipe.jaxpr.trace import Traced, microbatch_like, trace_shard
 from jaxpipe.runtime import Executor, Runtime, resolve
@@ -324,7 +324,13 @@ class Internals(InternalsReports):
         """``loss``, or ``(loss, aux)`` with ``has_aux`` (aux as the user's pytree)."""
         if not self.objective.has_aux:
             return loss
-        return loss, jax.tree.unflatten(self.objective.aux_treedef, aux)
+        return loss, self.aux_tree(aux)
+
+    def aux_tree(self, aux: list) -> Any:
+        """A runtime's aux leaves as the user's pytree (a key leaf came back as its key
+        data, stacked over microbatches: a key again)."""
+        aux = [from_boundary(x, a) for x, a in zip(aux, self.objective.aux_avals, strict=True)]
+        return jax.tree.unflatten(self.objective.aux_treedef, aux)
 
     def _value_and_grad(self, params: Any, batch: Any, key: Any = None
                         ) -> tuple[Any, Any]:

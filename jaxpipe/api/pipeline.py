@@ -203,7 +203,7 @@ class Pipeline:
         state, metrics = state.trainer.step(state, batch, key)
         aux = metrics.pop("aux", [])
         if it.objective.has_aux:
-            metrics["aux"] = jax.tree.unflatten(it.objective.aux_treedef, aux)
+            metrics["aux"] = it.aux_tree(aux)
         return state, metrics
 
     def params(self, state: TrainState) -> Any:
