@@ -239,6 +239,21 @@ def test_non_scalar_loss(fn, what):
         build(loss_fn=fn)
 
 
+def test_python_control_flow_on_the_batch_names_the_users_loss():
+    """A loss branching in Python on a batch value is refused by JAX; the error points at
+    the user's loss and names the argument, as jax.jit's does (it named jaxpipe's
+    tracing helper and 'argument leaves[5]')."""
+    def branchy(params, mb):
+        if jnp.mean(mb["x"]) > 0:
+            return loss_fn(params, mb)
+        return 2 * loss_fn(params, mb)
+
+    with pytest.raises(jax.errors.TracerBoolConversionError,
+                       match=r"tracing the function branchy at .*test_bad_inputs\.py.*"
+                             r"argument mb\['x'\]"):
+        build(loss_fn=branchy)
+
+
 def test_loss_not_float():
     with pytest.raises(jp.PipelineError, match=r"floating-point scalar, got dtype int32.*astype"):
         build(loss_fn=lambda p, b: jnp.sum(b["x"] @ p["w"][0] > 0))

@@ -15,6 +15,7 @@ there and raise a clear error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -220,9 +221,10 @@ def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any,
     b_leaves, b_tree = jax.tree.flatten(microbatch)
     aux_tree: list = []
 
-    def flat_loss(*leaves):
-        p = jax.tree.unflatten(p_tree, leaves[: len(p_leaves)])
-        b = jax.tree.unflatten(b_tree, leaves[len(p_leaves):])
+    # traced on the two pytrees, as loss_fn (its name, file and argument names): JAX's
+    # errors then point at the user's loss and name "argument batch['x']", not ours
+    @functools.wraps(loss_fn)
+    def flat_loss(p: Any, b: Any) -> list:
         main, aux = split_output(loss_fn(p, b), objective)
         aux_leaves, tree = jax.tree.flatten(aux)
         aux_tree.append(tree)
@@ -232,7 +234,8 @@ def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any,
                  + list(batch_shardings or [None] * len(b_leaves)))
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sh)
              for x, sh in zip(p_leaves + b_leaves, shardings, strict=True)]
-    raw = jax.make_jaxpr(flat_loss)(*avals)
+    raw = jax.make_jaxpr(flat_loss)(jax.tree.unflatten(p_tree, avals[:len(p_leaves)]),
+                                    jax.tree.unflatten(b_tree, avals[len(p_leaves):]))
     if any(isinstance(v, jcore.Literal) for v in raw.jaxpr.outvars):
         # a constant output (``return 0.0`` while the model is being written): an equation
         # of its own, so the stages see a value (whose gradient is zero)
