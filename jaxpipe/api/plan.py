@@ -128,8 +128,10 @@ class Plan:
             lines.append(self.lowered)
         if self.build_times is not None:
             lines.append(str(self.build_times))
-        lines.append("remat: recomputation policy per stage; recomp: recomputed FLOPs / stage "
-                     "forward; memory: the stage's predicted bytes")
+        lines.append("in-flight: residual sets (one a microbatch) the stage holds at its "
+                     "device's peak (several stages a device share the device's peak: "
+                     "fractions); remat: recomputation policy per stage; recomp: recomputed "
+                     "FLOPs / stage forward; memory: the stage's predicted bytes")
         return "\n".join(lines)
 
     __repr__ = __str__
