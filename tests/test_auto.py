@@ -74,6 +74,8 @@ def test_auto_under_a_budget_and_by_memory():
     (lambda: jp.Auto(microbatches=5), r"does not divide the batch's 16 rows"),
     (lambda: jp.Auto(num_devices=4), r"num_devices=4.*has 2 devices"),
     (lambda: jp.Auto(families=(int,)), "Schedule subclasses"),
+    (lambda: jp.Auto(families=("gpipe", "gpipe")), "names a family twice"),
+    (lambda: jp.Auto(num_devices=0), r"num_devices=\.\.\.\) must be a positive int"),
 ])
 def test_bad_auto_options_name_the_fix(auto, match):
     with pytest.raises(jp.PipelineError, match=match):

@@ -96,6 +96,14 @@ class Auto:
                                                and issubclass(f, Schedule)):
                 raise PipelineError(f"Auto(families=...) holds {f!r}: give family names or "
                                     "Schedule subclasses constructible as cls(p, m).")
+        if len(set(self.families)) != len(self.families):
+            raise PipelineError(f"Auto(families=...) names a family twice: "
+                                f"{self.families!r}; name each once.")
+        if self.num_devices is not None and (
+                isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int)
+                or self.num_devices < 1):
+            raise PipelineError(f"Auto(num_devices=...) must be a positive int (the pipe "
+                                f"size) or None (the mesh's), got {self.num_devices!r}.")
         if self.microbatches not in (None, "auto") and (
                 isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int)
                 or self.microbatches < 1):
