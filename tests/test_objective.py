@@ -107,6 +107,59 @@ def test_weighted_loss_with_aux_and_evaluation(runtime, sched):
     _check(((loss, aux), expected[1]), expected)
 
 
+@jax.custom_vjp
+def _clip_gradient(x):  # JAX's custom_vjp docs' example: its backward is not linear
+    return x
+
+
+_clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1e-2, 1e-2),))
+
+
+@pytest.mark.parametrize("runtime", ["reference", "cpu", "gpu"])
+def test_weighted_gradient_through_a_nonlinear_custom_vjp(runtime):
+    """A weight the batch alone gives (a token count) is totalled before the backward and
+    each microbatch's loss seeded with 1 / total, as jax.value_and_grad of the quotient
+    is: a custom_vjp clipping its cotangent then sees what it sees unpipelined (seeded
+    with 1 and divided at the end, the gradients before the clip were 0.95 off). A
+    weight a parameter enters is still divided at the end, exact for linear rules."""
+    from jaxpipe.jaxpr.trace import batch_weight
+
+    def loss_fn(p, b):
+        h = jp.boundary(jnp.tanh(b["x"] @ p[0]))
+        h = jp.boundary(_clip_gradient(jnp.tanh(h @ p[1])))
+        err = jnp.sum((h @ p[2] - b["y"]) ** 2, -1) * b["m"]
+        return jnp.sum(err), jnp.sum(b["m"])
+
+    k = jax.random.split(jax.random.key(0), 5)
+    params = [jax.random.normal(k[i], (16, 16)) / 3 for i in range(3)]
+    batch = {"x": jax.random.normal(k[3], (32, 16)), "y": jax.random.normal(k[4], (32, 16)),
+             "m": (jnp.arange(32) % 3 > 0).astype(jnp.float32)}
+
+    def quotient(p, fn=loss_fn):
+        outs = [fn(p, jax.tree.map(lambda a, i=i: a[i * 8:(i + 1) * 8], batch))
+                for i in range(M)]
+        return sum(o[0] for o in outs) / sum(o[1] for o in outs)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=jp.OneFOneB(2, M), cut="markers", reduction="weighted",
+                       runtime=RUNTIMES[runtime])
+    assert pipe.inspect.executor.spec.batch_weight is not None
+    assert_matches(pipe.value_and_grad(params, batch),
+                   jax.jit(jax.value_and_grad(quotient))(params))
+    if runtime == "reference":  # a weight a parameter enters: divided at the end
+        def linear(p, b):
+            h = jp.boundary(jnp.tanh(b["x"] @ p[0]))
+            err = jnp.sum((h @ p[2] - b["y"]) ** 2, -1) * b["m"]
+            return jnp.sum(err), jnp.sum(b["m"]) + 1e-3 * jax.lax.stop_gradient(p[1][0, 0])
+
+        other = jp.pipeline(linear, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                            schedule=jp.OneFOneB(2, M), cut="markers", reduction="weighted",
+                            runtime="reference")
+        assert batch_weight(other.inspect.traced) is None
+        assert_matches(other.value_and_grad(params, batch),
+                       jax.value_and_grad(lambda p: quotient(p, linear))(params))
+
+
 def test_evaluation_runs_forward_actions_only():
     """pipe.loss lowers the schedule's forward actions (each device's in its order): no
     backward, no stored residual, and its compiled program holds less than value_and_grad's."""

@@ -28,12 +28,13 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
+from jaxpipe.jaxpr.avals import is_key
 from jaxpipe.jaxpr.interpret import CALLS, eval_eqns, read
 from jaxpipe.jaxpr.markers import boundary_p
 from jaxpipe.jaxpr.objective import MEAN, Objective
 
-__all__ = ["Traced", "trace", "trace_shard", "segments", "split_output", "microbatch_like",
-           "with_key"]
+__all__ = ["Traced", "batch_weight", "trace", "trace_shard", "segments", "split_output",
+           "microbatch_like", "with_key"]
 
 # Call bodies holding markers are inlined (interpret.CALLS), so the markers become cuttable;
 # a ``jax.checkpoint``'s (``remat2``; older releases' names too) keeps its recomputation:
@@ -60,6 +61,35 @@ class Traced:
     @property
     def num_batch(self) -> int:
         return len(self.jaxpr.invars) - self.num_params
+
+
+def batch_weight(traced: Traced) -> jcore.ClosedJaxpr | None:
+    """With ``reduction="weighted"``, the weight as a function of the microbatch leaves
+    alone (``traced``'s batch inputs, one microbatch) when no parameter enters it (a
+    token count): a runtime then has the total weight before any backward and seeds each
+    microbatch's loss with ``1 / total``, as ``jax.value_and_grad`` of the quotient
+    does, rather than dividing the summed gradients at the end (which a ``custom_vjp``
+    nonlinear in its cotangent, one clipping the gradient, tells apart). ``None`` where a
+    parameter, a key-typed leaf or a cut marker enters it."""
+    if not traced.objective.weighted:
+        return None
+    jaxpr = traced.jaxpr
+    want = jaxpr.outvars[1]
+    if not isinstance(want, jcore.Var):
+        return None
+    needed, eqns = {want}, []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            if _holds_marker(eqn):
+                return None
+            eqns.append(eqn)
+            needed |= {v for v in eqn.invars if isinstance(v, jcore.Var)}
+    params = set(jaxpr.invars[:traced.num_params])
+    batch = jaxpr.invars[traced.num_params:]
+    if needed & params or any(is_key(v.aval) for v in batch if v in needed):
+        return None
+    sliced = jaxpr.replace(invars=list(batch), outvars=[want], eqns=eqns[::-1])
+    return jcore.ClosedJaxpr(sliced, traced.closed_jaxpr.consts)
 
 
 def _has_marker(jaxpr) -> bool:

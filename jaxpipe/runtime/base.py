@@ -79,6 +79,11 @@ class RuntimeSpec:
       objective: what the loss function returns and how the pipeline reduces it
         (:class:`jaxpipe.jaxpr.objective.Objective`: the last stage outputs the loss, then the
         weight and aux leaves; every runtime reduces them alike).
+      batch_weight: with ``reduction="weighted"``, the weight as a ``ClosedJaxpr`` of one
+        microbatch's batch leaves where no parameter enters it
+        (:func:`jaxpipe.jaxpr.trace.batch_weight`): a runtime totals it before the
+        backward and seeds each microbatch's loss with ``1 / total``; ``None``: it
+        divides the summed gradients by the total at the end.
     """
 
     stages: tuple[StageFn, ...]
@@ -95,6 +100,7 @@ class RuntimeSpec:
     param_axes: tuple[str, ...] = ()
     action_cost: Callable[[Action], float] | None = None
     objective: Objective = MEAN
+    batch_weight: Any = None
 
     @property
     def mesh_axes(self) -> MeshAxes:

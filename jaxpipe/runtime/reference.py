@@ -32,6 +32,7 @@ __all__ = ["ReferenceExecutor", "ReferenceRuntime", "reduce_shards", "run_refere
 def run_reference(
     stages: list[StageFn], schedule: Schedule, param_leaves: list, batch_mb: list,
     objective: Objective = MEAN, forward_only: bool = False, reduce: bool = True,
+    total: jax.Array | None = None,
 ) -> tuple[jax.Array, list, list, list[int]]:
     """Run ``schedule`` on ``stages``; ``batch_mb`` leaves are shaped ``[m, microbatch, ...]``.
 
@@ -41,7 +42,9 @@ def run_reference(
     only (:class:`~jaxpipe.schedule.forward.ForwardOnly`); no gradients (``[]``).
     ``reduce=False``: the sum of the microbatches' losses, the weight leaf (if any) among
     the stacked outputs and the gradients not divided by the total weight (data shards
-    run one by one are reduced together: :func:`reduce_shards`).
+    run one by one are reduced together: :func:`reduce_shards`). ``total``: a weighted
+    loss's total weight, known before the run (``RuntimeSpec.batch_weight``): each loss
+    is seeded with ``1 / total`` and the gradients are not divided at the end.
     """
     m = schedule.num_microbatches
     run = ForwardOnly(schedule) if forward_only else schedule
@@ -72,8 +75,8 @@ def run_reference(
         key = (a.stage, a.microbatch)
         params = [param_leaves[i] for i in st.param_ids]
         batch = [batch_mb[i][a.microbatch] for i in st.batch_ids]
-        ct = ([jnp.full((), objective.seed(m), st.out_avals[0].dtype)] if st.is_last
-              else None)
+        seed = objective.seed(m) if total is None else 1.0 / total
+        ct = [jnp.asarray(seed, st.out_avals[0].dtype)] if st.is_last else None
         if a.kind == "F":
             outs = fns[a.stage]["fwd"](*params, *batch, *acts.pop(key, []))
             n = len(st.out_avals)
@@ -106,9 +109,11 @@ def run_reference(
     assert not res and not acts and not cts, "schedule left work undone"
     rows = [jnp.stack([extras[i][k] for i in range(m)]) for k in range(len(extras[0]))]
     if reduce and objective.weighted:
+        seeded = total is not None
         total = jnp.sum(rows[0].astype(jnp.float32))
         loss, rows = loss / total, rows[1:]
-        grads = [(g / total.astype(g.dtype)).astype(g.dtype) for g in grads]
+        if not seeded:
+            grads = [(g / total.astype(g.dtype)).astype(g.dtype) for g in grads]
     elif reduce and objective.reduction == "mean":
         loss = loss / m
     # residual sets live from F to the last backward action, counted in execution order
@@ -119,17 +124,19 @@ def run_reference(
     return loss, rows, [] if forward_only else grads, peaks
 
 
-def reduce_shards(runs: list[tuple[jax.Array, list, list]], objective: Objective, m: int
-                  ) -> tuple[jax.Array, list, list]:
+def reduce_shards(runs: list[tuple[jax.Array, list, list]], objective: Objective, m: int,
+                  seeded: bool = False) -> tuple[jax.Array, list, list]:
     """``(loss, aux leaves, gradients)`` of the data shards' unreduced runs (``run_reference(
     ..., reduce=False)``, one a shard in mesh order), reduced as the SPMD program reduces
-    over its manual batch axes: a weighted loss is the quotient of the shards' totals,
-    a mean or sum the mean of the shards' values; an aux leaf is ``[m, shards, *shape]``."""
+    over its manual batch axes: a weighted loss is the quotient of the shards' totals
+    (``seeded``: the runs were seeded with ``1 / total``; their gradients are summed, not
+    divided), a mean or sum the mean of the shards' values; an aux leaf is ``[m, shards,
+    *shape]``."""
     losses, rows, grads = zip(*runs, strict=True)
     rows = [jnp.stack(r, axis=1) for r in zip(*rows, strict=True)]
     if objective.weighted:
         total = jnp.sum(rows[0].astype(jnp.float32))
-        grads = [(sum(g) / total.astype(g[0].dtype)).astype(g[0].dtype)
+        grads = [(sum(g) / (1 if seeded else total.astype(g[0].dtype))).astype(g[0].dtype)
                  for g in zip(*grads, strict=True)]
         return sum(losses) / total, rows[1:], grads
     loss = sum(losses) / len(losses) / (m if objective.reduction == "mean" else 1)
@@ -198,17 +205,22 @@ class ReferenceExecutor(Executor):
         spec = self.spec
         # whole microbatches on one device (the placed batch is split over the data axes)
         batch_mb = [jnp.asarray(jax.device_get(x)) for x in batch_mb]
+        shards = spec.shards((spec.mesh_axes.manual_batch_axes,))
+        rows = [a.shape[0] for a in spec.microbatch_avals]  # one shard's, per leaf
+        pieces = [[x[:, j * r:(j + 1) * r] for x, r in zip(batch_mb, rows, strict=True)]
+                  for j in range(shards)]
+        total = None  # a weight from the batch alone: totalled first, as the program does
+        if spec.batch_weight is not None and not forward_only:
+            weight = jaxpr_as_fun(spec.batch_weight)
+            total = sum(jnp.sum(jax.vmap(lambda *xs: weight(*xs)[0])(*piece).astype(
+                jnp.float32)) for piece in pieces)
         run = (lambda mbs, reduce=True: run_reference(
             list(spec.stages), spec.schedule, list(staged), mbs, spec.objective,
-            forward_only=forward_only, reduce=reduce)[:3])
-        shards = spec.shards((spec.mesh_axes.manual_batch_axes,))
+            forward_only=forward_only, reduce=reduce, total=total)[:3])
         if shards == 1:
             return run(batch_mb)
-        rows = [a.shape[0] for a in spec.microbatch_avals]  # one shard's, per leaf
-        return reduce_shards(
-            [run([x[:, j * r:(j + 1) * r] for x, r in zip(batch_mb, rows, strict=True)],
-                 reduce=False) for j in range(shards)],
-            spec.objective, spec.schedule.num_microbatches)
+        return reduce_shards([run(piece, reduce=False) for piece in pieces], spec.objective,
+                             spec.schedule.num_microbatches, seeded=total is not None)
 
     def loss(self, param_leaves: list, batch_mb: list) -> tuple[jax.Array, list]:
         return self.staged_loss(self.spec.views.take(param_leaves), batch_mb)

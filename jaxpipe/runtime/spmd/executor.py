@@ -113,7 +113,7 @@ class SpmdExecutor(ExecutorReports, Executor):
         """The program of ``lowering`` for this executor's stages and mesh."""
         return build_step(self._stages, lowering, self._where, ProgramKind(
             accelerator=self.accelerated, lanes=self.lanes, objective=self.spec.objective,
-            **kind), epilogue)
+            weight=self.spec.batch_weight, **kind), epilogue)
 
     def _resolve_lanes(self, runtime: SpmdOptions) -> bool:
         """Whether the lanes program runs (``SpmdRuntime(lanes=...)``; where it is wanted,

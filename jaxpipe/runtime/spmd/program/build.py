@@ -70,13 +70,16 @@ class ProgramKind:
     """Which program: the tick loop (``accelerator``: straight-line for GPUs and TPUs;
     ``lanes``: one shared body run unconditionally), what the loss function returns
     (``objective``), whether it evaluates only (``forward_only``) and whether parameters
-    come in and gradients go out by group (``grouped``)."""
+    come in and gradients go out by group (``grouped``); ``weight``: the weight of one
+    microbatch's batch leaves (``RuntimeSpec.batch_weight``), totalled before the ticks
+    to seed each loss with ``1 / total``."""
 
     accelerator: bool = False
     lanes: bool = False
     objective: Objective = MEAN
     forward_only: bool = False
     grouped: bool = False
+    weight: Any = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,8 @@ def build_step(stages: ProgramStages, lowering: Lowering, where: ProgramMesh,
         if axes.auto_batch_axes:  # split over the automatic batch axes (FSDP)
             batch = [constrain(x, ((), axes.auto_batch_axes)) for x in batch]
         fields = jax.tree.map(lambda x: x[:, 0], fields)  # this device's column
+        if kind.weight is not None and not forward_only:
+            outputs.weigh(kind.weight, batch, manual_batch)
 
         def step(carry, fields, lanes=None):
             state, gbuf, loss = carry

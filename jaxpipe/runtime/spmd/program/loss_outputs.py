@@ -7,7 +7,9 @@ the microbatch's row like a stored value (so the accelerator program makes the w
 after its switch, :mod:`.writes`). After the tick loop, the device that ran the last
 stage holds them: a ``psum`` over the pipe axis gives every device the rows (the others
 hold zeros), and the reduction turns the sums into the pipeline's loss and divides the
-gradients where it must (``reduction="weighted"``: by the total weight, once).
+gradients where it must (``reduction="weighted"``: by the total weight, once; where the
+weight comes from the batch alone, the total is known before the ticks and each loss is
+seeded with ``1 / total`` instead, as ``jax.value_and_grad`` of the quotient is).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax import lax
 from jaxpipe.jaxpr.objective import Objective
 from jaxpipe.runtime.spmd.program.layout import ValueClass, value_class
 from jaxpipe.runtime.spmd.program.writes import put_rows
+from jaxpipe.sharding.constraints import stage_as_fun
 
 __all__ = ["LossOutputs"]
 
@@ -38,9 +41,23 @@ class LossOutputs:
         self.classes = [ValueClass(value_class(a).shape, value_class(a).dtype,
                                    buffer=f"output{k}")
                         for k, a in enumerate(out_avals[1:])]
+        #: the total weight, when known before the ticks (:meth:`weigh`)
+        self.total: jax.Array | None = None
+
+    def weigh(self, weight: Any, batch: Sequence[jax.Array], batch_axes: tuple[str, ...]
+              ) -> None:
+        """Total the weight (``reduction="weighted"``) before the ticks: ``weight``, the
+        weight of one microbatch's batch leaves (``RuntimeSpec.batch_weight``), over this
+        device's ``batch`` (``[m, rows, ...]``) and the manual ``batch_axes``. Each loss is
+        then seeded with ``1 / total`` and nothing is divided at the end."""
+        per = jax.vmap(lambda *xs: stage_as_fun(weight)(*xs)[0])(*batch)
+        total = jnp.sum(per.astype(jnp.float32))
+        self.total = lax.psum(total, batch_axes) if batch_axes else total
 
     def seed(self) -> jax.Array:
         """The cotangent of one microbatch's loss output."""
+        if self.total is not None:
+            return (1.0 / self.total).astype(self.loss_dtype)
         return jnp.full((), self.objective.seed(self.m), self.loss_dtype)
 
     def buffers(self) -> dict[ValueClass, jax.Array]:
@@ -78,7 +95,9 @@ class LossOutputs:
             if batch_axes:
                 loss, total = lax.psum((loss, total), batch_axes)
                 gbuf = jax.tree.map(lambda g: lax.psum(g, batch_axes), gbuf)
-            gbuf = jax.tree.map(lambda g: (g / total.astype(g.dtype)).astype(g.dtype), gbuf)
+            if self.total is None:  # seeded with 1: divided once, here
+                gbuf = jax.tree.map(lambda g: (g / total.astype(g.dtype)).astype(g.dtype),
+                                    gbuf)
             loss, rows = loss / total, rows[1:]
         else:  # a mean (or sum) of the shards' means
             loss = loss / self.m if reduction == "mean" else loss
