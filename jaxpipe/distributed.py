@@ -53,7 +53,9 @@ __all__ = [
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "check_consistent",
+    "check_same_training",
     "config_summary",
+    "differences",
     "fetch",
     "global_batch",
     "initialize",
@@ -341,7 +343,40 @@ def check_consistent(pipe) -> None:
 
     if jax.process_count() == 1:
         return
-    summary = config_summary(pipe)
+    diffs = differences(config_summary(pipe))
+    if diffs:
+        raise PipelineError(
+            "the pipeline differs across processes (they would compile different programs "
+            "whose collectives never match, and hang): " + diffs
+            + ". Build the same pipeline (same schedule, num_microbatches, cut, mesh, "
+            "parameter and batch shapes) in every process."
+        )
+
+
+def check_same_training(opt_state: Any, options: Any) -> None:
+    """Raise a :class:`PipelineError` if ``pipe.init``'s optimizer differs between
+    processes (its state's structure, shapes and dtypes: another optax transformation)
+    or its train options do (clipping, non-finite skips): the processes would compile
+    different steps and hang. Hyperparameters inside a transformation (a learning rate)
+    are not seen. Every process calls it (``pipe.init``, several processes)."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    diffs = differences({
+        "optimizer_state": _sha(str(jax.tree.structure(opt_state)) + str(
+            [(jax.tree_util.keystr(k), tuple(v.shape), str(v.dtype)) for k, v in leaves])),
+        "options": repr(options)})
+    if diffs:
+        raise PipelineError(
+            "pipe.init differs across processes (they would compile different train steps "
+            f"and hang): {diffs}. Pass the same optimizer and train options in every "
+            "process.")
+
+
+def differences(summary: dict[str, Any]) -> str:
+    """Every field of ``summary`` (JSON-able) whose value differs between processes, with
+    each process's value ("" where all agree); one small collective every process must
+    make."""
     summaries = _allgather_json(summary)
     diffs = []
     for key in summary:
@@ -349,13 +384,7 @@ def check_consistent(pipe) -> None:
         if any(v != vals[0] for v in vals):
             per = ", ".join(f"process {i}: {v}" for i, v in enumerate(vals))
             diffs.append(f"{key}: {per}")
-    if diffs:
-        raise PipelineError(
-            "the pipeline differs across processes (they would compile different programs "
-            "whose collectives never match, and hang): " + "; ".join(diffs)
-            + ". Build the same pipeline (same schedule, num_microbatches, cut, mesh, "
-            "parameter and batch shapes) in every process."
-        )
+    return "; ".join(diffs)
 
 
 def _allgather_json(obj: Any) -> list[Any]:

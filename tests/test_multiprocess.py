@@ -129,6 +129,17 @@ def test_mismatched_config_across_processes_fails_clearly(tmp_path):
     assert not (tmp_path / "never.npz").exists()
 
 
+def test_a_different_optimizer_across_processes_fails_clearly(tmp_path):
+    """Process 1 initialises its train state with Adam, process 0 with SGD: pipe.init
+    says so in every process (the train steps would never match, and hang)."""
+    rc, log, elapsed = _launch(str(WORKER), "optimizer-mismatch", str(tmp_path / "never.npz"))
+    assert rc not in (0, jpl.TIMEOUT_EXIT), log
+    assert elapsed < LAUNCH_TIMEOUT, log
+    assert "PipelineError: pipe.init differs across processes" in log, log
+    assert "optimizer_state: process 0:" in log, log
+    assert not (tmp_path / "never.npz").exists()
+
+
 # ----------------------------------------------------------------------------- launcher
 def _script(tmp_path: Path, body: str) -> str:
     path = tmp_path / "script.py"

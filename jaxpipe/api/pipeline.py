@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from jaxpipe.api.auto import batch_rows, choose_microbatches, placeholder, resolve_auto
 from jaxpipe.api.internals import Internals
+from jaxpipe.distributed import check_same_training
 from jaxpipe.errors import PipelineTypeError
 from jaxpipe.runtime import Runtime
 from jaxpipe.schedule import Schedule
@@ -181,8 +182,10 @@ class Pipeline:
             before the optimizer.
         """
         it = self._internals
-        trainer = it.trainer(optimizer, TrainOptions(skip_nonfinite=skip_nonfinite,
-                                                     clip_global_norm=clip_global_norm))
+        options = TrainOptions(skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
+        trainer = it.trainer(optimizer, options)
+        if jax.process_count() > 1:  # every process must train alike, or the step hangs
+            check_same_training(trainer.abstract_state().opt_state, options)
         leaves = jax.tree.leaves(it.place_params(params, "pipe.init(params, ...)"))
         # Replicated over the mesh, as train_step returns it (else the 2nd step recompiles).
         step = it.placement.put(np.zeros((), np.int32), it.placement.replicated, "step")

@@ -12,7 +12,8 @@ The test imports ``make_model`` and ``loss_fn`` from here to compute the referen
 Usage: ``mp_worker.py ok <out>``, ``mp_worker.py accelerator <out>`` (the same on the
 accelerator program), ``mp_worker.py interleaved <out>`` (Interleaved1F1B over one device
 of each process, two chunks each) or ``mp_worker.py mismatch <out>`` (process 1 builds
-its schedule with a different ``num_microbatches``, which must fail with a clear error),
+its schedule with a different ``num_microbatches``, which must fail with a clear error;
+``optimizer-mismatch``: its ``pipe.init`` another optimizer, refused the same way),
 or ``mp_worker.py sharded <out>``: a pipe 2 x model 2 mesh (the pipe axis across the
 processes, the tensor-parallel ``model`` axis inside each), an MLP whose weights are
 split over ``model`` (``param_specs``), trained with AdamW and checkpointed;
@@ -107,7 +108,9 @@ def main(mode: str, out: str) -> None:
     assert pipe.inspect.value_and_grad_fn._cache_size() == 1, "value_and_grad recompiled"
     loss, grads = jpd.fetch((loss, grads))
 
-    state = pipe.init(params, optax.sgd(LR))
+    # "optimizer-mismatch": process 1 trains with another optimizer (refused by init)
+    tx = optax.adam(LR) if mode == "optimizer-mismatch" and pid == 1 else optax.sgd(LR)
+    state = pipe.init(params, tx)
     losses = []
     for i in range(TRAIN_STEPS):
         # a globally placed batch first, then the same rows as a host numpy batch
