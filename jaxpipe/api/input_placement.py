@@ -151,7 +151,7 @@ def live_state(state: Any, executor: Any, placement: Placement, what: str) -> An
             "pipe.init(other.params(state), optimizer)."
         )
     executor.check_staged(state.params, f"{what} (state.params)")
-    check_not_differentiated(state, what)
+    check_not_differentiated(state, what)  # (named by the entry point, the state by name)
     check_alive(state, "state", "Use the state the last train_step returned: "
                 "state, metrics = pipe.train_step(state, batch).")
     want = state.trainer.abstract_state()

@@ -35,7 +35,7 @@ from jaxpipe.train.state import TrainState
 
 __all__ = ["check_alive", "check_batch", "check_key", "check_mesh", "check_microbatch_rows",
            "check_no_keys", "check_not_differentiated", "check_objective", "check_params",
-           "check_pipeline_args", "leaf_paths"]
+           "check_pipeline_args", "check_usable", "leaf_paths"]
 
 
 def leaf_paths(treedef: Any) -> list[str]:
@@ -199,6 +199,14 @@ def _refuse(what: str, primals: tuple, tangents: tuple) -> Any:
         "the loss and its gradient (pipe.train_step to train) instead of differentiating "
         "pipe.loss; "
         "higher-order derivatives through a pipeline are not supported.")
+
+
+def check_usable(tree: Any, what: str, fix: str) -> None:
+    """What every entry point checks of the arrays it is passed: that no JAX
+    transformation differentiates them (:func:`check_not_differentiated`) and that none
+    was donated or deleted (:func:`check_alive`, ``fix`` saying what to pass instead)."""
+    check_not_differentiated(tree, what)
+    check_alive(tree, what, fix)
 
 
 def check_not_differentiated(tree: Any, what: str) -> None:

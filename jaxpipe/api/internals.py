@@ -32,16 +32,15 @@ from jaxpipe.api.auto import AutoChoice, choose, placeholder, resolve_auto
 from jaxpipe.api.cut_and_split import cut_and_split, cut_only
 from jaxpipe.api.input_placement import Placement, live_state
 from jaxpipe.api.inputs import (
-    check_alive,
     check_batch,
     check_key,
     check_mesh,
     check_microbatch_rows,
     check_no_keys,
-    check_not_differentiated,
     check_objective,
     check_params,
     check_pipeline_args,
+    check_usable,
     leaf_paths,
 )
 from jaxpipe.api.reports import InternalsReports
@@ -285,16 +284,14 @@ class Internals(InternalsReports):
     def place_params(self, params: Any, what: str = "params") -> Any:
         """``params`` checked, alive and on the mesh (same pytree)."""
         leaves = self.check_params(params, what)
-        check_not_differentiated(leaves, what)
-        check_alive(leaves, what, "Pass parameters that are still alive, e.g. "
-                    "pipe.params(state) of the state the last train_step returned.")
+        check_usable(leaves, what, "Pass parameters that are still alive, e.g. "
+                     "pipe.params(state) of the state the last train_step returned.")
         placed = self.placement.params(leaves, self._param_paths)
         return jax.tree.unflatten(self.traced.params_treedef, placed)
 
     def place_batch(self, batch: Any) -> Any:
         leaves = self.check_batch(batch)
-        check_not_differentiated(leaves, "batch")
-        check_alive(leaves, "batch", "Pass a batch whose arrays are alive.")
+        check_usable(leaves, "batch", "Pass a batch whose arrays are alive.")
         placed = self.placement.batch_leaves(leaves, leaf_paths(self._batch_treedef))
         return jax.tree.unflatten(self._batch_treedef, placed)
 
@@ -310,8 +307,7 @@ class Internals(InternalsReports):
                 f"{what} expects staged parameters (pipe.shard(params) or state.params), got "
                 "a TrainState; use pipe.params(state) for the user pytree, or state.params.")
         self.executor.check_staged(staged, what)
-        check_not_differentiated(list(staged), what)
-        check_alive(list(staged), what, "Use the state the last train_step returned.")
+        check_usable(list(staged), what, "Use the state the last train_step returned.")
         return self.placement.like(list(staged), self.executor.staged_abstract(), what)
 
     # ---------------------------------------------------------------- layout
