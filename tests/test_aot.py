@@ -79,6 +79,15 @@ def test_target_names_and_their_errors():
         assert t.memory == int(15.75 * (1 << 30))
 
 
+def test_the_compile_command_refuses_an_axis_named_twice(capsys):
+    """--mesh pipe=2,pipe=4 ran as pipe=4 (the second overwrote the first)."""
+    from jaxpipe.tools.cli import main
+
+    assert main(["compile", "--target", "gpu:h100:4", "--mesh", "pipe=2,pipe=4",
+                 "model.py"]) == 2
+    assert "--mesh names axis 'pipe' twice" in capsys.readouterr().err
+
+
 def test_unknown_compile_only_devices_need_a_budget():
     from types import SimpleNamespace
 

@@ -76,6 +76,9 @@ def _parse_mesh(text: str | None, devices: int) -> dict[str, int]:
         name, _, size = part.partition("=")
         if not name.strip() or not size.strip().isdigit():
             raise ValueError(f"--mesh expects name=size,... (e.g. pipe=4,data=2), got {text!r}")
+        if name.strip() in out:
+            raise ValueError(f"--mesh names axis {name.strip()!r} twice ({text!r}); name "
+                             "each axis once")
         out[name.strip()] = int(size)
     return out
 

@@ -12,6 +12,7 @@ an exception raised by a schedule's own code) prints one line to stderr and exit
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -52,6 +53,12 @@ def parse_costs(text: str) -> dict[str, Fraction]:
             ) from None
         if cost < 0:
             raise argparse.ArgumentTypeError(f"bad cost {item!r}: costs must be >= 0")
+        try:
+            float(cost)
+        except OverflowError:
+            raise argparse.ArgumentTypeError(
+                f"bad cost {item!r}: too large for a float; give costs in a smaller unit"
+            ) from None
         costs[kind] = cost
     return costs
 
@@ -78,8 +85,8 @@ def _nonnegative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
