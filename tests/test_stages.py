@@ -36,6 +36,28 @@ def test_boundary_is_identity_under_transforms():
     assert "jaxpipe_boundary" in str(jax.make_jaxpr(f)(w, x))
 
 
+def test_a_marker_over_one_value_twice_and_a_constant():
+    """jp.boundary((h, h, 0.5)): the same array twice crossed as two names of one value
+    (KeyError building a stage) and a constant as a jaxpr Literal (TypeError: unhashable);
+    the value crosses once, the constant not at all, and the pipeline is exact."""
+    def loss_fn(params, b):
+        h = b["x"]
+        for w in params:
+            a, c, scale, one = jp.boundary((jnp.tanh(h @ w), jnp.tanh(h @ w) * 0 + 1, 0.5,
+                                            jnp.ones(())))
+            a2, a3 = jp.boundary((a, a))
+            h = (a2 + a3) * scale * c * one
+        return jnp.mean((h - b["y"]) ** 2)
+
+    ks = jax.random.split(jax.random.key(0), 6)
+    params = [jax.random.normal(k, (8, 8)) / 3 for k in ks[:4]]
+    batch = {"x": jax.random.normal(ks[4], (8, 8)), "y": jax.random.normal(ks[5], (8, 8))}
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=jp.GPipe(2, 2), cut="markers")
+    assert_matches(pipe.value_and_grad(params, batch),
+                   reference(loss_fn, params, batch, 2))
+
+
 def test_layer_decorator_marks_each_call():
     @jp.layer
     def block(w, h):

@@ -70,8 +70,19 @@ def boundary(x: T, name: str | None = None) -> T:
                 f"jp.boundary marks arrays, but leaf {path or '(the value)'} is a "
                 f"{type(leaf).__name__}; pass the arrays that flow over the cut (keep "
                 "static values out of the marked pytree).")
-    out = boundary_p.bind(*leaves, name=name)
-    return jax.tree.unflatten(treedef, out)
+    # A value marked twice crosses once (two outputs would be two names of one value,
+    # which a stage's inputs cannot tell apart); a value no trace computes (a constant)
+    # does not cross.
+    first: dict[int, int] = {}
+    for leaf in leaves:
+        if isinstance(leaf, jax.core.Tracer):
+            first.setdefault(id(leaf), len(first))
+    if not first:
+        return jax.tree.unflatten(treedef, boundary_p.bind(*leaves, name=name))
+    crossing = list({id(leaf): leaf for leaf in leaves if id(leaf) in first}.values())
+    out = boundary_p.bind(*crossing, name=name)
+    return jax.tree.unflatten(treedef, [out[first[id(leaf)]] if id(leaf) in first else leaf
+                                        for leaf in leaves])
 
 
 F = TypeVar("F", bound=Callable[..., Any])

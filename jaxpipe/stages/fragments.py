@@ -103,8 +103,10 @@ class Fragments:
         alias: dict = {}
         for e in self.eqns[a:b]:
             if e.primitive is boundary_p:
+                # (a constant passed through a marker is a Literal: nothing to alias)
                 alias.update((o, alias.get(i, i)) for o, i in zip(e.outvars, e.invars,
-                                                                   strict=True))
+                                                                   strict=True)
+                             if isinstance(i, jcore.Var))
         return alias
 
     def _fragment(self, a: int, b: int, policy: Remat, is_last: bool,
