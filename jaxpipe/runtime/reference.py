@@ -61,7 +61,9 @@ def run_reference(
     res: dict = {}
     handoff: dict = {}
     extras: dict = {}  # mb -> the last stage's outputs after the loss
-    loss = jnp.zeros((), jnp.float32)
+    last = next(st for st in stages if st.is_last)
+    acc = jnp.promote_types(last.out_avals[0].dtype, jnp.float32)  # float64 under x64
+    loss = jnp.zeros((), acc)
 
     def add_grads(st, ct_par):
         it = iter(ct_par)
@@ -83,7 +85,7 @@ def run_reference(
             if not forward_only:
                 res[key] = outs[n:]
             if st.is_last:
-                loss = loss + outs[0].astype(jnp.float32)
+                loss = loss + outs[0].astype(acc)
                 extras[a.microbatch] = outs[1:n]
             else:
                 acts[(a.stage + 1, a.microbatch)] = outs[:n]
@@ -110,7 +112,7 @@ def run_reference(
     rows = [jnp.stack([extras[i][k] for i in range(m)]) for k in range(len(extras[0]))]
     if reduce and objective.weighted:
         seeded = total is not None
-        total = jnp.sum(rows[0].astype(jnp.float32))
+        total = jnp.sum(rows[0].astype(acc))
         loss, rows = loss / total, rows[1:]
         if not seeded:
             grads = [(g / total.astype(g.dtype)).astype(g.dtype) for g in grads]
@@ -135,7 +137,7 @@ def reduce_shards(runs: list[tuple[jax.Array, list, list]], objective: Objective
     losses, rows, grads = zip(*runs, strict=True)
     rows = [jnp.stack(r, axis=1) for r in zip(*rows, strict=True)]
     if objective.weighted:
-        total = jnp.sum(rows[0].astype(jnp.float32))
+        total = jnp.sum(rows[0].astype(jnp.promote_types(rows[0].dtype, jnp.float32)))
         grads = [(sum(g) / (1 if seeded else total.astype(g[0].dtype))).astype(g[0].dtype)
                  for g in zip(*grads, strict=True)]
         return sum(losses) / total, rows[1:], grads
@@ -212,8 +214,9 @@ class ReferenceExecutor(Executor):
         total = None  # a weight from the batch alone: totalled first, as the program does
         if spec.batch_weight is not None and not forward_only:
             weight = jaxpr_as_fun(spec.batch_weight)
-            total = sum(jnp.sum(jax.vmap(lambda *xs: weight(*xs)[0])(*piece).astype(
-                jnp.float32)) for piece in pieces)
+            per = [jax.vmap(lambda *xs: weight(*xs)[0])(*piece) for piece in pieces]
+            total = sum(jnp.sum(w.astype(jnp.promote_types(w.dtype, jnp.float32)))
+                        for w in per)
         run = (lambda mbs, reduce=True: run_reference(
             list(spec.stages), spec.schedule, list(staged), mbs, spec.objective,
             forward_only=forward_only, reduce=reduce, total=total)[:3])

@@ -51,18 +51,19 @@ class TrainOptions:
 def global_norm_scale(sq_norm: jax.Array, options: TrainOptions) -> tuple[jax.Array, jax.Array]:
     """``(gradient norm, scale to apply)`` from the global squared norm."""
     gnorm = jnp.sqrt(sq_norm)
-    scale = jnp.ones((), jnp.float32)
+    scale = jnp.ones((), sq_norm.dtype)
     if options.clip_global_norm is not None:
         scale = jnp.minimum(1.0, options.clip_global_norm / jnp.maximum(gnorm, 1e-12))
     return gnorm, scale
 
 
 def sq_norm(leaves: Sequence[jax.Array]) -> jax.Array:
-    """Sum of squares of the differentiable leaves, in float32."""
-    total = jnp.zeros((), jnp.float32)
-    for x in leaves:
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            total = total + jnp.sum(jnp.square(x.astype(jnp.float32)))
+    """Sum of squares of the differentiable leaves, in float32 (float64 where a leaf is)."""
+    inexact = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    dtype = jnp.result_type(jnp.float32, *(x.dtype for x in inexact))
+    total = jnp.zeros((), dtype)
+    for x in inexact:
+        total = total + jnp.sum(jnp.square(x.astype(dtype)))
     return total
 
 

@@ -161,8 +161,7 @@ class AcceleratorTicks:
         def run(fn: Callable, row, pbuf, mbd, inbox, store) -> tuple:
             store = (DeferredStore(store) if self.windows is None
                      else DeferredStore({}, windows=store))
-            state = BranchState(store, DeferredGrads(grads), empty(),
-                     jnp.zeros((), jnp.float32))
+            state = BranchState(store, DeferredGrads(grads), empty(), self.outputs.zero())
             return fn(row, pbuf, mbd, inbox, state)
 
         signatures = []
@@ -175,7 +174,7 @@ class AcceleratorTicks:
         ports = self.ports = Ports(signatures)  # (kept for reports: Ports.nbytes)
 
         def idle(*args):
-            return (empty(), jnp.zeros((), jnp.float32),
+            return (empty(), self.outputs.zero(),
                     ports.outputs(DeferredStore({}), DeferredGrads(grads)))
 
         def branch(fn: Callable) -> Callable:

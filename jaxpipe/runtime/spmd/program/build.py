@@ -171,7 +171,7 @@ def build_step(stages: ProgramStages, lowering: Lowering, where: ProgramMesh,
             return loop.step(state, gbuf, loss, fields, pbuf, mbd), None
 
         carry = (loop.init(), [] if forward_only else groups.zero_grads(),
-                 jnp.zeros((), jnp.float32))
+                 outputs.zero())
         if kind.lanes:
             for seg in loop.segments:
                 carry, _ = lax.scan(functools.partial(step, lanes=seg.lanes), carry,

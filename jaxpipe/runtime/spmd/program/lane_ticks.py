@@ -177,7 +177,7 @@ class LaneTicks:
         mbd = [lax.dynamic_index_in_dim(x, row.microbatch, 0, keepdims=False,
                                         allow_negative_indices=False) for x in batch]
         state = BranchState(DeferredStore(store), DeferredGrads(gbuf), self.branch_of.empty_msg(),
-                 jnp.zeros((), jnp.float32))
+                            self.outputs.zero())
         wrote, added, msg, loss = self.lane_fns[k](row, pbuf, mbd, inbox, state)
         ports = Ports([Ports.signature(wrote, added)])
         self.lane_ports[k] = ports

@@ -38,6 +38,8 @@ class LossOutputs:
         self.objective = objective
         self.m = num_microbatches
         self.loss_dtype = out_avals[0].dtype
+        #: what the losses (and weights) are summed in: float32, or float64 under x64
+        self.acc_dtype = jnp.promote_types(self.loss_dtype, jnp.float32)
         self.classes = [ValueClass(value_class(a).shape, value_class(a).dtype,
                                    buffer=f"output{k}")
                         for k, a in enumerate(out_avals[1:])]
@@ -51,8 +53,12 @@ class LossOutputs:
         device's ``batch`` (``[m, rows, ...]``) and the manual ``batch_axes``. Each loss is
         then seeded with ``1 / total`` and nothing is divided at the end."""
         per = jax.vmap(lambda *xs: stage_as_fun(weight)(*xs)[0])(*batch)
-        total = jnp.sum(per.astype(jnp.float32))
+        total = jnp.sum(per.astype(self.acc_dtype))
         self.total = lax.psum(total, batch_axes) if batch_axes else total
+
+    def zero(self) -> jax.Array:
+        """A zero loss sum."""
+        return jnp.zeros((), self.acc_dtype)
 
     def seed(self) -> jax.Array:
         """The cotangent of one microbatch's loss output."""
@@ -71,7 +77,7 @@ class LossOutputs:
         for c, x in zip(self.classes, outs[1:], strict=True):
             store = put_rows(store, c, microbatch, 0,
                              jnp.asarray(x, c.dtype).reshape(1, *c.row_shape))
-        return store, loss + outs[0].astype(jnp.float32)
+        return store, loss + outs[0].astype(self.acc_dtype)
 
     def finish(self, store: dict, loss: jax.Array, gbuf: list, axis: str,
                batch_axes: tuple[str, ...]) -> tuple[jax.Array, list, list]:
@@ -91,7 +97,7 @@ class LossOutputs:
         loss = lax.psum(loss, axis)
         reduction = self.objective.reduction
         if reduction == "weighted":  # every shard's sums: the quotient of the totals
-            total = jnp.sum(rows[0].astype(jnp.float32))
+            total = jnp.sum(rows[0].astype(self.acc_dtype))
             if batch_axes:
                 loss, total = lax.psum((loss, total), batch_axes)
                 gbuf = jax.tree.map(lambda g: lax.psum(g, batch_axes), gbuf)
