@@ -518,11 +518,29 @@ def test_optimizer_coupling_stages_is_refused(pipe):
         pipe.init(_params(), tx)  # per-leaf state: accepted
 
 
+def test_a_deleted_batch_leaf_and_abstract_params_at_a_call(pipe):
+    """A deleted batch leaf is named by its path and not blamed on train_step; abstract
+    parameters (ShapeDtypeStruct) at a call are sent to pipe.lower, not told to
+    jax.device_get themselves."""
+    batch = _batch()
+    batch["y"].delete()
+    with pytest.raises(jp.PipelineError, match=r"batch\['y'\] was deleted \(donated to an "
+                                               r"earlier call"):
+        pipe.value_and_grad(_params(), batch)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _params())
+    with pytest.raises(jp.PipelineError, match=r"params\['w'\]\[0\] is a "
+                                               r"jax.ShapeDtypeStruct.*use pipe.lower"):
+        pipe.value_and_grad(abstract, _batch())
+
+
 def test_clip_and_skip_options():
     fresh = build()
-    for value in (0, -1.0, float("nan"), "1", True):
+    for value in (0, -1.0, float("nan"), "1", True, np.float32(-1), np.array([1.0])):
         with pytest.raises(jp.PipelineError, match=r"clip_global_norm must be a positive finite"):
             fresh.init(_params(), optax.sgd(0.1), clip_global_norm=value)
+    for value in (np.float32(1.0), np.int64(2), jnp.asarray(0.5)):  # the number they hold
+        state = fresh.init(_params(), optax.sgd(0.1), clip_global_norm=value)
+        assert state.trainer.options.clip_global_norm == float(value)
     with pytest.raises(jp.PipelineError, match=r"skip_nonfinite must be True or False"):
         fresh.init(_params(), optax.sgd(0.1), skip_nonfinite=1)
     with pytest.raises(jp.PipelineError, match=r"GradientTransformation, got the function adam "

@@ -137,7 +137,7 @@ def test_a_real_recompile_warns_once(pipe):
 def test_donated_state_is_refused_before_xla(pipe, tmp_path):
     state = pipe.init(_params(), optax.adam(1e-2))
     new_state, _ = pipe.train_step(state, _batch())
-    donated = r"donated to an earlier train_step.*state the last train_step returned"
+    donated = r"donated to an earlier call, such as train_step.*state the last train_step returned"
     with pytest.raises(jp.PipelineError, match=donated):
         pipe.train_step(state, _batch())
     with pytest.raises(jp.PipelineError, match=donated):

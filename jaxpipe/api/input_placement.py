@@ -65,6 +65,11 @@ class Placement:
         """``x`` on ``sharding``; a clear error if it cannot get there."""
         if isinstance(x, jax.core.Tracer):  # inside the caller's jit: a sharding constraint
             return jax.device_put(x, sharding)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise PipelineError(
+                f"{what} is a jax.ShapeDtypeStruct (a shape and dtype, no values): a call "
+                "runs on arrays. To compile from abstract inputs, use pipe.lower(...) "
+                "(docs/aot.md).")
         if isinstance(x, jax.Array) and x.sharding == sharding:
             return x
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):

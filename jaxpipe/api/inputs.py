@@ -176,8 +176,8 @@ def check_alive(tree: Any, what: str, fix: str) -> None:
         # a tracer (the caller's own jit) has no buffers to lose
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
             raise PipelineError(
-                f"{what}{jax.tree_util.keystr(path)} was donated to an earlier train_step "
-                f"(or deleted): its buffers are gone. {fix}"
+                f"{what}{jax.tree_util.keystr(path)} was deleted (donated to an earlier "
+                f"call, such as train_step, or .delete()d): its buffers are gone. {fix}"
             )
 
 

@@ -291,7 +291,8 @@ class Internals(InternalsReports):
 
     def place_batch(self, batch: Any) -> Any:
         leaves = self.check_batch(batch)
-        check_usable(leaves, "batch", "Pass a batch whose arrays are alive.")
+        check_usable(jax.tree.unflatten(self._batch_treedef, leaves), "batch",
+                     "Pass a batch whose arrays are alive.")
         placed = self.placement.batch_leaves(leaves, leaf_paths(self._batch_treedef))
         return jax.tree.unflatten(self._batch_treedef, placed)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpipe.errors import PipelineError
 
@@ -40,11 +41,15 @@ class TrainOptions:
             raise PipelineError(
                 f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}.")
         c = self.clip_global_norm
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
-                              or not math.isfinite(c) or c <= 0):
+        # a numpy or JAX scalar counts as the number it holds
+        number = (not isinstance(c, bool | np.bool_) and np.ndim(c) == 0
+                  and np.issubdtype(np.asarray(c).dtype, np.number)) if c is not None else False
+        if c is not None and (not number or not math.isfinite(float(c)) or float(c) <= 0):
             raise PipelineError(
                 f"clip_global_norm must be a positive finite number (or None for no "
                 f"clipping), got {c!r}.")
+        if c is not None:
+            object.__setattr__(self, "clip_global_norm", float(c))
 
 
 
