@@ -114,6 +114,38 @@ def test_schedules_the_lanes_cannot_run_are_named():
                     schedule=jp.GPipe(4, 4), runtime=SpmdRuntime(lanes=True))
 
 
+def test_lanes_turned_down_leave_a_program_built_for_it():
+    """Lanes wanted (weights split over 'model') but turned down (the first stage reads
+    the batch: two bodies): the pipeline is cut and built again without them, so the
+    accelerator program splits its backwards into I and W (split_backward="auto" split
+    none for the lanes) and the cut budgets the switch program's peaks; the plan still
+    says why, and the numbers are exact."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("pipe", "model"))
+    ks = jax.random.split(jax.random.key(0), 6)
+    host = [jax.random.normal(k, (16, 16)) / 4 for k in ks[:4]]
+    params = [jax.device_put(w, NamedSharding(mesh, P(None, "model"))) for w in host]
+    batch = {"x": jax.random.normal(ks[4], (16, 16)), "y": jax.random.normal(ks[5], (16, 16))}
+
+    def loss_fn(params, b):
+        h = b["x"] * 2.0  # the first stage computes on the batch: not the others' body
+        for w in params:
+            h = jp.boundary(jax.numpy.tanh(h @ w))
+        return jax.numpy.mean((h - b["y"]) ** 2)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, 4),
+                       cut="markers", runtime=SpmdRuntime(backend="gpu"))
+    ex = pipe.inspect.executor
+    assert not ex.lanes and "distinct bodies" in ex.lanes_refused
+    assert "lanes not used" in str(pipe.plan)
+    assert {a.kind for a in ex.lowering.actions} >= {"I", "W"}
+    assert list(pipe.inspect.cut_report.in_flight) == [2, 1]  # 1F1B's, not the lanes' 3, 1
+    assert_matches(pipe.value_and_grad(params, batch),
+                   jax.value_and_grad(loss_fn)(host, batch))
+
+
 @functools.cache
 def _lanes_pipe(name: str, backend: str):
     schedule = SCHEDULES[name]()

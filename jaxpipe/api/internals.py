@@ -178,21 +178,11 @@ class Internals(InternalsReports):
                         s, r.action_cost, mesh, self.mesh_axes,
                         stored_bytes=r.padded_memory.residuals))
             self.schedule = schedule = self.auto_choice.schedule
-        with trace_context(mesh, self.mesh_axes), self._times.phase("cut"):
-            st = cut_and_split(self.traced, schedule, cut,
-                               self.runtime.memory_model_for(mesh), mesh, self.param_dims,
-                               share_cores=self.runtime.shares_cores(),
-                               split_backward=self.runtime.splits_backward(mesh, self.mesh_axes),
-                               in_flight=self.runtime.in_flight(schedule, mesh, self.mesh_axes),
-                               cut_report=self.auto_choice and self.auto_choice.cut_report)
-        self.stacks: tuple[Stack, ...] = st.stacks
-        self.cut_traced: Traced = st.cut_traced
-        self.cuts, self.cut_report = st.cuts, st.cut_report
-        self.views: ParamViews = st.views
-        self.stages: list[StageFn] = st.stages
-        with self._times.phase("schedule"):
-            self.executor: Executor = self.runtime.build(st.runtime_spec(
-                self.traced, schedule, mesh, axis, self.mesh_axes, self.param_dims))
+        self._cut_and_build(schedule, cut, self.auto_choice and self.auto_choice.cut_report)
+        again = self.runtime.instead_of(self.executor)
+        if again is not None:  # (the runtime turned down the program the cut was made for)
+            self.runtime = again
+            self._cut_and_build(schedule, cut, None)
         self._param_paths = leaf_paths(self.traced.params_treedef)
         # XLA options for the mesh's platform (GPU: the permutes' overlap), per compile
         opts = compiler_options(mesh.devices.flat[0].platform)
@@ -214,6 +204,24 @@ class Internals(InternalsReports):
             check_consistent(self)
 
     # ---------------------------------------------------------------- properties
+    def _cut_and_build(self, schedule: Schedule, cut: Any, cut_report: Any) -> None:
+        """Cut and split the traced loss for ``schedule`` and build the runtime's executor."""
+        mesh, axes = self.mesh, self.mesh_axes
+        with trace_context(mesh, axes), self._times.phase("cut"):
+            st = cut_and_split(self.traced, schedule, cut, self.runtime.memory_model_for(mesh),
+                               mesh, self.param_dims, share_cores=self.runtime.shares_cores(),
+                               split_backward=self.runtime.splits_backward(mesh, axes),
+                               in_flight=self.runtime.in_flight(schedule, mesh, axes),
+                               cut_report=cut_report)
+        self.stacks: tuple[Stack, ...] = st.stacks
+        self.cut_traced: Traced = st.cut_traced
+        self.cuts, self.cut_report = st.cuts, st.cut_report
+        self.views: ParamViews = st.views
+        self.stages: list[StageFn] = st.stages
+        with self._times.phase("schedule"):
+            self.executor: Executor = self.runtime.build(st.runtime_spec(
+                self.traced, schedule, mesh, self.axis, axes, self.param_dims))
+
     @property
     def batch_shards(self) -> int:
         """How many pieces the batch axes split every microbatch into."""

@@ -323,3 +323,8 @@ class Runtime(abc.ABC):
         """Whether this runtime runs backwards as I then W (then the hand-off between
         them is stored too, and splitting a stage into parts must not enlarge it)."""
         return False
+
+    def instead_of(self, executor: Executor) -> Runtime | None:
+        """The runtime to cut and build with again where ``executor`` (this runtime's)
+        turned down a program the cut was made for; ``None``: keep it (the default)."""
+        return None

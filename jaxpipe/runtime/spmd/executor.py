@@ -92,7 +92,9 @@ class SpmdExecutor(ExecutorReports, Executor):
         if self.accelerated and runtime.iw_same_tick is True:  # "auto" on a GPU/TPU mesh
             raise packed_w_error(self.backend)
         self._runtime, self._options = runtime, options
-        self.lanes_refused: str | None = None  # why a wanted lanes program is not built
+        # why a wanted lanes program is not built (here, or by the runtime this one
+        # stands in for: SpmdRuntime.instead_of)
+        self.lanes_refused: str | None = runtime.lanes_declined
         self.lanes = self._resolve_lanes(runtime)
         self.lowering: Lowering = self._lower(sched, self.layouts.pool_counts())
         holds = slot_inputs(spec, self.layouts.slots)

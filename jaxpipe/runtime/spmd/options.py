@@ -56,6 +56,9 @@ class SpmdOptions:
         self.split_backward = split_backward
         self.iw_same_tick = iw_same_tick
         self.lanes = lanes
+        #: why the lanes were turned down, for a runtime standing in for one that wanted
+        #: them (:meth:`~.runtime.SpmdRuntime.instead_of`)
+        self.lanes_declined: str | None = None
 
     def resolve_backend(self, mesh: Any = None) -> str:
         """The program built for ``mesh`` (``backend="auto"``: its devices' platform)."""

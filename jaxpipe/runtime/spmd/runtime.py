@@ -133,6 +133,20 @@ class SpmdRuntime(SpmdOptions, Runtime):
                               self.resolve_split(mesh, mesh_axes), self.resolve_refine(mesh),
                               concurrent(mesh), stored_bytes=stored_bytes)[0]
 
+    def instead_of(self, executor: Any) -> SpmdRuntime | None:
+        """Without the lanes where they were wanted but the stages turned them down: the
+        cut assumed the lanes' peaks, and the accelerator program then splits its
+        backwards (``split_backward="auto"`` split none for the lanes)."""
+        if self.lanes != "auto" or getattr(executor, "lanes_refused", None) is None:
+            return None
+        instead = SpmdRuntime(backend=self.backend, overlap=self.overlap,
+                              share_bodies=self.share_bodies,
+                              split_backward=self.split_backward,
+                              iw_same_tick=self.iw_same_tick, fuse_fb=self.fuse_fb,
+                              refine=self.refine, lanes=False)
+        instead.lanes_declined = executor.lanes_refused  # (the plan still says why)
+        return instead
+
     def __repr__(self) -> str:
         return (f"SpmdRuntime(backend={self.backend!r}, overlap={self.overlap!r}, "
                 f"share_bodies={self.share_bodies!r}, "
