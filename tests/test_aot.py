@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import textwrap
 from pathlib import Path
 
 import jax
@@ -77,6 +78,36 @@ def test_target_names_and_their_errors():
         t = target("tpu:v5e:2x4")
         assert (t.platform, t.num_devices, t.device_kind) == ("tpu", 8, "TPU v5 lite")
         assert t.memory == int(15.75 * (1 << 30))
+
+
+def test_the_models_own_budget_is_not_called_the_target_not_fitting(capsys, tmp_path):
+    """A model file whose jp.Cut(memory_budget=...) no cut meets: the command says the
+    model's budget cannot be met, not that the model does not fit the target (an 80 GiB
+    H100, which it fits easily)."""
+    _need("gpu")
+    from jaxpipe.tools.cli import main
+
+    model = tmp_path / "model.py"
+    model.write_text(textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        import jaxpipe as jp
+
+        def loss_fn(params, b):
+            h = b["x"]
+            for w in params:
+                h = jp.boundary(jnp.tanh(h @ w))
+            return jnp.mean(h ** 2)
+
+        def aot_pipeline(mesh):
+            params = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 4
+            x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+            return jp.pipeline(loss_fn, params, {"x": x}, mesh=mesh,
+                               schedule=jp.OneFOneB(4, 4), cut=jp.Cut(memory_budget=1000))
+    """))
+    assert main(["compile", "--target", "gpu:h100:4", str(model)]) == 1
+    out = capsys.readouterr().out
+    assert "no cut within the memory budget the model sets" in out, out
+    assert "DOES NOT FIT" not in out
 
 
 def test_the_compile_command_refuses_an_axis_named_twice(capsys):

@@ -48,7 +48,12 @@ def _run_compile(args: argparse.Namespace) -> int:
     except CutError as err:  # cut="auto" found no cut within the target's memory
         if "infeasible" not in str(err):
             raise
-        print(f"jaxpipe compile: DOES NOT FIT on {tgt.describe()}: {' '.join(str(err).split())}")
+        why = " ".join(str(err).split())
+        if "from Cut.memory_budget" in why:  # the model file's own budget, not the target's
+            print(f"jaxpipe compile: no cut within the memory budget the model sets "
+                  f"(jp.Cut(memory_budget=...), not the memory of {args.target}): {why}")
+        else:
+            print(f"jaxpipe compile: DOES NOT FIT on {tgt.describe()}: {why}")
         return 1
     pipe, optimizer = made if isinstance(made, tuple) else (made, None)
     if not hasattr(pipe, "lower"):
