@@ -34,15 +34,19 @@ class ExecutorReports:
 
     def memory_report(self) -> dict[str, Any]:
         low, lay = self.lowering, self.layouts
-        store_bytes = sum(c.nbytes * n for c, n in low.slots.items())
-        msg = lay.unit_bytes() * (low.num_inbox + 1 + sum(max(k, 1) for k in low.units))
+
+        def held(c: Any) -> int:  # a device's shard of a value of class c (typed dims)
+            return c.nbytes // self.spec.shards(c.dims)
+
+        store_bytes = sum(held(c) * n for c, n in low.slots.items())
+        msg = (sum(held(c) * n for c, n in lay.unit.items())
+               * (low.num_inbox + 1 + sum(max(k, 1) for k in low.units)))
         return {
             # parameters and gradients: each device's shards
-            "buffer_bytes": 2 * sum(c.nbytes // self.spec.shards(c.dims)
-                                    for c in lay.slots.classes) + store_bytes + msg,
+            "buffer_bytes": 2 * sum(held(c) for c in lay.slots.classes) + store_bytes + msg,
             "device_rows": [
                 {"residual_peak": low.residual_peak[d],
-                 "residual_bytes": sum(c.nbytes * n
+                 "residual_bytes": sum(held(c) * n
                                        for c, n in low.slots_per_device[d].items())}
                 for d in range(low.num_devices)],
             "stage_residual_bytes": [p.nbytes() for p in lay.residuals],
