@@ -362,10 +362,12 @@ def check_same_training(opt_state: Any, options: Any) -> None:
     import jax
 
     leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    # through the coordination service, not a device collective: a program of an
+    # earlier call may still be running its collectives, and gloo would mix the two
     diffs = differences({
         "optimizer_state": _sha(str(jax.tree.structure(opt_state)) + str(
             [(jax.tree_util.keystr(k), tuple(v.shape), str(v.dtype)) for k, v in leaves])),
-        "options": repr(options)})
+        "options": repr(options)}, via="init")
     if diffs:
         raise PipelineError(
             "pipe.init differs across processes (they would compile different train steps "
@@ -373,11 +375,14 @@ def check_same_training(opt_state: Any, options: Any) -> None:
             "process.")
 
 
-def differences(summary: dict[str, Any]) -> str:
+def differences(summary: dict[str, Any], via: str | None = None) -> str:
     """Every field of ``summary`` (JSON-able) whose value differs between processes, with
     each process's value ("" where all agree); one small collective every process must
-    make."""
-    summaries = _allgather_json(summary)
+    make (``via``: exchanged through ``jax.distributed``'s key-value store under that
+    name instead of on the devices)."""
+    client = distributed_client() if via is not None else None
+    summaries = _allgather_json(summary) if client is None else _exchange_json(
+        client, summary, via)
     diffs = []
     for key in summary:
         vals = [s.get(key) for s in summaries]
@@ -385,6 +390,25 @@ def differences(summary: dict[str, Any]) -> str:
             per = ", ".join(f"process {i}: {v}" for i, v in enumerate(vals))
             diffs.append(f"{key}: {per}")
     return "; ".join(diffs)
+
+
+_EXCHANGES: dict[str, int] = {}  # per name, how many this process has made
+
+
+def _exchange_json(client: Any, obj: Any, name: str) -> list[Any]:
+    """Every process's ``obj`` through the coordination service's key-value store (the
+    n-th exchange of ``name`` in every process meets the n-th of the others)."""
+    import jax
+
+    n = _EXCHANGES[name] = _EXCHANGES.get(name, -1) + 1
+    key = f"jaxpipe/{name}/{n}"
+    client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(obj, sort_keys=True))
+    return [json.loads(client.blocking_key_value_get(f"{key}/{i}", _EXCHANGE_TIMEOUT_MS))
+            for i in range(jax.process_count())]
+
+
+#: how long an exchange waits for the slowest process (it may still be compiling)
+_EXCHANGE_TIMEOUT_MS = 30 * 60 * 1000
 
 
 def _allgather_json(obj: Any) -> list[Any]:
