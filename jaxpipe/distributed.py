@@ -332,9 +332,10 @@ def _sha(data: str | bytes) -> str:
 def check_consistent(pipe) -> None:
     """Raise a :class:`PipelineError` if the pipeline differs between processes.
 
-    Every process must call this (it is one small collective) after building the
-    pipeline and before running it. Single-process it does nothing. The error names
-    each field that differs and its value on every process, e.g.::
+    Every process must call this (one small exchange, through the coordination
+    service) after building the pipeline and before running it. Single-process it does
+    nothing. The error names each field that differs and its value on every process,
+    e.g.::
 
         the pipeline differs across processes (they would compile different programs
         and hang): num_microbatches: process 0: 4, process 1: 2. ...
@@ -343,7 +344,7 @@ def check_consistent(pipe) -> None:
 
     if jax.process_count() == 1:
         return
-    diffs = differences(config_summary(pipe))
+    diffs = differences(config_summary(pipe), "pipeline")
     if diffs:
         raise PipelineError(
             "the pipeline differs across processes (they would compile different programs "
@@ -362,12 +363,10 @@ def check_same_training(opt_state: Any, options: Any) -> None:
     import jax
 
     leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
-    # through the coordination service, not a device collective: a program of an
-    # earlier call may still be running its collectives, and gloo would mix the two
     diffs = differences({
         "optimizer_state": _sha(str(jax.tree.structure(opt_state)) + str(
             [(jax.tree_util.keystr(k), tuple(v.shape), str(v.dtype)) for k, v in leaves])),
-        "options": repr(options)}, via="init")
+        "options": repr(options)}, "init")
     if diffs:
         raise PipelineError(
             "pipe.init differs across processes (they would compile different train steps "
@@ -375,14 +374,16 @@ def check_same_training(opt_state: Any, options: Any) -> None:
             "process.")
 
 
-def differences(summary: dict[str, Any], via: str | None = None) -> str:
+def differences(summary: dict[str, Any], name: str) -> str:
     """Every field of ``summary`` (JSON-able) whose value differs between processes, with
-    each process's value ("" where all agree); one small collective every process must
-    make (``via``: exchanged through ``jax.distributed``'s key-value store under that
-    name instead of on the devices)."""
-    client = distributed_client() if via is not None else None
-    summaries = _allgather_json(summary) if client is None else _exchange_json(
-        client, summary, via)
+    each process's value ("" where all agree); an exchange every process must make (the
+    n-th of ``name`` meets the others' n-th). It goes through ``jax.distributed``'s
+    key-value store, not the devices: a program of an earlier call may still be running
+    its collectives, and gloo would mix the two (a device all-gather only where no
+    client is found)."""
+    client = distributed_client()
+    summaries = (_allgather_json(summary) if client is None
+                 else _exchange_json(client, summary, name))
     diffs = []
     for key in summary:
         vals = [s.get(key) for s in summaries]
