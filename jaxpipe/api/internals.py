@@ -2,7 +2,8 @@
 
 :class:`Internals` does the layers above the runtime seam, in order:
 
-1. trace ``loss_fn`` to a flat jaxpr with its candidate cuts (:mod:`jaxpipe.jaxpr.trace`);
+1. trace ``loss_fn`` to a flat jaxpr with its candidate cuts (:mod:`jaxpipe.jaxpr.trace`;
+   the batch axes the model shards itself left automatic, :mod:`jaxpipe.api.trace_loss`);
 2. choose the cut and split the jaxpr into stage functions
    (:mod:`jaxpipe.api.cut_and_split`: the cutter of :mod:`jaxpipe.cut` with the runtime's
    memory model, then :mod:`jaxpipe.stages.stage_fn`; a scanned layer stack is cut between
@@ -35,7 +36,6 @@ from jaxpipe.api.inputs import (
     check_batch,
     check_key,
     check_mesh,
-    check_microbatch_rows,
     check_no_keys,
     check_objective,
     check_params,
@@ -44,25 +44,19 @@ from jaxpipe.api.inputs import (
     leaf_paths,
 )
 from jaxpipe.api.reports import InternalsReports
+from jaxpipe.api.trace_loss import shards, trace_on_mesh
 from jaxpipe.build_times import BuildTimes
 from jaxpipe.compile_watch import CompileWatch
-from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.errors import PipelineTypeError
 from jaxpipe.jaxpr.avals import from_boundary, to_boundary
 from jaxpipe.jaxpr.objective import Objective
-from jaxpipe.jaxpr.trace import Traced, microbatch_like, trace_shard
+from jaxpipe.jaxpr.trace import Traced, microbatch_like
 from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
-from jaxpipe.sharding.constraints import (
-    explicit_batch_axes_automatic,
-    without_constrained_batch_axes,
-)
 from jaxpipe.sharding.mesh_axes import (
-    MeshAxes,
     placed_batch_axes,
     resolve_mesh_axes,
     trace_context,
-    typed_batch_sharding,
-    typed_shardings,
 )
 from jaxpipe.sharding.param_views import ParamViews
 from jaxpipe.stages.stacks import Stack
@@ -140,27 +134,13 @@ class Internals(InternalsReports):
         self.key_dtype = jax.random.key(0).dtype if rng else None
         self._times = BuildTimes()
         with self._times.phase("trace"):
-            try:
-                self.traced = self._trace(mesh_axes, loss_fn, params, mb, objective)
-            except PipelineError:
-                raise
-            except Exception as err:
-                # a model on Explicit axes sharding its values over a manual batch axis:
-                # the axis is left to JAX's sharding (the rows typed split over it)
-                automatic = explicit_batch_axes_automatic(mesh, mesh_axes)
-                if automatic is None:
-                    raise
-                try:
-                    self.traced = self._trace(automatic, loss_fn, params, mb, objective)
-                except Exception:
-                    raise err from None
-                mesh_axes = automatic
-        # Batch axes the model's own sharding constraints name stay under JAX's sharding.
-        kept = without_constrained_batch_axes(mesh_axes, self.traced.jaxpr,
-                                              batch_axes is None and placed is None)
-        if kept is not None:
-            with self._times.phase("trace"):
-                self.traced = self._trace(kept, loss_fn, params, mb, objective)
+            self.traced, mesh_axes = trace_on_mesh(
+                loss_fn, params, mb, mesh=mesh, mesh_axes=mesh_axes, param_dims=self.param_dims,
+                num_microbatches=self.num_microbatches, mb_shapes=self._mb_shapes,
+                key_dtype=self.key_dtype, objective=objective,
+                axes_free=batch_axes is None and placed is None)
+        self.mesh_axes, self.batch_axes = mesh_axes, mesh_axes.batch_axes
+        self.placement = Placement(mesh, mesh_axes, self.param_dims)
         self.objective: Objective = self.traced.objective
         self.param_avals = tuple(v.aval for v in self.traced.jaxpr.invars[
             : self.traced.num_params])
@@ -199,7 +179,7 @@ class Internals(InternalsReports):
         self._unshard_jit = jax.jit(self.executor.unshard)
         if jax.process_count() > 1:
             # Every process must build the same program, or its collectives never match.
-            from jaxpipe.distributed import check_consistent
+            from jaxpipe.distributed.agreement import check_consistent
 
             check_consistent(self)
 
@@ -234,22 +214,8 @@ class Internals(InternalsReports):
         filled in as they happen; ``pipe.plan`` prints them."""
         return self._times
 
-    def _trace(self, mesh_axes: MeshAxes, loss_fn: Callable, params: Any, mb: Any,
-               objective: Objective) -> Traced:
-        """Take ``mesh_axes`` as the mesh's roles and trace one microbatch's data shard."""
-        self.mesh_axes, self.batch_axes = mesh_axes, mesh_axes.batch_axes
-        self.placement = Placement(self.mesh, mesh_axes, self.param_dims)
-        check_microbatch_rows(self._mb_shapes, self.num_microbatches, self.batch_shards,
-                              self.batch_axes)
-        with trace_context(self.mesh, mesh_axes):
-            return trace_shard(loss_fn, params, mb, self._shards(mesh_axes.manual_batch_axes),
-                               self._shards(mesh_axes.auto_batch_axes) if self.rng else 0,
-                               self.key_dtype, objective,
-                               typed_shardings(self.mesh, mesh_axes, self.param_dims),
-                               typed_batch_sharding(self.mesh, mesh_axes))
-
     def _shards(self, axes: tuple[str, ...]) -> int:
-        return int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
+        return shards(self.mesh, axes)
 
     # ---------------------------------------------------------------- checks
     def check_params(self, params: Any, what: str = "params") -> list:

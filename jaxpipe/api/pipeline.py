@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from jaxpipe.api.auto import batch_rows, choose_microbatches, placeholder, resolve_auto
 from jaxpipe.api.internals import Internals
-from jaxpipe.distributed import check_same_training
+from jaxpipe.distributed.agreement import check_same_training
 from jaxpipe.errors import PipelineTypeError
 from jaxpipe.runtime import Runtime
 from jaxpipe.schedule import Schedule

@@ -123,8 +123,8 @@ class InternalsReports:
         Schedule (class, p, m, v, a digest of every device's action list), cut, mesh,
         parameter and microbatch shapes, and the executor's own digests (e.g. of the
         lowered tick table). Processes compare it before running collectives
-        (:func:`jaxpipe.distributed.config_summary`).
+        (:func:`jaxpipe.distributed.agreement.config_summary`).
         """
-        from jaxpipe.distributed import config_summary
+        from jaxpipe.distributed.agreement import config_summary
 
         return config_summary(self)
