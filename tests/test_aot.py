@@ -164,6 +164,38 @@ def test_auto_cut_budgets_the_targets_memory_and_nothing_is_placed(platform):
         pipe.lower("step")
 
 
+def test_the_budget_leaves_out_a_devices_share_of_the_batch_and_a_given_cut_says_so():
+    """FSDP with the batch over the same axis (an automatic batch axis): cut='auto' takes
+    out of the device's memory the batch a device holds, the plan's figure (its share,
+    not the whole manual shard: it took 4x that); a cut given without a budget says the
+    target's memory went unchecked (it said no limit was reported)."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _target("gpu").mesh((2, 2), ("pipe", "fsdp"))
+    width, rows = 16, 32
+    params = [jax.ShapeDtypeStruct((width, width), np.float32) for _ in range(4)]
+    batch = {"x": jax.ShapeDtypeStruct((rows, width), np.float32)}
+
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for w in params:
+            h = jp.boundary(jax.numpy.tanh(h @ w))
+        return jax.numpy.mean(h ** 2)
+
+    def build(cut):
+        return jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, 4),
+                           param_specs=[P("fsdp", None)] * 4, batch_axes=("fsdp",), cut=cut)
+
+    pipe = build("auto")
+    assert pipe.inspect.mesh_axes.auto_batch_axes == ("fsdp",)
+    held = rows * width * 4 // 2  # the batch's rows split over fsdp
+    assert pipe.plan.batch_bytes == held
+    assert pipe.plan.memory_budget == int(_target("gpu").memory * 0.9) - held
+    lines = [x for x in str(build("markers").plan).splitlines() if "memory budget" in x]
+    assert len(lines) == 1 and "were not checked" in lines[0], lines
+    assert _target("gpu").device_kind in lines[0]
+
+
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_a_model_too_large_for_the_device_does_not_fit(platform):
     """An MLP whose every stage holds 64 GiB of weights (and as much again of gradients

@@ -99,20 +99,21 @@ def _cut_view(traced: Traced, mesh: Mesh, param_dims: Sequence[Dims]) -> tuple:
 
 def cut_only(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
              mesh: Mesh, param_dims: Sequence[Dims], in_flight: Sequence[float] | None = None,
-             costs_cache: dict | None = None) -> Any:
+             costs_cache: dict | None = None, batch_shards: int = 1) -> Any:
     """The cutter's report (:class:`jaxpipe.cut.CutResult`) of ``traced`` under
     ``schedule``, without splitting it into stages: what choosing among schedules costs
     (:mod:`jaxpipe.api.auto`). ``costs_cache``: one dict for every call on ``traced``
-    with these ``mesh`` and ``param_dims`` (segment costs measured once)."""
+    with these ``mesh`` and ``param_dims`` (segment costs measured once);
+    ``batch_shards``: as :func:`~jaxpipe.cut.resolve.resolve_cuts` takes it."""
     _, _, cut_traced, shards = _cut_view(traced, mesh, param_dims)
     return resolve_cuts(cut_traced, schedule, cut, memory_model, tuple(mesh.devices.flat),
-                        shards, in_flight, costs_cache)[1]
+                        shards, in_flight, costs_cache, batch_shards)[1]
 
 
 def cut_and_split(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
                   mesh: Mesh, param_dims: Sequence[Dims], *, share_cores: bool = False,
                   split_backward: bool = False, in_flight: Sequence[int] | None = None,
-                  cut_report: Any = None) -> StagedLoss:
+                  cut_report: Any = None, batch_shards: int = 1) -> StagedLoss:
     """Cut ``traced`` for ``schedule`` (:func:`~jaxpipe.cut.resolve.resolve_cuts`), then split it.
 
     ``param_dims``: per parameter leaf, its sharding over the non-pipe axes; a stage's
@@ -122,12 +123,14 @@ def cut_and_split(traced: Traced, schedule: Schedule, cut: Any, memory_model: Me
     ``in_flight``: as its :meth:`~jaxpipe.runtime.Runtime.in_flight` says.
     ``cut_report``: :func:`cut_only`'s report for this schedule and ``cut``, when the
     caller cut already (``schedule="auto"``): the cut is not searched again.
+    ``batch_shards``: the pieces automatic batch axes split a traced microbatch into.
     """
     param_avals = [v.aval for v in traced.jaxpr.invars[: traced.num_params]]
     stacks, layers, cut_traced, shards = _cut_view(traced, mesh, param_dims)
     cuts, report = ((list(cut_report.cuts), cut_report) if cut_report is not None else
                     resolve_cuts(cut_traced, schedule, cut, memory_model,
-                                 tuple(mesh.devices.flat), shards, in_flight))
+                                 tuple(mesh.devices.flat), shards, in_flight,
+                                 batch_shards=batch_shards))
     if layers is not None:
         staged, stage_cuts = for_stages(traced, stacks, layers, cuts)
         stage_traced, views = staged.traced, staged.views

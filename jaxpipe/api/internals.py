@@ -153,7 +153,7 @@ class Internals(InternalsReports):
                     auto, schedule.num_devices, schedule.num_microbatches,
                     lambda s: cut_only(self.traced, s, cut, memory, mesh, self.param_dims,
                                        self.runtime.in_flight(s, mesh, self.mesh_axes),
-                                       costs),
+                                       costs, self._shards(self.mesh_axes.auto_batch_axes)),
                     lambda s, r: self.runtime.predicted_time(
                         s, r.action_cost, mesh, self.mesh_axes,
                         stored_bytes=r.padded_memory.residuals))
@@ -192,7 +192,8 @@ class Internals(InternalsReports):
                                mesh, self.param_dims, share_cores=self.runtime.shares_cores(),
                                split_backward=self.runtime.splits_backward(mesh, axes),
                                in_flight=self.runtime.in_flight(schedule, mesh, axes),
-                               cut_report=cut_report)
+                               cut_report=cut_report,
+                               batch_shards=self._shards(axes.auto_batch_axes))
         self.stacks: tuple[Stack, ...] = st.stacks
         self.cut_traced: Traced = st.cut_traced
         self.cuts, self.cut_report = st.cuts, st.cut_report

@@ -21,10 +21,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jaxpipe.cut.budget import device_memory_limit
 from jaxpipe.jaxpr.avals import aval_bytes, shard_bytes
 from jaxpipe.jaxpr.avals import format_bytes as _fmt
 
 __all__ = ["Plan"]
+
+
+def _device_limit(mesh: Any) -> tuple[int, str] | None:
+    """The mesh's smallest device memory and its source; ``None`` where unknown (CPU)."""
+    try:
+        return device_memory_limit(mesh.devices.flat)
+    except ValueError:  # a compile-only device of a kind without a known capacity
+        return None
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Plan:
     build_times: Any = None
     program: str | None = None  # the runtime's program, and where the stages' compute sits
     auto: Any = None  # what schedule="auto" chose among (jaxpipe.api.auto.AutoChoice)
+    device_limit: tuple[int, str] | None = None  # the devices' memory and its source, if known
 
     @classmethod
     def build(cls, pipe) -> Plan:
@@ -92,7 +102,8 @@ class Plan:
                    # the cutter simulated the schedule under these costs already
                    pipe.executor.timing_report(res.action_cost,
                                                schedule_makespan=res.makespan),
-                   pipe.build_times, pipe.executor.program_report(), pipe.auto_choice)
+                   pipe.build_times, pipe.executor.program_report(), pipe.auto_choice,
+                   _device_limit(pipe.mesh))
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
@@ -115,8 +126,13 @@ class Plan:
                      f"{_fmt(self.batch_bytes)} of batch): {_fmt(self.predicted_padded_bytes)}")
         lines.append(f"runtime buffers per device (params+grads+residual pools+messages): "
                      f"{_fmt(self.buffer_bytes)}")
-        if self.memory_budget is None:
+        if self.memory_budget is None and self.device_limit is None:
             lines.append("memory budget: none (no device memory limit reported, none given)")
+        elif self.memory_budget is None:
+            limit, where = self.device_limit
+            lines.append(f"memory budget: none (the cut was given without one, so the devices' "
+                         f"{_fmt(limit)} ({where}) were not checked; cut='auto' or "
+                         f"jp.Cut(memory_budget=...) checks them)")
         else:
             lines.append(f"memory budget: {_fmt(self.memory_budget)} per device for the cutter's "
                          f"prediction, from {self.budget_source}")

@@ -43,7 +43,8 @@ def even_cuts(n_seg: int, num_stages: int) -> list[int]:
 def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,
                  devices: tuple = (), param_shards: Sequence[int] = (),
                  in_flight: Sequence[float] | None = None,
-                 costs_cache: dict | None = None) -> tuple[list[int], Any]:
+                 costs_cache: dict | None = None, batch_shards: int = 1
+                 ) -> tuple[list[int], Any]:
     """Marker positions after which a new stage starts, plus the cutter's report.
 
     ``cut="auto"`` budgets the memory ``devices`` report (``jaxpipe.cut.auto_cut``).
@@ -51,6 +52,8 @@ def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Mem
     position its sharding splits it over; the cutter counts the bytes one device holds.
     ``in_flight``: per stage, the live residual sets the runtime's program holds at its
     peak where that is not the schedule's own (``Runtime.in_flight``).
+    ``batch_shards``: the pieces automatic batch axes split a traced microbatch into
+    (what a device holds of the batch, which ``cut="auto"`` leaves out of its budget).
     ``costs_cache``: a dict shared by calls on one model, shards and profile setting
     (``schedule="auto"`` cuts one model for every candidate schedule): the segments'
     costs do not depend on the schedule, so they are measured once per policy set.
@@ -78,9 +81,11 @@ def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Mem
     if isinstance(cut, str) and cut == "markers":
         cut = cutmod.Cut(indices=even_cuts(n_seg, S))
     if isinstance(cut, str) and cut == "auto":
-        # every pipeline device also holds the whole batch (its data shard)
+        # every pipeline device also holds the whole batch (its data shard: the traced
+        # microbatch is one manual batch shard, split again over automatic batch axes)
         batch = sum(aval_bytes(v.aval) for v in traced.jaxpr.invars[traced.num_params:])
-        cut = cutmod.auto_cut(devices, held_bytes=batch * schedule.num_microbatches)
+        cut = cutmod.auto_cut(devices, held_bytes=batch * schedule.num_microbatches
+                              // batch_shards)
     if isinstance(cut, cutmod.Cut):
         if cut.indices is not None and len(cut.indices) != S - 1:
             raise PipelineError(
