@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from jaxpipe.api.plan import predicted_with_optimizer
 from jaxpipe.jaxpr.avals import format_bytes
 from jaxpipe.sharding.device_memory import capacity
 
@@ -41,7 +42,9 @@ class CompileReport:
         compiler refused the program (``error``).
       predicted_bytes: the cutter's per-device prediction (the plan's, incl. batch), for
         ``"train_step"`` (what the cutter models: parameters, gradients, optimizer state,
-        residuals); ``None`` for the other programs, which hold no optimizer state.
+        residuals), with the optimizer state of the optimizer compiled (the cut assumes
+        ``Cut.optimizer_bytes_per_param_byte``, Adam's 2); ``None`` for the other
+        programs, which hold no optimizer state.
       lower_s, compile_s: seconds lowering and compiling took.
       census: the tick loop's census (``TickLoopCensus``), ``None`` where the program
         has no tick loop with a collective (one device).
@@ -169,6 +172,10 @@ def compile_report(pipe: Any, program: str = "train_step", *, optimizer: Any = N
             raise
         error = " ".join(str(e).split())[:300]
     t2 = time.perf_counter()
+    predicted, extra = None, {}
+    if program == "train_step":
+        predicted, note = predicted_with_optimizer(pipe, optimizer)
+        extra = {} if note is None else {"optimizer state": note}
     cap = capacity(device)
     found = None
     if text is not None:
@@ -187,7 +194,5 @@ def compile_report(pipe: Any, program: str = "train_step", *, optimizer: Any = N
         argument_bytes=field_("argument_size_in_bytes"),
         output_bytes=field_("output_size_in_bytes"),
         temp_bytes=field_("temp_size_in_bytes"), alias_bytes=field_("alias_size_in_bytes"),
-        predicted_bytes=(float(pipe.plan.predicted_padded_bytes)
-                         if program == "train_step" else None),
-        lower_s=t1 - t0, compile_s=t2 - t1, census=found, error=error)
-
+        predicted_bytes=predicted, lower_s=t1 - t0, compile_s=t2 - t1, census=found,
+        error=error, extra=extra)

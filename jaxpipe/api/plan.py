@@ -25,7 +25,7 @@ from jaxpipe.cut.budget import device_memory_limit
 from jaxpipe.jaxpr.avals import aval_bytes, shard_bytes
 from jaxpipe.jaxpr.avals import format_bytes as _fmt
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "predicted_with_optimizer"]
 
 
 def _device_limit(mesh: Any) -> tuple[int, str] | None:
@@ -156,10 +156,12 @@ class Plan:
     def compare_compiled(pipe, params: Any, batch: Any, optimizer: Any = None) -> dict:
         """Compile a train step and return predicted vs compiled per-device bytes.
 
-        The cutter models parameters + gradients + optimizer state (Adam by default), so
+        The cutter models parameters + gradients + optimizer state (Adam's by default);
         the comparison compiles ``train_step`` with ``optimizer`` (default
-        ``optax.adam``). ``compiled_bytes`` = arguments + outputs + temporaries - aliased
-        (donated) bytes of that one SPMD program, i.e. one device's footprint.
+        ``optax.adam``) and predicts with that optimizer's state
+        (:func:`predicted_with_optimizer`). ``compiled_bytes`` = arguments + outputs +
+        temporaries - aliased (donated) bytes of that one SPMD program, i.e. one
+        device's footprint.
         """
         import optax
 
@@ -167,17 +169,44 @@ class Plan:
         pipe.check_batch(batch)
         # Compiled from the pipeline's abstract inputs (the shapes checked above): no
         # state is made, so this works on an ahead-of-time target's mesh too.
-        lowered = pipe.lower("train_step", optimizer if optimizer is not None
-                             else optax.adam(1e-3))
+        optimizer = optimizer if optimizer is not None else optax.adam(1e-3)
+        lowered = pipe.lower("train_step", optimizer)
         ma = lowered.compile().memory_analysis()
         arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
         temp, alias = int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes)
         plan = pipe.plan
         return {
-            "predicted_bytes": plan.predicted_padded_bytes,
+            # with this optimizer's state, not the one the cut assumed
+            "predicted_bytes": predicted_with_optimizer(pipe, optimizer)[0],
             "predicted_max_device_bytes": max(r["predicted_bytes"] for r in plan.device_rows),
             "runtime_buffer_bytes": plan.buffer_bytes,
             "compiled_bytes": arg + out + temp - alias,
             "argument_bytes": arg, "output_bytes": out, "temp_bytes": temp,
             "alias_bytes": alias,
         }
+
+
+def predicted_with_optimizer(pipe: Any, optimizer: Any) -> tuple[float, str | None]:
+    """The plan's per-device prediction with ``optimizer``'s state in place of the one the
+    cut assumed (``Cut.optimizer_bytes_per_param_byte``, Adam's 2 by default): its bytes
+    per parameter byte from ``optimizer.init`` of the parameters' shapes. Returns the
+    prediction and, where the two differ, a line saying so (else ``None``)."""
+    import jax
+    import numpy as np
+
+    def nbytes(tree: Any) -> int:
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+    inspect = getattr(pipe, "inspect", pipe)  # a pipeline or its pipe.inspect
+    params = inspect.abstract_inputs()[0]
+    per_param = nbytes(jax.eval_shape(optimizer.init, params)) / max(1, nbytes(params))
+    padded = inspect.cut_report.padded_memory
+    assumed = padded.optimizer / padded.params if padded.params else per_param
+    predicted = float(inspect.plan.predicted_padded_bytes)
+    if abs(per_param - assumed) < 0.01:
+        return predicted, None
+    return predicted + (per_param - assumed) * padded.params, (
+        f"{per_param:.3g} x the parameters' bytes, in the prediction (the cut assumed "
+        f"{assumed:.3g}: jp.Cut(optimizer_bytes_per_param_byte={per_param:.3g}) budgets "
+        "this optimizer)")
