@@ -109,6 +109,25 @@ def test_batch_dtype_differs_at_call(pipe):
         pipe.value_and_grad(_params(), bad)
 
 
+def test_a_call_under_another_matmul_precision_than_the_builds(pipe):
+    """The stages are traced at build, when JAX fixes each matmul's precision: a call
+    under another jax.default_matmul_precision is refused (it ran at the build's,
+    silently); a pipeline built and called under 'highest' computes at it (exact)."""
+    params, batch = _params(), _batch()
+    with jax.default_matmul_precision("highest"):
+        with pytest.raises(jp.PipelineError, match=r"precision 'highest'.*built under None"):
+            pipe.value_and_grad(params, batch)
+        with pytest.raises(jp.PipelineError, match=r"pipe.lower\('loss'\) runs under"):
+            pipe.lower("loss")
+        high = build()
+        assert "precision = [HIGHEST, HIGHEST]" in high.lower("loss").as_text()
+        np.testing.assert_allclose(high.loss(params, batch), loss_fn(params, batch),
+                                   rtol=1e-6)
+    assert "HIGHEST" not in pipe.lower("loss").as_text()
+    with pytest.raises(jp.PipelineError, match=r"precision None.*built under 'highest'"):
+        high.loss(params, batch)
+
+
 # ------------------------------------------------------------------- params
 def test_params_tree_not_matching_traced(pipe):
     params = _params()

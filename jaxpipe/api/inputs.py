@@ -209,6 +209,24 @@ def check_usable(tree: Any, what: str, fix: str) -> None:
     check_alive(tree, what, fix)
 
 
+def check_traced_alike(built_precision: Any, what: str) -> None:
+    """Raise :class:`PipelineError` if ``jax.default_matmul_precision`` differs from the one
+    the pipeline was built under: its stages were traced then, and JAX fixes a matmul's
+    precision when it traces it, so this call's would not apply."""
+    now = jax.config.jax_default_matmul_precision
+    if now != built_precision:
+        def name(p: Any) -> str:
+            return "None (XLA's default)" if p is None else repr(p)
+
+        raise PipelineError(
+            f"{what} runs under jax.default_matmul_precision {name(now)}, but the pipeline "
+            f"was built under {name(built_precision)}: its stages were traced at build, "
+            "when JAX fixes each matmul's precision, so this call's would not apply. Build "
+            "the pipeline (jp.pipeline) inside the same `with jax.default_matmul_precision"
+            "(...)`, or set jax.config.update('jax_default_matmul_precision', ...) before "
+            "building it.")
+
+
 def check_not_differentiated(tree: Any, what: str) -> None:
     """Raise :class:`PipelineError` if a JAX transformation differentiates ``tree``'s
     floating-point leaves (only tracers are looked at; nothing is added to a program)."""

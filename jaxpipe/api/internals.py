@@ -40,6 +40,7 @@ from jaxpipe.api.inputs import (
     check_objective,
     check_params,
     check_pipeline_args,
+    check_traced_alike,
     check_usable,
     leaf_paths,
 )
@@ -133,6 +134,8 @@ class Internals(InternalsReports):
         self._batch_dtypes = [a.dtype for a in jax.tree.leaves(mb)]
         self.key_dtype = jax.random.key(0).dtype if rng else None
         self._times = BuildTimes()
+        #: the matmul precision the stages are traced under (a call must run under it)
+        self.matmul_precision = jax.config.jax_default_matmul_precision
         with self._times.phase("trace"):
             self.traced, mesh_axes = trace_on_mesh(
                 loss_fn, params, mb, mesh=mesh, mesh_axes=mesh_axes, param_dims=self.param_dims,
@@ -270,6 +273,11 @@ class Internals(InternalsReports):
                      "Pass a batch whose arrays are alive.")
         placed = self.placement.batch_leaves(leaves, leaf_paths(self._batch_treedef))
         return jax.tree.unflatten(self._batch_treedef, placed)
+
+    def check_context(self, what: str) -> None:
+        """A clear error where ``what`` runs under another ``jax.default_matmul_precision``
+        than the build's (the stages were traced then; it would not apply)."""
+        check_traced_alike(self.matmul_precision, what)
 
     def place_key(self, key: Any, what: str) -> Any:
         key = check_key(key, self.rng, self.key_dtype, what)

@@ -111,6 +111,7 @@ class Pipeline:
         jaxpipe.xla_flags.compiler_options(platform))``.
         """
         it = self._internals
+        it.check_context("pipe.value_and_grad")
         return it.run_value_and_grad(it.place_params(params), it.place_batch(batch),
                                      it.place_key(key, "pipe.value_and_grad"))
 
@@ -119,6 +120,7 @@ class Pipeline:
         """As :meth:`value_and_grad`, with parameters and gradients in the stage layout
         (what a training loop keeps resident; no gather of gradients)."""
         it = self._internals
+        it.check_context("pipe.staged_value_and_grad")
         return it.run_staged_value_and_grad(
             it.place_staged(staged, "staged_value_and_grad"), it.place_batch(batch),
             it.place_key(key, "pipe.staged_value_and_grad"))
@@ -140,6 +142,7 @@ class Pipeline:
             loss, aux = pipe.loss(params, batch)          # with has_aux=True
         """
         it = self._internals
+        it.check_context("pipe.loss")
         batch = it.place_batch(batch)
         key = it.place_key(key, "pipe.loss")
         if isinstance(params_or_state, TrainState):
@@ -200,6 +203,7 @@ class Pipeline:
         ``key`` is the step's PRNG key with ``rng=True`` (split a fresh one every step).
         """
         it = self._internals
+        it.check_context("pipe.train_step")
         state = it.live_state(state, "train_step")
         batch = it.place_batch(batch)
         key = it.place_key(key, "pipe.train_step")
@@ -254,6 +258,7 @@ class Pipeline:
             raise PipelineTypeError(
                 f"pipe.lower({program!r}) takes no skip_nonfinite / clip_global_norm: they "
                 "are options of the optimizer step, only in 'train_step'; drop them.")
+        self._internals.check_context(f"pipe.lower({program!r})")
         return self._internals.lower(program, optimizer, TrainOptions(
             skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm))
 
