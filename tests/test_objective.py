@@ -121,8 +121,10 @@ def test_weighted_gradient_through_a_nonlinear_custom_vjp(runtime):
     each microbatch's loss seeded with 1 / total, as jax.value_and_grad of the quotient
     is: a custom_vjp clipping its cotangent then sees what it sees unpipelined (seeded
     with 1 and divided at the end, the gradients before the clip were 0.95 off). A
-    weight a parameter enters is still divided at the end, exact for linear rules."""
-    from jaxpipe.jaxpr.trace import batch_weight
+    weight a parameter enters is still divided at the end, exact for linear rules; one
+    with a gradient in the parameters is refused (its gradient term was left out: 0.95
+    off, silently)."""
+    from jaxpipe.jaxpr.weight import batch_weight
 
     def loss_fn(p, b):
         h = jp.boundary(jnp.tanh(b["x"] @ p[0]))
@@ -158,6 +160,16 @@ def test_weighted_gradient_through_a_nonlinear_custom_vjp(runtime):
         assert batch_weight(other.inspect.traced) is None
         assert_matches(other.value_and_grad(params, batch),
                        jax.value_and_grad(lambda p: quotient(p, linear))(params))
+
+        def differentiable(p, b):  # the same weight without stop_gradient: refused
+            loss_sum, weight = linear(p, b)
+            return loss_sum, weight + 1e-3 * jnp.sum(jnp.tanh(b["x"] @ p[1]))
+
+        with pytest.raises(jp.PipelineError, match=r"weight .* has a gradient in the "
+                                                   r"parameters.*stop_gradient"):
+            jp.pipeline(differentiable, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                        schedule=jp.OneFOneB(2, M), cut="markers", reduction="weighted",
+                        runtime="reference")
 
 
 def test_evaluation_runs_forward_actions_only():

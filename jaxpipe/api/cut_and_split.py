@@ -22,7 +22,8 @@ from jaxpipe.api.inputs import leaf_paths
 from jaxpipe.cut.memory_model import MemoryModel
 from jaxpipe.cut.resolve import resolve_cuts
 from jaxpipe.jaxpr.avals import boundary_aval
-from jaxpipe.jaxpr.trace import Traced, batch_weight
+from jaxpipe.jaxpr.trace import Traced
+from jaxpipe.jaxpr.weight import batch_weight
 from jaxpipe.runtime import RuntimeSpec
 from jaxpipe.schedule import Schedule
 from jaxpipe.sharding.mesh_axes import Dims, MeshAxes, check_divisible

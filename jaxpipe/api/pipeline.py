@@ -336,9 +336,9 @@ def pipeline(
         any split. ``"weighted"``: ``loss_fn`` returns ``(loss_sum, weight)`` (with ``has_aux``,
         ``((loss_sum, weight), aux)``) and the pipeline's loss is ``sum(loss_sum) /
         sum(weight)`` over every microbatch and data shard, with exactly that quotient's
-        gradient (the weights are not differentiated; the division happens once, after
-        the last microbatch). E.g. a per-token loss over padded sequences: return the
-        summed loss of the real tokens and their count.
+        gradient (a weight the parameters differentiate is refused: wrap it in
+        ``jax.lax.stop_gradient`` where a constant is meant). E.g. a per-token loss over
+        padded sequences: return the summed loss of the real tokens and their count.
 
     Example::
 

@@ -23,6 +23,7 @@ from jaxpipe.api.inputs import check_microbatch_rows
 from jaxpipe.errors import PipelineError
 from jaxpipe.jaxpr.objective import Objective
 from jaxpipe.jaxpr.trace import Traced, trace_shard
+from jaxpipe.jaxpr.weight import weight_has_gradient
 from jaxpipe.sharding.constraints import (
     explicit_batch_axes_automatic,
     without_constrained_batch_axes,
@@ -80,4 +81,12 @@ def trace_on_mesh(loss_fn: Callable, params: Any, mb: Any, *, mesh: Mesh, mesh_a
     kept = without_constrained_batch_axes(mesh_axes, traced.jaxpr, axes_free)
     if kept is not None:
         traced, mesh_axes = trace(kept), kept
+    if weight_has_gradient(traced):
+        raise PipelineError(
+            'reduction="weighted": the weight loss_fn returns has a gradient in the '
+            "parameters, and the pipeline divides the summed loss gradients by the total "
+            "weight as a constant (its gradient term, -(loss / weight) * d(weight), would "
+            "be missing). Return a weight the parameters do not differentiate: one the "
+            "batch gives (a token count), or wrap it in jax.lax.stop_gradient if a "
+            "constant is what you mean.")
     return traced, mesh_axes

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+from jax.extend import core as jcore
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["boundary", "layer", "layer_class", "boundary_p"]
+__all__ = ["boundary", "boundary_p", "has_marker", "holds_marker", "layer", "layer_class"]
 
 boundary_p = Primitive("jaxpipe_boundary")
 boundary_p.multiple_results = True
@@ -210,3 +211,14 @@ def layer_class(cls: C, name: str | None = None) -> C:
     # registers the subclass as a graph node.
     sub = types.new_class(cls.__name__, (cls,), {}, lambda ns: ns.update(namespace))
     return sub  # type: ignore[return-value]
+
+
+def has_marker(jaxpr: Any) -> bool:
+    """``jaxpr`` (or a closed one) holds a marker, at its top level or inside a call."""
+    return any(holds_marker(e) for e in getattr(jaxpr, "jaxpr", jaxpr).eqns)
+
+
+def holds_marker(eqn: Any) -> bool:
+    """``eqn`` is a marker, or a call or loop with one inside."""
+    return eqn.primitive is boundary_p or any(
+        has_marker(s) for s in jcore.jaxprs_in_params(eqn.params))

@@ -11,12 +11,13 @@ it imports nothing of jaxpipe.
 - ``"weighted"``: ``loss_fn`` returns ``(loss_sum, weight)`` (e.g. the summed loss of a
   microbatch's real tokens and their count); the pipeline's loss is ``sum(loss_sum) /
   sum(weight)`` over every microbatch and data shard, and its gradient that quotient's.
-  Where the weight comes from the batch alone (``jaxpipe.jaxpr.trace.batch_weight``), a
+  Where the weight comes from the batch alone (``jaxpipe.jaxpr.weight.batch_weight``), a
   runtime totals it first and seeds each ``loss_sum`` with ``1 / total``; else each
   microbatch's gradient is of its ``loss_sum`` and the total is divided by the total
   weight once, after the last microbatch (exact for backward rules linear in the
-  cotangent, JAX's own; not for a ``custom_vjp`` clipping its cotangent). Weights are
-  not differentiated.
+  cotangent, JAX's own; not for a ``custom_vjp`` clipping its cotangent). A weight
+  with a gradient in the parameters is refused at build
+  (:func:`jaxpipe.jaxpr.weight.weight_has_gradient`).
 - ``has_aux=True``: ``loss_fn`` returns ``(loss, aux)`` (with ``"weighted"``:
   ``((loss_sum, weight), aux)``), ``aux`` any pytree of arrays. Aux values never enter
   the gradient; the pipeline returns each leaf stacked over microbatches.

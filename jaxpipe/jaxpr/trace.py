@@ -28,13 +28,12 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.jaxpr.avals import is_key
 from jaxpipe.jaxpr.interpret import CALLS, eval_eqns, read
-from jaxpipe.jaxpr.markers import boundary_p
+from jaxpipe.jaxpr.markers import boundary_p, has_marker, holds_marker
 from jaxpipe.jaxpr.objective import MEAN, Objective
 
-__all__ = ["Traced", "batch_weight", "trace", "trace_shard", "segments", "split_output",
-           "microbatch_like", "with_key"]
+__all__ = ["Traced", "microbatch_like", "segments", "split_output", "trace", "trace_shard",
+           "with_key"]
 
 # Call bodies holding markers are inlined (interpret.CALLS), so the markers become cuttable;
 # a ``jax.checkpoint``'s (``remat2``; older releases' names too) keeps its recomputation:
@@ -63,45 +62,6 @@ class Traced:
         return len(self.jaxpr.invars) - self.num_params
 
 
-def batch_weight(traced: Traced) -> jcore.ClosedJaxpr | None:
-    """With ``reduction="weighted"``, the weight as a function of the microbatch leaves
-    alone (``traced``'s batch inputs, one microbatch) when no parameter enters it (a
-    token count): a runtime then has the total weight before any backward and seeds each
-    microbatch's loss with ``1 / total``, as ``jax.value_and_grad`` of the quotient
-    does, rather than dividing the summed gradients at the end (which a ``custom_vjp``
-    nonlinear in its cotangent, one clipping the gradient, tells apart). ``None`` where a
-    parameter, a key-typed leaf or a cut marker enters it."""
-    if not traced.objective.weighted:
-        return None
-    jaxpr = traced.jaxpr
-    want = jaxpr.outvars[1]
-    if not isinstance(want, jcore.Var):
-        return None
-    needed, eqns = {want}, []
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars):
-            if _holds_marker(eqn):
-                return None
-            eqns.append(eqn)
-            needed |= {v for v in eqn.invars if isinstance(v, jcore.Var)}
-    params = set(jaxpr.invars[:traced.num_params])
-    batch = jaxpr.invars[traced.num_params:]
-    if needed & params or any(is_key(v.aval) for v in batch if v in needed):
-        return None
-    sliced = jaxpr.replace(invars=list(batch), outvars=[want], eqns=eqns[::-1])
-    return jcore.ClosedJaxpr(sliced, traced.closed_jaxpr.consts)
-
-
-def _has_marker(jaxpr) -> bool:
-    return any(_holds_marker(e) for e in getattr(jaxpr, "jaxpr", jaxpr).eqns)
-
-
-def _holds_marker(eqn) -> bool:
-    """``eqn`` is a marker, or a call or loop with one inside."""
-    return eqn.primitive is boundary_p or any(
-        _has_marker(s) for s in jcore.jaxprs_in_params(eqn.params))
-
-
 def _inline_eval(jaxpr: jcore.Jaxpr, consts, args, remat: dict | None = None) -> list:
     """Evaluate ``jaxpr`` into the current trace, inlining call bodies that hold markers.
 
@@ -115,7 +75,7 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts, args, remat: dict | None = None) ->
 
     def inline_marked_calls(eqn, invals):
         subs = jcore.jaxprs_in_params(eqn.params)
-        if not (subs and any(_has_marker(s) for s in subs)):
+        if not (subs and any(has_marker(s) for s in subs)):
             return None  # plain equation: bind it
         name = eqn.primitive.name
         if name == "scan" and remat is not None:
@@ -162,7 +122,7 @@ def _stretches(eqns) -> list[tuple[list, bool]]:
     """``eqns`` in runs: each equation holding a marker alone, the rest in maximal runs."""
     out: list[tuple[list, bool]] = []
     for e in eqns:
-        marked = _holds_marker(e)
+        marked = holds_marker(e)
         if marked or not out or out[-1][1]:
             out.append(([e], marked))
         else:
@@ -342,7 +302,7 @@ def _scalar(x: Any, what: str, objective: Objective, float_only: bool = True) ->
 
 
 def _has_marker_eqn(eqn) -> bool:
-    return any(_has_marker(s) for s in jcore.jaxprs_in_params(eqn.params))
+    return any(has_marker(s) for s in jcore.jaxprs_in_params(eqn.params))
 
 
 def segments(traced: Traced) -> list[tuple[int, int]]:

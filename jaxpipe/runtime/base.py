@@ -81,7 +81,7 @@ class RuntimeSpec:
         weight and aux leaves; every runtime reduces them alike).
       batch_weight: with ``reduction="weighted"``, the weight as a ``ClosedJaxpr`` of one
         microbatch's batch leaves where no parameter enters it
-        (:func:`jaxpipe.jaxpr.trace.batch_weight`): a runtime totals it before the
+        (:func:`jaxpipe.jaxpr.weight.batch_weight`): a runtime totals it before the
         backward and seeds each microbatch's loss with ``1 / total``; ``None``: it
         divides the summed gradients by the total at the end.
     """
