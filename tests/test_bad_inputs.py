@@ -537,6 +537,35 @@ def test_optimizer_coupling_stages_is_refused(pipe):
         pipe.init(_params(), tx)  # per-leaf state: accepted
 
 
+def _raw_key_noise() -> optax.GradientTransformation:
+    """Old optax's add_noise: a uint32 key in the state, one subkey per leaf position."""
+    def init(params):
+        return jax.random.PRNGKey(0)
+
+    def update(updates, key, params=None):
+        leaves, treedef = jax.tree.flatten(updates)
+        keys = jax.random.split(key, len(leaves) + 1)
+        noisy = [u + 1e-2 * jax.random.normal(k, u.shape)
+                 for u, k in zip(leaves, keys[1:], strict=True)]
+        return jax.tree.unflatten(treedef, noisy), keys[0]
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_optimizers_drawing_noise_or_reading_the_loss_are_refused(pipe):
+    """An optimizer with a PRNG key in its state runs per stage, every stage drawing by
+    its leaves' positions from the same key: every layer got the same noise (a raw key),
+    or pipe.init crashed on the key's dtype (optax.add_noise's typed key). One reading
+    the loss (value=...) failed inside the first train_step's trace."""
+    for noise in (_raw_key_noise(), optax.add_noise(0.01, 0.55, 0)):
+        with pytest.raises(jp.PipelineError, match=r"draws random numbers.*same noise"):
+            pipe.init(_params(), optax.chain(noise, optax.sgd(.1)))
+    from optax.contrib import reduce_on_plateau
+
+    with pytest.raises(jp.PipelineError, match=r"needs the loss \(value=...\).*not supported"):
+        pipe.init(_params(), optax.chain(optax.adam(1e-2), reduce_on_plateau()))
+
+
 def test_a_deleted_batch_leaf_and_abstract_params_at_a_call(pipe):
     """A deleted batch leaf is named by its path and not blamed on train_step; abstract
     parameters (ShapeDtypeStruct) at a call are sent to pipe.lower, not told to

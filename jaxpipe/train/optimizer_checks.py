@@ -119,8 +119,25 @@ def check_separable(optimizer: optax.GradientTransformation, spec: ParamLayout) 
     try:
         state = jax.eval_shape(optimizer.init, tree)
         closed = jax.make_jaxpr(lambda g, o, p: optimizer.update(g, o, p))(tree, state, tree)
+    except TypeError as err:
+        if "keyword" in str(err) and "value" in str(err):
+            raise PipelineError(
+                f"the optimizer's update needs the loss (value=...), which pipe.train_step "
+                f"does not pass ({err}): optimizers reading the loss "
+                "(optax.contrib.reduce_on_plateau, optax.polyak_sgd) are not supported; use "
+                "one that reads only gradients and parameters.") from None
+        return  # the per-stage trace reports the optimizer's own error
     except Exception:  # the per-stage trace below reports the optimizer's own error
         return
+    if _draws_random_numbers(closed.jaxpr) or any(
+            jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+            for x in jax.tree.leaves(state)):
+        raise PipelineError(
+            "the optimizer draws random numbers (a PRNG key in its state: optax.add_noise, "
+            "or your own): it runs per stage, and every stage would draw from the same key "
+            "by its leaves' positions, so stages would get the same noise where the "
+            "optimizer without a pipeline draws it per leaf. Add the noise in your own "
+            "update outside the pipeline (pipe.value_and_grad, then optax), or drop it.")
     n_t, n_s = len(trainable), len(jax.tree.leaves(state))
     if len(closed.jaxpr.invars) != 2 * n_t + n_s or len(closed.jaxpr.outvars) != n_t + n_s:
         return  # an update with other outputs than (updates, state): nothing to compare
@@ -171,6 +188,18 @@ def check_separable(optimizer: optax.GradientTransformation, spec: ParamLayout) 
             "clip_global_norm=<max norm>, skip_nonfinite=True), which use the true "
             "global gradient norm over all stages."
         )
+
+
+#: primitives that draw or derive random numbers (an optimizer using them is refused)
+_RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_seed",
+                     "threefry2x32", "rng_bit_generator", "rng_uniform"})
+
+
+def _draws_random_numbers(jaxpr: Any) -> bool:
+    return any(eqn.primitive.name in _RANDOM
+               or any(_draws_random_numbers(j.jaxpr if hasattr(j, "jaxpr") else j)
+                      for j in jcore.jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
 
 
 def check_rows_separable(optimizer: optax.GradientTransformation, spec: ParamLayout) -> None:
