@@ -276,8 +276,10 @@ def split_output(out: Any, objective: Objective) -> tuple[list, Any]:
 
 def _describe(x: Any) -> str:
     leaves = jax.tree.leaves(x)
-    return (f"{type(x).__name__} with {len(leaves)} leaves of shapes "
-            f"{[tuple(jnp.shape(v)) for v in leaves]}")
+    shapes = [tuple(jnp.shape(v)) for v in leaves]
+    if isinstance(x, jax.Array | np.ndarray):  # (a tracer here: its type means nothing)
+        return f"one array of shape {shapes[0]}"
+    return f"{type(x).__name__} with {len(leaves)} leaves of shapes {shapes}"
 
 
 def _scalar(x: Any, what: str, objective: Objective, float_only: bool = True) -> Any:

@@ -176,7 +176,7 @@ def check_separable(optimizer: optax.GradientTransformation, spec: ParamLayout) 
             jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))[0]]
         home, missing = bad[0]
         others = sorted(missing)
-        stages = sorted({s for o in others for q in inputs_of[o] for s in owners[q]})
+        stages = sorted({s for q in inputs_of[others[0]] for s in owners[q]})  # its own
         raise PipelineError(
             f"the optimizer couples parameters across pipeline stages: the update of params"
             f"{paths[leaf]} (stage {home}) reads params{paths[others[0]]} "
