@@ -3,8 +3,9 @@
 The schedule below is "1F1B with a lazy start": each device warms up with one forward
 fewer than 1F1B (never fewer than one), so the first devices hold one residual set less
 (p=4, m=8: peak in-flight [3, 2, 2, 2] against 1F1B's [4, 3, 2, 1]; the last device,
-which cannot warm up with fewer than one, one more) and the bubble grows. It is a made-up order — the point is that any
-order that validates runs on the SPMD runtime and gives jax.value_and_grad's result.
+which cannot warm up with fewer than one, one more) and the bubble grows. It is a
+made-up order — the point is that any order that validates runs on the SPMD runtime and
+gives jax.value_and_grad's result.
 
     python examples/custom_schedule.py [-p 4] [-m 8]
 """
