@@ -179,8 +179,10 @@ class Pipeline:
           params: the user parameter pytree.
           optimizer: any ``optax.GradientTransformation``; it runs per stage on that
             stage's parameter pytree (other stages' leaves are ``None``).
-          skip_nonfinite: if the loss or gradient norm is NaN/inf, leave the state
-            unchanged for that step (``metrics["skipped"] == 1``).
+          skip_nonfinite: if the loss or gradient norm is NaN/inf, leave the parameters
+            and optimizer state (its counts and schedules too) unchanged for that step
+            (``metrics["skipped"] == 1``); ``state.step`` counts every call, skipped
+            ones included.
           clip_global_norm: clip gradients by their true global norm (over all stages)
             before the optimizer.
         """
