@@ -539,6 +539,33 @@ def test_optimizer_coupling_stages_is_refused(pipe):
         pipe.init(_params(), tx)  # per-leaf state: accepted
 
 
+def test_building_and_calling_under_another_set_mesh(pipe):
+    """A jax.set_mesh of another mesh (a job's global mesh) around building or calling
+    the pipeline: it runs under its own (the stages' types named the other mesh and every
+    call failed inside JAX); inside a user's shard_map it is refused with the fix."""
+    from jax.sharding import PartitionSpec as P
+
+    params, batch = _params(), _batch()
+    want = jax.value_and_grad(lambda p: jnp.mean(jnp.stack([
+        loss_fn(p, jax.tree.map(lambda a, i=i: a[i * 4:(i + 1) * 4], batch))
+        for i in range(M)])))(params)
+    glob = jax.make_mesh((2, 4), ("data", "pipe"))
+    with jax.set_mesh(glob):
+        built = build(params=params, batch=batch)
+    for p in (pipe, built):
+        for other in (glob, jax.make_mesh((8,), ("x",))):
+            with jax.set_mesh(other):  # (set_mesh takes effect when called)
+                got = p.value_and_grad(params, batch)
+            np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+            for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    inner = jax.shard_map(lambda b: pipe.loss(params, b)[None], mesh=glob,
+                          in_specs=P("data"), out_specs=P("data"), axis_names={"data"})
+    with pytest.raises(jp.PipelineError, match=r"inside a jax.shard_map manual over "
+                                               r"\['data'\].*call it outside yours"):
+        jax.jit(inner)(batch)
+
+
 def _raw_key_noise() -> optax.GradientTransformation:
     """Old optax's add_noise: a uint32 key in the state, one subkey per leaf position."""
     def init(params):

@@ -18,8 +18,9 @@ Placing the checked inputs on the mesh is :mod:`jaxpipe.api.input_placement`'s j
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -225,6 +226,38 @@ def check_traced_alike(built_precision: Any, what: str) -> None:
             "the pipeline (jp.pipeline) inside the same `with jax.default_matmul_precision"
             "(...)`, or set jax.config.update('jax_default_matmul_precision', ...) before "
             "building it.")
+
+
+@contextlib.contextmanager
+def on_own_mesh(mesh: Any, what: str) -> Iterator[None]:
+    """Run ``what`` under the pipeline's own mesh where the caller's ``jax.set_mesh``
+    names another (a training job's global mesh): traced under it, the stages' types
+    named the other mesh and every call failed inside JAX. Inside a ``jax.jit`` traced
+    under the other mesh the inputs' types name it too: a clear error then."""
+    ambient = jax.sharding.get_abstract_mesh()
+    if not isinstance(mesh, Mesh) or ambient.empty or ambient == mesh.abstract_mesh:
+        yield
+        return
+    try:
+        context = jax.set_mesh(mesh)
+        context.__enter__()
+    except ValueError:  # set_mesh refuses to run under a jit's trace
+        manual = [a for a, t in zip(ambient.axis_names, ambient.axis_types, strict=True)
+                  if t == jax.sharding.AxisType.Manual]
+        if manual:
+            raise PipelineError(
+                f"{what} is called inside a jax.shard_map manual over {manual}: the pipeline "
+                "is its own shard_map over the whole mesh; call it outside yours (its "
+                "batch_axes= split the batch over data axes for you).") from None
+        raise PipelineError(
+            f"{what} is traced inside a jax.jit under jax.set_mesh of another mesh "
+            f"({dict(ambient.shape)}) than the pipeline's ({dict(mesh.shape)}): call it "
+            "outside that jit, or trace that jit under the pipeline's mesh "
+            "(jax.set_mesh(pipe.mesh)).") from None
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
 
 
 def check_not_differentiated(tree: Any, what: str) -> None:

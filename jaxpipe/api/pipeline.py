@@ -10,6 +10,7 @@ executor tables, build times, jitted programs) is under ``pipe.inspect``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpipe.api.auto import batch_rows, choose_microbatches, placeholder, resolve_auto
+from jaxpipe.api.inputs import on_own_mesh
 from jaxpipe.api.internals import Internals
 from jaxpipe.distributed.agreement import check_same_training
 from jaxpipe.errors import PipelineTypeError
@@ -29,6 +31,17 @@ from jaxpipe.train.state import TrainState
 __all__ = ["Pipeline", "pipeline"]
 
 PROGRAMS = ("train_step", "value_and_grad", "loss")
+
+
+def _own_mesh(method: Callable) -> Callable:
+    """Run a Pipeline method under the pipeline's mesh where the caller's
+    ``jax.set_mesh`` names another (:func:`jaxpipe.api.inputs.on_own_mesh`)."""
+    @functools.wraps(method)
+    def run(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
+        with on_own_mesh(self._internals.mesh, f"pipe.{method.__name__}"):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class Pipeline:
@@ -44,14 +57,18 @@ class Pipeline:
 
     def __init__(self, loss_fn: Callable[..., jax.Array], params: Any, batch: Any,
                  **options: Any) -> None:
+        with on_own_mesh(options.get("mesh"), "jp.pipeline"):
+            self._internals = self._build(loss_fn, params, batch, options)
+
+    @staticmethod
+    def _build(loss_fn: Callable, params: Any, batch: Any, options: dict) -> Internals:
         auto = resolve_auto(options.get("schedule"))
         if auto is not None and auto.microbatches == "auto":  # built once per m
             first = placeholder(auto, options["mesh"], options.get("axis", "pipe"), batch)
-            self._internals = choose_microbatches(
+            return choose_microbatches(
                 auto, first.num_devices, batch_rows(batch),
                 lambda a: Internals(loss_fn, params, batch, **{**options, "schedule": a}))
-        else:
-            self._internals = Internals(loss_fn, params, batch, **options)
+        return Internals(loss_fn, params, batch, **options)
 
     def __getattr__(self, name: str) -> Any:
         # reached only for names a Pipeline lacks: point to where an inspected one lives
@@ -98,6 +115,7 @@ class Pipeline:
         return self._internals
 
     # ---------------------------------------------------------------- compute
+    @_own_mesh
     def value_and_grad(self, params: Any, batch: Any, key: Any = None
                        ) -> tuple[jax.Array, Any]:
         """Mean loss over microbatches and its gradient w.r.t. ``params`` (same pytree).
@@ -115,6 +133,7 @@ class Pipeline:
         return it.run_value_and_grad(it.place_params(params), it.place_batch(batch),
                                      it.place_key(key, "pipe.value_and_grad"))
 
+    @_own_mesh
     def staged_value_and_grad(self, staged: Any, batch: Any, key: Any = None
                               ) -> tuple[jax.Array, Any]:
         """As :meth:`value_and_grad`, with parameters and gradients in the stage layout
@@ -125,6 +144,7 @@ class Pipeline:
             it.place_staged(staged, "staged_value_and_grad"), it.place_batch(batch),
             it.place_key(key, "pipe.staged_value_and_grad"))
 
+    @_own_mesh
     def loss(self, params_or_state: Any, batch: Any, key: Any = None) -> Any:
         """The pipelined loss, forward only: evaluation and batched inference.
 
@@ -152,6 +172,7 @@ class Pipeline:
                            batch, key)
 
     # ---------------------------------------------------------------- layout
+    @_own_mesh
     def shard(self, params: Any) -> Any:
         """Move ``params`` into the executor's stage layout (resident on the devices).
 
@@ -162,12 +183,14 @@ class Pipeline:
         placed = it.place_params(params, "pipe.shard(params)")
         return it.shard_leaves(jax.tree.leaves(placed))
 
+    @_own_mesh
     def unshard(self, staged: Any) -> Any:
         """Inverse of :meth:`shard`: the user's parameter pytree (replicated)."""
         it = self._internals
         return it.user_tree(it.unshard_leaves(it.place_staged(staged, "unshard")))
 
     # ---------------------------------------------------------------- training
+    @_own_mesh
     def init(self, params: Any, optimizer: Any, *, skip_nonfinite: bool = False,
              clip_global_norm: float | None = None) -> TrainState:
         """Train state for :meth:`train_step`: parameters and per-stage optax state.
@@ -197,6 +220,7 @@ class Pipeline:
         return TrainState(it.shard_leaves(leaves), trainer.init_opt_state(leaves), step,
                           trainer)
 
+    @_own_mesh
     def train_step(self, state: TrainState, batch: Any, key: Any = None
                    ) -> tuple[TrainState, dict]:
         """One optimizer step: ``(state, batch) -> (state, metrics)``; jitted, state donated.
@@ -215,12 +239,14 @@ class Pipeline:
             metrics["aux"] = it.aux_tree(aux)
         return state, metrics
 
+    @_own_mesh
     def params(self, state: TrainState) -> Any:
         """The user parameter pytree held by a train state."""
         it = self._internals
         return it.user_tree(it.unshard_leaves(it.live_state(state, "pipe.params").params))
 
     # ---------------------------------------------------------------- ahead of time
+    @_own_mesh
     def lower(self, program: str = "train_step", *, optimizer: Any = None,
               skip_nonfinite: bool = False, clip_global_norm: float | None = None) -> Any:
         """One of the pipeline's programs lowered from abstract inputs, no data needed.
