@@ -199,7 +199,10 @@ def _int_loss(params, mb):
 def test_int_and_unused_leaves_keep_values_and_train_like_optax():
     params = {"w": _params(2)["w"], "scale": jnp.array(2, jnp.int32),
               "offset": jnp.arange(W, dtype=jnp.int32), "unused": jnp.full((3,), 7.0),
-              "flag": jnp.array(True)}
+              "flag": jnp.array(True),
+              # an unused 0-d float: its zero gradient is a literal in the stage's jaxpr
+              # (the CPU program's build crashed on it: unhashable Literal)
+              "temperature": jnp.array(0.5)}
     batch = _batch()
     pipe = jp.pipeline(_int_loss, params, batch, mesh=_mesh(), schedule=jp.OneFOneB(P_, M))
     assert pipe.inspect.param_owners[2] == (0, 1)  # the int scale (leaf 2) is read by both stages
@@ -210,6 +213,7 @@ def test_int_and_unused_leaves_keep_values_and_train_like_optax():
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     _close(grads["w"], ref_grads)
     np.testing.assert_array_equal(grads["unused"], np.zeros(3))  # as jax.grad gives
+    np.testing.assert_array_equal(grads["temperature"], np.zeros(()))
     np.testing.assert_array_equal(grads["offset"], np.zeros(W, np.int32))
     assert pipe.unshard(pipe.shard(params))["unused"].tolist() == [7.0] * 3
 

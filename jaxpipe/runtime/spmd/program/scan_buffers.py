@@ -62,8 +62,9 @@ def direct_outputs(closed: jcore.ClosedJaxpr, candidates: Sequence[int]) -> froz
     j = closed.jaxpr
     uses = _uses(j)
     ys = {v for e in _scans(j) for v in e.outvars[e.params["num_carry"]:]}
-    return frozenset(i for i in candidates
-                     if j.outvars[i] in ys and uses[j.outvars[i]] == 1)
+    # (a literal output, e.g. a 0-d parameter's zero gradient, is no scan's)
+    return frozenset(i for i in candidates if not isinstance(j.outvars[i], jcore.Literal)
+                     and j.outvars[i] in ys and uses[j.outvars[i]] == 1)
 
 
 def direct_inputs(closed: jcore.ClosedJaxpr, candidates: Sequence[int]) -> frozenset[int]:
