@@ -254,7 +254,8 @@ def test_placed_shardings_the_pipeline_cannot_keep_are_refused():
     other = _mesh((2, 4), ("pipe", "model"))
     elsewhere = dict(params, proj=jax.device_put(params["proj"], NamedSharding(other, P())))
     with pytest.raises(jp.PipelineError, match=r"params\['proj'\] is placed on a mesh with "
-                       r"axes \{'pipe': 2, 'model': 4\}, not on the pipeline's mesh"):
+                       r"axes \{'pipe': 2, 'model': 4\} on devices \[0, .*\], not on the "
+                       r"pipeline's mesh"):
         build(elsewhere)
     on_pipe = dict(params, proj=jax.device_put(params["proj"], NamedSharding(mesh, P("pipe"))))
     with pytest.raises(jp.PipelineError, match=r"params\['proj'\] is placed sharded over the "

@@ -199,7 +199,10 @@ def _refuse(what: str, primals: tuple, tangents: tuple) -> Any:
         "and are not differentiable in turn. Call pipe.value_and_grad(params, batch) for "
         "the loss and its gradient (pipe.train_step to train) instead of differentiating "
         "pipe.loss; "
-        "higher-order derivatives through a pipeline are not supported.")
+        "higher-order derivatives through a pipeline are not supported."
+        + (" A gradient with respect to the batch is not returned either: compute what "
+           "produces the batch (an embedding) inside loss_fn, its weights in params."
+           if what == "batch" else ""))
 
 
 def check_usable(tree: Any, what: str, fix: str) -> None:

@@ -266,10 +266,13 @@ def _check_on_mesh(sharding: NamedSharding, mesh: Mesh, name: str, fix: str) -> 
     """``name``'s placement is on ``mesh`` (same axis names, sizes and devices), or an
     error that says where it is and ``fix``."""
     if not _same_devices(sharding.mesh, mesh):
+        def where(m: Mesh) -> str:  # its axes and device ids (the same axes may differ there)
+            ids = [d.id for d in m.devices.flat]
+            return (f"{dict(zip(m.axis_names, m.axis_sizes, strict=True))} on devices "
+                    f"{ids if len(ids) <= 8 else ids[:8] + ['...']}")
         raise PipelineError(
-            f"{name} is placed on a mesh with axes "
-            f"{dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))}"
-            f", not on the pipeline's mesh {dict(mesh.shape)}{fix}")
+            f"{name} is placed on a mesh with axes {where(sharding.mesh)}, not on the "
+            f"pipeline's mesh, {where(mesh)}{fix}")
 
 
 def placed_spec(x: Any, mesh: Mesh, path: str) -> P | None:
@@ -284,7 +287,8 @@ def placed_spec(x: Any, mesh: Mesh, path: str) -> P | None:
         return None
     if isinstance(sharding, NamedSharding):
         _check_on_mesh(sharding, mesh, f"params{path}",
-                       " (same axis names, sizes and devices). Place it on the pipeline's "
+                       " (it needs the same axis names, sizes and devices). Place it on the "
+                       "pipeline's "
                        "mesh (jax.device_put(x, NamedSharding(mesh, spec))), or pass "
                        "param_specs= to say how to shard it.")
         return sharding.spec
