@@ -298,9 +298,12 @@ def test_schedule_file_or_class_missing_or_not_a_schedule(tmp_path):
         jp.load_schedule("nope/zb.py:ZeroBubble")
     f = tmp_path / "mine.py"
     f.write_text("import jaxpipe as jp\n\nclass NotASchedule:\n    pass\n\n"
-                 "class Mine(jp.GPipe):\n    pass\n")
+                 "class Mine(jp.GPipe):\n    pass\n\n"
+                 "class _Helper(jp.GPipe):\n    pass\n\n"
+                 "class Base(jp.Schedule):\n    pass\n")
+    # (helpers and abstract bases are not offered)
     with pytest.raises(jp.ScheduleError, match=r"has no class 'Missing'; Schedule subclasses "
-                                               r"there: .*Mine"):
+                                               r"there: .*Mine$"):
         jp.load_schedule(f"{f}:Missing")
     with pytest.raises(jp.ScheduleError, match=r"NotASchedule is not a Schedule subclass.*"
                                                r"subclass jaxpipe.Schedule"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 
@@ -144,6 +145,7 @@ def load_schedule(name_or_path: str | type[Schedule]) -> type[Schedule]:
         found = sorted(
             n for n, v in vars(module).items()
             if isinstance(v, type) and issubclass(v, Schedule) and v is not Schedule
+            and not n.startswith("_") and not inspect.isabstract(v)  # (helpers, bases)
         )
         raise ScheduleError(
             f"{source!r} has no class {class_name!r}; Schedule subclasses there: "
