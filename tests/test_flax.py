@@ -257,6 +257,36 @@ def test_nnx_pipeline_matches_value_and_grad(sched, p):
     assert str(pipe.plan)  # printable
 
 
+class SowingBlock(NnxBlock):
+    def __call__(self, x):
+        h = super().__call__(x)
+        self.sow(nnx.Intermediate, "h", h)  # as flax's examples record intermediates
+        return h
+
+
+def test_nnx_sow_is_refused_with_the_fix_and_the_fix_is_exact():
+    """A block that sows intermediates adds variables while the loss runs: refused by
+    name (the build crashed in a zip of the variables' paths), and popping them inside
+    loss_fn, the fix the error gives, pipelines exactly."""
+    model = NnxLM(jp.layer(SowingBlock), depth=4, rngs=nnx.Rngs(0))
+    batch = _tokens(n=16)
+    with pytest.raises(jp.PipelineError, match=r"adds variables to the model while it runs "
+                                               r"\(\['blocks'\]\[0\]\['h'\].*nnx.pop"):
+        jp.flax.pipeline(model, nnx_loss, batch, mesh=_mesh(2), schedule=jp.GPipe(2, 4))
+
+    def popping(model, mb):
+        loss = nnx_loss(model, mb)
+        nnx.pop(model, nnx.Intermediate)
+        return loss
+
+    pipe = jp.flax.pipeline(model, popping, batch, mesh=_mesh(2), schedule=jp.GPipe(2, 4))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    want = jax.value_and_grad(lambda s: popping(nnx.merge(graphdef, s, rest), batch))(params)
+    loss, grads = pipe.value_and_grad(model, batch)
+    np.testing.assert_allclose(float(loss), float(want[0]), rtol=RTOL)
+    _assert_trees_close(grads, nnx.to_pure_dict(want[1]))
+
+
 _LIFTS = {"remat": nnx.remat, "jit": nnx.jit}
 
 

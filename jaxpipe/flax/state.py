@@ -77,6 +77,14 @@ def check_updates(before: dict, before_p: dict, rest_after: Any, params_after: A
     unchanged (nnx's lifted transforms write every variable back)."""
     from flax import nnx
 
+    added = [path for path, _ in variables_of(rest_after) if path not in before] + [
+        path for path, _ in variables_of(params_after) if path not in before_p]
+    if added:
+        raise PipelineError(
+            f"loss_fn adds variables to the model while it runs ({', '.join(added[:4])}"
+            f"{', ...' if len(added) > 4 else ''}: e.g. self.sow(nnx.Intermediate, ...)); a "
+            "pipeline would lose them. Return what you record as aux (has_aux=True), or "
+            "take them out before loss_fn returns (nnx.pop(model, nnx.Intermediate)).")
     through: set[str] | None = None
 
     def changed(path: str, now: Any, then: Any) -> bool:
