@@ -311,6 +311,58 @@ def test_nnx_dropout_matches_unpipelined_model():
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
 
 
+@jp.layer
+class _DropBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(W, W, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jnp.tanh(self.linear(x)))
+
+
+class _ScannedDropNet(nnx.Module):
+    """flax's scan-over-layers pattern: blocks made under split_rngs + vmap (a dropout key
+    per layer), run by nnx.scan."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return _DropBlock(rngs)
+
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, block):
+            return block(x)
+
+        return run(x, self.blocks)
+
+
+def test_nnx_scanned_blocks_with_a_dropout_key_per_layer():
+    """rng=True reseeds a stream stacked over layers by splitting its key to the stream's
+    shape (flax's reseed refused the non-scalar key: the pattern could not be pipelined)."""
+    model = _ScannedDropNet(nnx.Rngs(0, dropout=1))
+    batch, key = _batch(), jax.random.key(4)
+    pipe = jp.flax.pipeline(model, nnx_loss, batch, mesh=_mesh(), schedule=jp.OneFOneB(P_, M),
+                            rng=True)
+    loss, grads = pipe.value_and_grad(model, batch, key)
+
+    def ref(model):
+        total = 0.0
+        for i, mb in enumerate(_mbs(batch)):
+            jp.flax.reseed(model, jax.random.fold_in(key, i))
+            total = total + nnx_loss(model, mb)
+        return total / M
+
+    ref_loss, ref_grads = nnx.value_and_grad(ref)(model)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    _close(grads, nnx.to_pure_dict(ref_grads))
+    assert float(loss) != float(pipe.value_and_grad(model, batch, jax.random.key(5))[0])
+
+
 def test_nnx_batchnorm_eval_is_exact_and_train_mode_is_refused():
     @jp.layer
     class BNBlock(nnx.Module):

@@ -51,7 +51,8 @@ def reseed(model: Any, key: jax.Array) -> Any:
     """Reseed every RNG stream of an nnx ``model`` from one key; returns ``model``.
 
     Stream ``name`` gets the key ``jax.random.fold_in(key, zlib.crc32(name.encode()))``
-    and its counter restarts at 0, so different streams draw different bits. A pipeline
+    (split to the stream's shape where it holds a key per stacked layer) and its counter
+    restarts at 0, so different streams draw different bits. A pipeline
     built with ``rng=True`` does this with microbatch ``i``'s key
     (``jax.random.fold_in(key, i)``) before calling ``loss_fn``; the unpipelined
     equivalent of one microbatch is therefore::
@@ -64,7 +65,10 @@ def reseed(model: Any, key: jax.Array) -> Any:
     tags = sorted({s.tag for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)})
     keys = {t: jax.random.fold_in(key, jnp.uint32(zlib.crc32(t.encode()))) for t in tags}
     if keys:
-        nnx.reseed(model, **keys)
+        # a stream stacked over layers (nnx.split_rngs + nnx.vmap, scanned with nnx.scan)
+        # holds a key per layer: its new keys are the stream key split to that shape
+        nnx.reseed(model, policy=lambda _, k, shape: k if not shape
+                   else jax.random.split(k, shape), **keys)
     return model
 
 
