@@ -480,6 +480,23 @@ def test_flax_state_mistakes_are_named():
         jp.flax.pipeline(Plain(nnx.Rngs(0)), assigning_loss, batch, mesh=_mesh(),
                          schedule=jp.GPipe(P_, M))
 
+    class Count(nnx.Variable):
+        pass
+
+    class Counting(Plain):
+        def __init__(self, rngs):
+            super().__init__(rngs)
+            self.calls = Count(jnp.zeros((), jnp.int32))
+
+        def __call__(self, x):
+            self.calls[...] += 1  # a counter of the user's: the advice is not BatchNorm's
+            return super().__call__(x)
+
+    with pytest.raises(jp.PipelineError, match=r"updates the model's Count \['calls'\].*"
+                                               r"Compute the value in loss_fn"):
+        jp.flax.pipeline(Counting(nnx.Rngs(0)), nnx_loss, batch, mesh=_mesh(),
+                         schedule=jp.GPipe(P_, M))
+
     class LinenBN(nn.Module):
         @nn.compact
         def __call__(self, x):

@@ -111,12 +111,14 @@ def check_updates(before: dict, before_p: dict, rest_after: Any, params_after: A
         if isinstance(v, nnx.RngState):
             drawn.append(v.tag)
             continue
+        fix = ("Call model.eval() (BatchNorm then uses its running statistics) before "
+               "jp.flax.pipeline, or use a normalization without state (LayerNorm, RMSNorm)."
+               if isinstance(v, nnx.BatchStat) else
+               "Compute the value in loss_fn (returned as aux with has_aux=True where you "
+               "need it) instead of storing it in the model.")
         raise PipelineError(
-            f"loss_fn updates the model's {type(v).__name__} {path} (e.g. nnx.BatchNorm in "
-            "training mode); a pipeline returns only the loss and gradients, so the update "
-            "would be lost. Call model.eval() (BatchNorm then uses its running statistics) "
-            "before jp.flax.pipeline, or use a normalization without state (LayerNorm, "
-            "RMSNorm).")
+            f"loss_fn updates the model's {type(v).__name__} {path}; a pipeline returns only "
+            f"the loss and gradients (and aux), so the update would be lost. {fix}")
     if drawn and not rng:
         raise PipelineError(
             f"loss_fn draws random numbers from the model's nnx.Rngs stream(s) "
