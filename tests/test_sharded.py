@@ -257,6 +257,13 @@ def test_placed_shardings_the_pipeline_cannot_keep_are_refused():
                        r"axes \{'pipe': 2, 'model': 4\} on devices \[0, .*\], not on the "
                        r"pipeline's mesh"):
         build(elsewhere)
+    # a shape placed on another abstract mesh (nnx.eval_shape's): named, no device ids
+    abstract = dict(params, proj=jax.ShapeDtypeStruct(
+        params["proj"].shape, params["proj"].dtype,
+        sharding=NamedSharding(other.abstract_mesh, P())))
+    with pytest.raises(jp.PipelineError, match=r"params\['proj'\] is placed on a mesh with "
+                       r"axes \{'pipe': 2, 'model': 4\}, not on the pipeline's mesh"):
+        build(abstract)
     on_pipe = dict(params, proj=jax.device_put(params["proj"], NamedSharding(mesh, P("pipe"))))
     with pytest.raises(jp.PipelineError, match=r"params\['proj'\] is placed sharded over the "
                        "pipe axis 'pipe'"):

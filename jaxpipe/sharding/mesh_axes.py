@@ -266,13 +266,17 @@ def _check_on_mesh(sharding: NamedSharding, mesh: Mesh, name: str, fix: str) -> 
     """``name``'s placement is on ``mesh`` (same axis names, sizes and devices), or an
     error that says where it is and ``fix``."""
     if not _same_devices(sharding.mesh, mesh):
-        def where(m: Mesh) -> str:  # its axes and device ids (the same axes may differ there)
-            ids = [d.id for d in m.devices.flat]
-            return (f"{dict(zip(m.axis_names, m.axis_sizes, strict=True))} on devices "
-                    f"{ids if len(ids) <= 8 else ids[:8] + ['...']}")
-        raise PipelineError(
-            f"{name} is placed on a mesh with axes {where(sharding.mesh)}, not on the "
-            f"pipeline's mesh, {where(mesh)}{fix}")
+        raise PipelineError(f"{name} is placed on a mesh with axes {_where(sharding.mesh)}, "
+                            f"not on the pipeline's mesh, {_where(mesh)}{fix}")
+
+
+def _where(m: Any) -> str:
+    """A mesh's axes, and its device ids where it has devices (an AbstractMesh has none)."""
+    axes = dict(zip(m.axis_names, m.axis_sizes, strict=True))
+    if isinstance(m, jax.sharding.AbstractMesh):
+        return str(axes)
+    ids = [d.id for d in m.devices.flat]
+    return f"{axes} on devices {ids if len(ids) <= 8 else ids[:8] + ['...']}"
 
 
 def placed_spec(x: Any, mesh: Mesh, path: str) -> P | None:
@@ -288,9 +292,8 @@ def placed_spec(x: Any, mesh: Mesh, path: str) -> P | None:
     if isinstance(sharding, NamedSharding):
         _check_on_mesh(sharding, mesh, f"params{path}",
                        " (it needs the same axis names, sizes and devices). Place it on the "
-                       "pipeline's "
-                       "mesh (jax.device_put(x, NamedSharding(mesh, spec))), or pass "
-                       "param_specs= to say how to shard it.")
+                       "pipeline's mesh (jax.device_put(x, NamedSharding(mesh, spec))), or "
+                       "pass param_specs= to say how to shard it.")
         return sharding.spec
     if len(sharding.device_set) == 1 or sharding.is_fully_replicated:
         return None
