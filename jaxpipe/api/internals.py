@@ -54,12 +54,9 @@ from jaxpipe.jaxpr.objective import Objective
 from jaxpipe.jaxpr.trace import Traced, microbatch_like
 from jaxpipe.runtime import Executor, Runtime, resolve
 from jaxpipe.schedule import Schedule
-from jaxpipe.sharding.mesh_axes import (
-    placed_batch_axes,
-    resolve_mesh_axes,
-    trace_context,
-)
+from jaxpipe.sharding.mesh_axes import placed_batch_axes, resolve_mesh_axes
 from jaxpipe.sharding.param_views import ParamViews
+from jaxpipe.sharding.typed import trace_context
 from jaxpipe.stages.stacks import Stack
 from jaxpipe.stages.stage_fn import StageFn
 from jaxpipe.train.options import TrainOptions

@@ -28,13 +28,8 @@ from jaxpipe.sharding.constraints import (
     explicit_batch_axes_automatic,
     without_constrained_batch_axes,
 )
-from jaxpipe.sharding.mesh_axes import (
-    Dims,
-    MeshAxes,
-    trace_context,
-    typed_batch_sharding,
-    typed_shardings,
-)
+from jaxpipe.sharding.mesh_axes import Dims, MeshAxes
+from jaxpipe.sharding.typed import trace_context, typed_batch_sharding, typed_shardings
 
 __all__ = ["shards", "trace_on_mesh"]
 

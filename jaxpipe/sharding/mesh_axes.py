@@ -14,8 +14,8 @@ every device traces its own batch shard and gradients are ``pmean``-ed). Paramet
 stay under JAX's sharding inside every stage: stages are traced on the global view of
 those axes, and XLA partitions them as the parameters' (and batch's) shardings say.
 Where a parameter axis is Explicit (sharding in types), the stages are traced with the
-parameters' sharded types under the mesh (:func:`typed_shardings`,
-:func:`trace_context`), and the program's buffers take their values' types.
+parameters' sharded types under the mesh (:mod:`jaxpipe.sharding.typed`), and the
+program's buffers take their values' types.
 
 :class:`MeshAxes` is that split, computed once from the user's ``batch_axes=`` and
 ``param_specs=`` (:func:`resolve_mesh_axes`, which also checks them; without
@@ -29,7 +29,6 @@ sort; :func:`to_spec` turns dims back into a ``PartitionSpec``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -42,8 +41,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.errors import PipelineError, PipelineTypeError
 
 __all__ = ["Dims", "MeshAxes", "constrain", "constrain_to", "manual_spec", "placed_batch_axes",
-           "placed_spec", "resolve_mesh_axes", "spec_dims", "to_spec", "trace_context",
-           "typed_batch_sharding", "typed_shardings"]
+           "placed_spec", "resolve_mesh_axes", "spec_dims", "to_spec"]
 
 #: One tuple of mesh axis names per array dimension (``()``: not sharded).
 Dims = tuple[tuple[str, ...], ...]
@@ -370,37 +368,3 @@ def resolve_mesh_axes(mesh: Mesh, axis: str, batch_axes: Any, param_specs: Any,
     else:
         batch = _check_batch_axes(batch_axes, mesh, axis)
     return MeshAxes(axis, batch, param_axes), dims
-
-
-def explicit_param_axes(mesh: Mesh, mesh_axes: MeshAxes) -> tuple[str, ...]:
-    """The parameter axes of type Explicit (sharding in types)."""
-    return tuple(a for a in mesh_axes.param_axes
-                 if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit)
-
-
-def typed_shardings(mesh: Mesh, mesh_axes: MeshAxes, dims: Sequence[Dims]) -> list | None:
-    """Per parameter, the ``NamedSharding`` its traced type carries when some parameter
-    axis is Explicit (sharding in types: the stages are traced with it); else ``None``."""
-    if not explicit_param_axes(mesh, mesh_axes):
-        return None
-    return [NamedSharding(mesh, to_spec(d)) for d in dims]
-
-
-def typed_batch_sharding(mesh: Mesh, mesh_axes: MeshAxes) -> NamedSharding | None:
-    """The ``NamedSharding`` a microbatch leaf's traced type carries: its rows split over
-    the automatic batch axes (a parameter axis the batch is split over too: FSDP) when
-    types carry the mesh's Explicit axes; else ``None``. Inside the program the stages
-    see the microbatch so split (``build_step`` reshards it), and what they compute from
-    it (a residual, a message) has that type: its buffers must be traced with it."""
-    axes = tuple(a for a in mesh_axes.auto_batch_axes
-                 if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit)
-    if not explicit_param_axes(mesh, mesh_axes) or not axes:
-        return None
-    return NamedSharding(mesh, to_spec((axes,)))
-
-
-def trace_context(mesh: Mesh, mesh_axes: MeshAxes) -> Any:
-    """What tracing the stages runs under: the mesh, when types carry its Explicit axes."""
-    if not explicit_param_axes(mesh, mesh_axes):
-        return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
