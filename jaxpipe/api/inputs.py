@@ -238,29 +238,29 @@ def on_own_mesh(mesh: Any, what: str) -> Iterator[None]:
     named the other mesh and every call failed inside JAX. Inside a ``jax.jit`` traced
     under the other mesh the inputs' types name it too: a clear error then."""
     ambient = jax.sharding.get_abstract_mesh()
-    if not isinstance(mesh, Mesh) or ambient.empty or ambient == mesh.abstract_mesh:
+    with contextlib.ExitStack() as stack:
+        if isinstance(mesh, Mesh) and not ambient.empty and ambient != mesh.abstract_mesh:
+            try:
+                stack.enter_context(jax.set_mesh(mesh))
+            except ValueError:  # set_mesh refuses to run under a jit's trace
+                raise _under_another_mesh(ambient, mesh, what) from None
         yield
-        return
-    try:
-        context = jax.set_mesh(mesh)
-        context.__enter__()
-    except ValueError:  # set_mesh refuses to run under a jit's trace
-        manual = [a for a, t in zip(ambient.axis_names, ambient.axis_types, strict=True)
-                  if t == jax.sharding.AxisType.Manual]
-        if manual:
-            raise PipelineError(
-                f"{what} is called inside a jax.shard_map manual over {manual}: the pipeline "
-                "is its own shard_map over the whole mesh; call it outside yours (its "
-                "batch_axes= split the batch over data axes for you).") from None
-        raise PipelineError(
-            f"{what} is traced inside a jax.jit under jax.set_mesh of another mesh "
-            f"({dict(ambient.shape)}) than the pipeline's ({dict(mesh.shape)}): call it "
-            "outside that jit, or trace that jit under the pipeline's mesh "
-            "(jax.set_mesh(pipe.mesh)).") from None
-    try:
-        yield
-    finally:
-        context.__exit__(None, None, None)
+
+
+def _under_another_mesh(ambient: Any, mesh: Mesh, what: str) -> PipelineError:
+    """The error for ``what`` traced under another mesh than the pipeline's."""
+    manual = [a for a, t in zip(ambient.axis_names, ambient.axis_types, strict=True)
+              if t == jax.sharding.AxisType.Manual]
+    if manual:
+        return PipelineError(
+            f"{what} is called inside a jax.shard_map manual over {manual}: the pipeline "
+            "is its own shard_map over the whole mesh; call it outside yours (its "
+            "batch_axes= split the batch over data axes for you).")
+    return PipelineError(
+        f"{what} is traced inside a jax.jit under jax.set_mesh of another mesh "
+        f"({dict(ambient.shape)}) than the pipeline's ({dict(mesh.shape)}): call it "
+        "outside that jit, or trace that jit under the pipeline's mesh "
+        "(jax.set_mesh(pipe.mesh)).")
 
 
 def check_not_differentiated(tree: Any, what: str) -> None:
