@@ -192,11 +192,9 @@ def predicted_with_optimizer(pipe: Any, optimizer: Any) -> tuple[float, str | No
     per parameter byte from ``optimizer.init`` of the parameters' shapes. Returns the
     prediction and, where the two differ, a line saying so (else ``None``)."""
     import jax
-    import numpy as np
 
     def nbytes(tree: Any) -> int:
-        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-                   for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+        return sum(aval_bytes(x) for x in jax.tree.leaves(tree))
 
     inspect = getattr(pipe, "inspect", pipe)  # a pipeline or its pipe.inspect
     params = inspect.abstract_inputs()[0]

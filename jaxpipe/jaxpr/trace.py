@@ -234,7 +234,8 @@ def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any,
             lax.optimization_barrier(x) if isinstance(v, jcore.Literal) else x
             for x, v in zip(jcore.jaxpr_as_fun(fixed)(*a),
                             fixed.jaxpr.outvars, strict=True)])(*avals)
-    if any(_has_marker_eqn(e) for e in raw.jaxpr.eqns):  # markers hidden in sub-jaxprs
+    if any(e.primitive is not boundary_p and holds_marker(e)  # markers hidden in sub-jaxprs
+           for e in raw.jaxpr.eqns):
         raw = jax.make_jaxpr(lambda *a: _inline_eval(raw.jaxpr, raw.consts, a))(*avals)
     markers = tuple(i for i, e in enumerate(raw.jaxpr.eqns) if e.primitive is boundary_p)
     names = tuple(raw.jaxpr.eqns[i].params.get("name") for i in markers)
@@ -301,10 +302,6 @@ def _scalar(x: Any, what: str, objective: Objective, float_only: bool = True) ->
     if not float_only and not jnp.issubdtype(dtype, jnp.number):
         raise PipelineError(f"the weight must be a number, got dtype {dtype}.")
     return leaves[0]
-
-
-def _has_marker_eqn(eqn) -> bool:
-    return any(has_marker(s) for s in jcore.jaxprs_in_params(eqn.params))
 
 
 def segments(traced: Traced) -> list[tuple[int, int]]:

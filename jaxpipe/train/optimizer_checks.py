@@ -21,7 +21,7 @@ from jax.extend import core as jcore
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
 from jaxpipe.jax_compat import dce_jaxpr
-from jaxpipe.jaxpr.avals import is_differentiable
+from jaxpipe.jaxpr.avals import is_differentiable, is_key
 
 if TYPE_CHECKING:
     from jaxpipe.train.seams import ParamLayout
@@ -129,9 +129,7 @@ def check_separable(optimizer: optax.GradientTransformation, spec: ParamLayout) 
         return  # the per-stage trace reports the optimizer's own error
     except Exception:  # the per-stage trace below reports the optimizer's own error
         return
-    if _draws_random_numbers(closed.jaxpr) or any(
-            jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-            for x in jax.tree.leaves(state)):
+    if _draws_random_numbers(closed.jaxpr) or any(is_key(x) for x in jax.tree.leaves(state)):
         raise PipelineError(
             "the optimizer draws random numbers (a PRNG key in its state: optax.add_noise, "
             "or your own): it runs per stage, and every stage would draw from the same key "
