@@ -31,7 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MEAN", "REDUCTIONS", "Objective"]
+import jax.numpy as jnp
+
+__all__ = ["MEAN", "REDUCTIONS", "Objective", "sum_dtype"]
 
 #: The reductions a pipeline's loss may use.
 REDUCTIONS = ("mean", "sum", "weighted")
@@ -76,3 +78,10 @@ class Objective:
 
 #: The default objective: one scalar loss, averaged over microbatches.
 MEAN = Objective()
+
+
+def sum_dtype(dtype: Any) -> Any:
+    """What a runtime sums losses and weights in: float32, or the loss's dtype where it is
+    wider (float64 under x64); a bfloat16 or float16 loss is summed (and returned) in
+    float32."""
+    return jnp.promote_types(dtype, jnp.float32)

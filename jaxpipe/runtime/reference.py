@@ -17,7 +17,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from jaxpipe.cut.memory_model import DEVICE_MEMORY, MemoryModel
 from jaxpipe.errors import PipelineError
-from jaxpipe.jaxpr.objective import MEAN, Objective
+from jaxpipe.jaxpr.objective import MEAN, Objective, sum_dtype
 from jaxpipe.runtime.base import Executor, Runtime, RuntimeSpec, StepFn
 from jaxpipe.schedule import Schedule
 from jaxpipe.schedule.forward import ForwardOnly
@@ -62,7 +62,7 @@ def run_reference(
     handoff: dict = {}
     extras: dict = {}  # mb -> the last stage's outputs after the loss
     last = next(st for st in stages if st.is_last)
-    acc = jnp.promote_types(last.out_avals[0].dtype, jnp.float32)  # float64 under x64
+    acc = sum_dtype(last.out_avals[0].dtype)
     loss = jnp.zeros((), acc)
 
     def add_grads(st, ct_par):
@@ -137,7 +137,7 @@ def reduce_shards(runs: list[tuple[jax.Array, list, list]], objective: Objective
     losses, rows, grads = zip(*runs, strict=True)
     rows = [jnp.stack(r, axis=1) for r in zip(*rows, strict=True)]
     if objective.weighted:
-        total = jnp.sum(rows[0].astype(jnp.promote_types(rows[0].dtype, jnp.float32)))
+        total = jnp.sum(rows[0].astype(sum_dtype(rows[0].dtype)))
         grads = [(sum(g) / (1 if seeded else total.astype(g[0].dtype))).astype(g[0].dtype)
                  for g in zip(*grads, strict=True)]
         return sum(losses) / total, rows[1:], grads
@@ -215,7 +215,7 @@ class ReferenceExecutor(Executor):
         if spec.batch_weight is not None and not forward_only:
             weight = jaxpr_as_fun(spec.batch_weight)
             per = [jax.vmap(lambda *xs: weight(*xs)[0])(*piece) for piece in pieces]
-            total = sum(jnp.sum(w.astype(jnp.promote_types(w.dtype, jnp.float32)))
+            total = sum(jnp.sum(w.astype(sum_dtype(w.dtype)))
                         for w in per)
         run = (lambda mbs, reduce=True: run_reference(
             list(spec.stages), spec.schedule, list(staged), mbs, spec.objective,

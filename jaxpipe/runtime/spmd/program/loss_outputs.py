@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpipe.jaxpr.objective import Objective
+from jaxpipe.jaxpr.objective import Objective, sum_dtype
 from jaxpipe.runtime.spmd.program.layout import ValueClass, value_class
 from jaxpipe.runtime.spmd.program.writes import put_rows
 from jaxpipe.sharding.constraints import stage_as_fun
@@ -39,7 +39,7 @@ class LossOutputs:
         self.m = num_microbatches
         self.loss_dtype = out_avals[0].dtype
         #: what the losses (and weights) are summed in: float32, or float64 under x64
-        self.acc_dtype = jnp.promote_types(self.loss_dtype, jnp.float32)
+        self.acc_dtype = sum_dtype(self.loss_dtype)
         self.classes = [ValueClass(value_class(a).shape, value_class(a).dtype,
                                    buffer=f"output{k}")
                         for k, a in enumerate(out_avals[1:])]
