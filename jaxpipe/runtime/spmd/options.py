@@ -60,6 +60,13 @@ class SpmdOptions:
         #: them (:meth:`~.runtime.SpmdRuntime.instead_of`)
         self.lanes_declined: str | None = None
 
+    def options(self) -> dict[str, Any]:
+        """The options as the constructor takes them (in its order)."""
+        return {"backend": self.backend, "overlap": self.overlap,
+                "share_bodies": self.share_bodies, "split_backward": self.split_backward,
+                "iw_same_tick": self.iw_same_tick, "fuse_fb": self.fuse_fb,
+                "refine": self.refine, "lanes": self.lanes}
+
     def resolve_backend(self, mesh: Any = None) -> str:
         """The program built for ``mesh`` (``backend="auto"``: its devices' platform)."""
         if self.backend != "auto":

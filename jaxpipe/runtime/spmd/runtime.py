@@ -139,16 +139,9 @@ class SpmdRuntime(SpmdOptions, Runtime):
         backwards (``split_backward="auto"`` split none for the lanes)."""
         if self.lanes != "auto" or getattr(executor, "lanes_refused", None) is None:
             return None
-        instead = SpmdRuntime(backend=self.backend, overlap=self.overlap,
-                              share_bodies=self.share_bodies,
-                              split_backward=self.split_backward,
-                              iw_same_tick=self.iw_same_tick, fuse_fb=self.fuse_fb,
-                              refine=self.refine, lanes=False)
+        instead = SpmdRuntime(**{**self.options(), "lanes": False})
         instead.lanes_declined = executor.lanes_refused  # (the plan still says why)
         return instead
 
     def __repr__(self) -> str:
-        return (f"SpmdRuntime(backend={self.backend!r}, overlap={self.overlap!r}, "
-                f"share_bodies={self.share_bodies!r}, "
-                f"split_backward={self.split_backward!r}, iw_same_tick={self.iw_same_tick!r}, "
-                f"fuse_fb={self.fuse_fb!r}, refine={self.refine!r}, lanes={self.lanes!r})")
+        return "SpmdRuntime(" + ", ".join(f"{k}={v!r}" for k, v in self.options().items()) + ")"
