@@ -1,9 +1,10 @@
 """The few private JAX objects jaxpipe reads, each behind one guarded accessor.
 
 JAX has no public name for them (the sharding-constraint primitive, per-output dead-code
-elimination of a jaxpr, the distributed client's state, its cluster environments). A JAX
-upgrade may move one; then the accessor fails with an error that names it and the JAX
-versions jaxpipe supports, instead of an ``ImportError`` deep in a trace.
+elimination of a jaxpr, its partial evaluation, the distributed client's state, its
+cluster environments). A JAX upgrade may move one; then the accessor fails with an error
+that names it and the JAX versions jaxpipe supports, instead of an ``ImportError`` deep in
+a trace.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from jaxpipe.errors import PipelineError
 
 __all__ = ["SUPPORTED_JAX", "cluster_environments", "dce_jaxpr", "distributed_client",
-           "sharding_constraint_p"]
+           "partial_eval_jaxpr", "sharding_constraint_p"]
 
 #: The JAX versions jaxpipe is built and tested against.
 SUPPORTED_JAX = ">= 0.10, < 0.11"
@@ -46,6 +47,19 @@ def dce_jaxpr() -> Callable[..., Any]:
         return pe.dce_jaxpr
     except (ImportError, AttributeError) as err:
         raise _moved("jax._src.interpreters.partial_eval.dce_jaxpr", err) from None
+
+
+def partial_eval_jaxpr() -> Callable[..., Any]:
+    """``partial_eval.partial_eval_jaxpr_nounits(closed_jaxpr, unknowns, instantiate)``:
+    the equations computable from the known inputs alone, as a jaxpr of them (scan and
+    call bodies split too), and which outputs are."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        return pe.partial_eval_jaxpr_nounits
+    except (ImportError, AttributeError) as err:
+        raise _moved("jax._src.interpreters.partial_eval.partial_eval_jaxpr_nounits",
+                     err) from None
 
 
 def distributed_client() -> Any:

@@ -26,6 +26,7 @@ from jaxpipe.cut.cost import RematCost, SegmentCost, segment_costs
 from jaxpipe.cut.flops import jaxpr_flops
 from jaxpipe.cut.memory_model import TPU_MEMORY
 from jaxpipe.jaxpr.avals import aval_bytes
+from jaxpipe.jaxpr.interpret import sub_jaxprs
 from jaxpipe.jaxpr.trace import microbatch_like, trace
 from jaxpipe.runtime.reference import run_reference
 from jaxpipe.stages import split
@@ -495,3 +496,69 @@ def budget_limit(devices):
     from jaxpipe.cut import device_memory_limit
 
     return device_memory_limit(devices)
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr``, those of the jaxprs its equations hold included."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in sub_jaxprs(e.params):
+            yield from _eqns(sub)
+
+
+def _bf16_compute(scanned: bool):
+    """f32 weights and bf16 compute (flax's ``param_dtype=float32, dtype=bfloat16``):
+    each matmul reads a bf16 copy of its weight, which autodiff keeps for the backward."""
+    width, rows = 16, 4
+    ks = jax.random.split(jax.random.key(3), 6)
+    ws = [jax.random.normal(k, (width, width)) / 4 for k in ks[:4]]
+    batch = {"x": jax.random.normal(ks[4], (M * rows, width)),
+             "y": jax.random.normal(ks[5], (M * rows, width))}
+
+    def layer(h, w):
+        return jp.boundary(jnp.tanh(h @ w.astype(jnp.bfloat16)))
+
+    def head(h, b):
+        return jnp.mean((h.astype(jnp.float32) - b["y"]) ** 2)
+
+    if scanned:
+        def loss_fn(params, b):
+            h, _ = jax.lax.scan(lambda h, w: (layer(h, w), None),
+                                b["x"].astype(jnp.bfloat16), params)
+            return head(h, b)
+        return loss_fn, jnp.stack(ws), batch, width
+
+    def loss_fn(params, b):
+        h = b["x"].astype(jnp.bfloat16)
+        for w in params:
+            h = layer(h, w)
+        return head(h, b)
+    return loss_fn, ws, batch, width
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "scanned"])
+def test_a_weights_compute_copy_is_recomputed_not_stored_per_microbatch(scanned):
+    """A value computed from the parameters alone (here the bf16 copy of an f32 weight;
+    an FSDP gather alike) is the same for every microbatch: the stages recompute it in the
+    backward instead of storing one per microbatch in flight, with and without the I / W
+    split, and the gradients stay exact."""
+    loss_fn, params, batch, width = _bf16_compute(scanned)
+    mesh = jax.make_mesh((2,), ("pipe",))
+    for schedule in (jp.OneFOneB(2, M), DeferredW1F1B(2, M)):
+        pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule,
+                           cut="markers")
+        for stage in pipe.inspect.stages:
+            stored = [a.shape for a in (*stage.residual_avals, *stage.w_residual_avals)
+                      if a.dtype == jnp.bfloat16]
+            assert stored and all(s[-2:] != (width, width) for s in stored), stored
+            # the backward casts the weights again (a scanned stack: in its scan)
+            assert any(e.primitive.name == "convert_element_type"
+                       and e.outvars[0].aval.shape[-2:] == (width, width)
+                       for e in _eqns(stage.bwd.jaxpr)), stage.bwd
+        # bf16 products: against jax.value_and_grad of each microbatch, summed in f32 as
+        # the pipeline sums (a vmap over microbatches sums their bf16 products first)
+        mbs = jax.tree.map(lambda x: x.reshape(M, -1, *x.shape[1:]), batch)
+        each = [jax.value_and_grad(loss_fn)(params, jax.tree.map(lambda x, i=i: x[i], mbs))
+                for i in range(M)]
+        want = jax.tree.map(lambda *xs: sum(xs) / M, *each)
+        assert_matches(pipe.value_and_grad(params, batch), want)

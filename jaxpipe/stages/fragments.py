@@ -34,6 +34,7 @@ from jaxpipe.jaxpr.markers import boundary_p
 from jaxpipe.jaxpr.trace import Traced, segments
 from jaxpipe.sharding.constraints import stage_as_fun
 from jaxpipe.stages.backward_split import split_backward
+from jaxpipe.stages.param_derived import param_derived
 from jaxpipe.stages.remat import Remat, group_io, remat_groups, run_groups
 from jaxpipe.stages.stage_fn import StageFn
 
@@ -239,12 +240,17 @@ def _build_stage(s, eqn_range, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_o
         [_sds(a) for a in p_avals], [_sds(a) for a in b_avals], [_sds(a) for a in in_avals]
     )
     n_out = len(out_avals)
-    # Residual leaves that are parameters or microbatch leaves are re-read, not stored.
+    # Residual leaves that are parameters or microbatch leaves are re-read, not stored;
+    # those computed from the parameters alone are recomputed (stages.param_derived).
     fj = fwd_raw.jaxpr
     in_pos = {v: i for i, v in enumerate(fj.invars)}
     n_pi, n_bi = len(p_avals), len(b_avals)
-    res_src = []  # per residual leaf: ("param", i) | ("batch", i) | ("stored", j) | ("lit", val)
-    stored_vars: list = []
+    computed = list(dict.fromkeys(v for v in fj.outvars[n_out:] if isinstance(v, jcore.Var)
+                                  and in_pos.get(v, n_pi + n_bi) >= n_pi + n_bi))
+    derived = param_derived(fwd_raw, n_pi, computed)
+    derived_vars = list(derived.values) if derived else []
+    stored_vars = [v for v in computed if v not in set(derived_vars)]
+    res_src = []  # per residual leaf: (kind, index into params / batch / stored / derived)
     for v in fj.outvars[n_out:]:
         if isinstance(v, jcore.Literal):
             res_src.append(("lit", v.val))
@@ -252,9 +258,9 @@ def _build_stage(s, eqn_range, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_o
             res_src.append(("param", in_pos[v]))
         elif v in in_pos and in_pos[v] < n_pi + n_bi:
             res_src.append(("batch", in_pos[v] - n_pi))
+        elif v in derived_vars:
+            res_src.append(("derived", derived_vars.index(v)))
         else:
-            if v not in stored_vars:
-                stored_vars.append(v)
             res_src.append(("stored", stored_vars.index(v)))
     fwd_jaxpr = jcore.ClosedJaxpr(
         fj.replace(outvars=fj.outvars[:n_out] + stored_vars), fwd_raw.consts
@@ -263,16 +269,10 @@ def _build_stage(s, eqn_range, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_o
     tree = res_tree[0]
 
     def rebuild(params, batch, stored):
-        out = []
-        for kind, x in res_src:
-            if kind == "param":
-                out.append(params[x])
-            elif kind == "batch":
-                out.append(batch[x])
-            elif kind == "stored":
-                out.append(stored[x])
-            else:
-                out.append(x)
+        again = (jcore.jaxpr_as_fun(derived.jaxpr)(*[params[i] for i in derived.param_pos])
+                 if derived else [])
+        sources = {"param": params, "batch": batch, "stored": stored, "derived": again}
+        out = [x if kind == "lit" else sources[kind][x] for kind, x in res_src]
         return jax.tree.unflatten(tree, out)
 
     def bwd(params, batch, stored, ct_out):

@@ -24,6 +24,10 @@ policy              stored per microbatch (besides parameters and batch)      re
                     activations at once
 ==================  =======================================================  =========
 
+Under every policy, values computed from the parameters alone (a bf16 cast of an f32
+weight, an FSDP gather) are recomputed by the backward, not stored
+(:mod:`jaxpipe.stages.param_derived`).
+
 A segment that already contains a user's own ``jax.checkpoint`` is left exactly as the
 user wrote it under every policy (it is never wrapped a second time), so their choice
 holds; :attr:`jaxpipe.cut.cost.SegmentCost.user_remat` marks such segments.

@@ -17,7 +17,10 @@ runtimes only evaluate them:
 - ``bwd_w``: (params, batch, stored residuals[w_res_ids], w_residuals) -> ct_params
 
 Residuals that are just a parameter or a microbatch leaf are not stored: the backward
-re-reads them (parameters are resident on the device anyway). Only inexact (float)
+re-reads them (parameters are resident on the device anyway); those computed from the
+parameters alone (a bf16 copy of an f32 weight, an FSDP shard's gathered weight) are
+recomputed by the backward from them (:mod:`jaxpipe.stages.param_derived`), not stored
+once per microbatch in flight. Only inexact (float)
 parameters and carries are differentiated; integer values (token ids, masks) flow
 through as non-differentiable inputs.
 
