@@ -5,7 +5,11 @@ stages: tensor parallelism (pipe 2 x data 2 x model 2) and FSDP (pipe 2 x fsdp 4
 Compiled pipelines are shared through module fixtures (CI has two cores).
 """
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -815,3 +819,19 @@ def test_fsdp_with_the_batch_over_its_axis_on_explicit_axes():
     want = optax.apply_updates(host, opt.update(ref_grads, opt.init(host), host)[0])
     for w, r in zip(pipe.params(state), want, strict=True):
         np.testing.assert_allclose(w, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lookup_in_a_table_split_over_auto_axes_compiles_and_is_exact():
+    """MaxText's layout on Auto axes (a jax.sharding.Mesh): the embedding table split over
+    ('tensor', 'fsdp'), the batch over 'fsdp'. The gather's operand is made whole in the
+    program's context, not in the context the model was traced in (which names no mesh,
+    so nothing was constrained and XLA's partitioner aborted the process). In a
+    subprocess, which that abort would end; the pipeline against jax.value_and_grad."""
+    script = Path(__file__).resolve().parent / "support" / "auto_axes_lookup.py"
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["batch_axes"] == ["fsdp"]
+    np.testing.assert_allclose(out["loss"], out["want_loss"], rtol=1e-6)
+    assert out["grad_err"] < 1e-5, out

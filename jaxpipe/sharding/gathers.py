@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.jaxpr.interpret import eval_eqns, read, sub_jaxprs
@@ -67,10 +67,11 @@ def needed(jaxpr: Jaxpr) -> bool:
     return manual and split and _holds(jaxpr)
 
 
-def _whole(x: Any) -> Any:
-    """``x`` replicated over every axis that is not manual (in the equation's context)."""
+def _whole(x: Any, context: Any) -> Any:
+    """``x`` replicated over every axis that is not manual in its type's mesh, or where
+    its type has none (a value on Auto axes), in the program's ``context`` mesh."""
     sharding = jax.typeof(x).sharding
-    mesh = sharding.mesh
+    mesh = sharding.mesh if not sharding.mesh.empty else context
     if mesh.empty:
         return x
     if any(e is not None for e in sharding.spec):
@@ -78,7 +79,8 @@ def _whole(x: Any) -> Any:
     free = [t for t in mesh.axis_types if t != AxisType.Manual]
     if free and all(t == AxisType.Auto for t in free):
         # Auto axes (an ``auto_axes`` region): the type says nothing; constrain the value
-        x = jax.lax.with_sharding_constraint(x, P())
+        x = jax.lax.with_sharding_constraint(
+            x, P() if mesh is sharding.mesh else NamedSharding(mesh, P()))
     return x
 
 
@@ -94,8 +96,11 @@ def _as_typed(x: Any, aval: Any) -> Any:
 
 def _bind_whole(eqn: Any, invals: list[Any]) -> list[Any]:
     whole_at = (0,) if eqn.primitive.name in _GATHERS else (0, 2)
+    # the program's mesh: the equation's own context records the mesh the model was
+    # traced under (often none)
+    context = jax.sharding.get_abstract_mesh()
     with eqn.ctx.manager:
-        args = [_whole(x) if i in whole_at else x for i, x in enumerate(invals)]
+        args = [_whole(x, context) if i in whole_at else x for i, x in enumerate(invals)]
         out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
         outs = out if eqn.primitive.multiple_results else [out]
         return [_as_typed(y, v.aval) for y, v in zip(outs, eqn.outvars, strict=True)]
