@@ -23,7 +23,8 @@ interleaved / V placements, via ``schedule.placement``)::
     transfers  = 2 * (bytes received + bytes sent)  (activation + cotangent buffers)
     workspace  = workspace_residual_sets * residual bytes of stage s without
                  recomputation + workspace_param_sets * params
-                                                     (MemoryModel.workspace_bytes)
+                 + workspace_stored_sets * residual bytes of stage s under its
+                 policy (0 for the SPMD runtime)    (MemoryModel.workspace_bytes)
 
 ``in_flight(s)`` is the stage's peak number of live residual sets under the
 schedule (from the simulator; 1F1B: ``min(m, p - s)``), scaled where a device holds
@@ -65,7 +66,7 @@ stage's time, recomputation included, over cuts and policies together; under the
 ``"memory"`` objective it minimises memory within the time slack the same way;
 the ``"time"`` objective never recomputes. For a time cap, the least-storing
 policy that keeps each range within the cap is the best choice for every memory
-objective (the workspace does not depend on the policy), so the exact searches
+objective (the workspace grows only with what the policy stores), so the exact searches
 stay exact over policies too; afterwards, stages whose memory the result does not
 need switch back to faster policies (:func:`jaxpipe.cut.search.relax`).
 ``cut="auto"`` in ``jp.pipeline`` budgets the device's own memory limit where JAX
@@ -87,7 +88,9 @@ The package: ``cost.py`` (per-segment FLOPs and bytes from the jaxpr),
 groups), ``problem.py`` (range matrices
 per policy, views and DPs), ``search.py`` and ``virtual_stages.py`` (the searches),
 ``result.py`` (:class:`CutResult`, :class:`MemoryBreakdown`), ``budget.py`` (the
-device budget of ``cut="auto"``). Imports the jaxpr, sharding, schedule and stages
+device budget of ``cut="auto"``), ``resolve.py`` (a pipeline's ``cut=`` argument to
+stage boundaries and policies), ``flops.py`` (FLOPs of a jaxpr) and ``profiling.py``
+(timed segment costs, ``Cut(profile=True)``). Imports the jaxpr, sharding, schedule and stages
 layers and the foundation; the runtimes implement its memory model, and the API layer
 runs it.
 """

@@ -89,7 +89,8 @@ class SpmdExecutor(ExecutorReports, Executor):
                        iw_same_tick=runtime.resolve_iw_same_tick(mesh),
                        fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
                        refine=runtime.resolve_refine(mesh))
-        if self.accelerated and runtime.iw_same_tick is True:  # "auto" on a GPU/TPU mesh
+        # "auto" resolves to off on a GPU/TPU mesh: only an explicit True is refused there
+        if self.accelerated and runtime.iw_same_tick is True:
             raise packed_w_error(self.backend)
         self._runtime, self._options = runtime, options
         # why a wanted lanes program is not built (here, or by the runtime this one

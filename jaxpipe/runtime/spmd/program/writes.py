@@ -39,7 +39,7 @@ class DeferredStore(Mapping):
 
     ``windows``: instead of whole buffers, per (pool, class), the rows the step may read
     and where its part starts in them (:mod:`.windows`); read through :func:`reading`.
-    ``mask``: what the writes recorded from now on are made under (:meth:`masked`: a part
+    ``mask``: what the writes recorded from now on are made under (:meth:`with_mask`: a part
     that runs on every device but counts only on its own stage's, :mod:`.stage_ends`)."""
 
     def __init__(self, arrays: Mapping[Hashable, jax.Array],
