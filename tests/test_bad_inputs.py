@@ -476,7 +476,16 @@ def test_cut_option_types():
                           ({"indices": 3}, r"indices must be a sequence.*got 3"),
                           ({"objective": None}, r"objective must be 'time' or 'memory'"),
                           ({"time_slack": float("nan")}, r"time_slack must be"),
-                          ({"profile": 1}, r"profile must be True or False")]:
+                          ({"profile": 1}, r"profile must be True or False"),
+                          # an option another overrides is refused, not dropped
+                          ({"objective": "memory", "indices": [1]},
+                           r"objective='memory' has no effect with Cut.indices"),
+                          ({"objective": "memory", "memory_budget": 2**30},
+                           r"objective='memory' has no effect with Cut.memory_budget"),
+                          ({"time_slack": 0.3}, r"time_slack only applies to "
+                                                r"objective='memory'.*got time_slack=0.3"),
+                          ({"time_slack": 0.3, "memory_budget": 2**30},
+                           r"time_slack only applies")]:
         with pytest.raises(jp.CutError, match=words):
             jp.Cut(**kwargs)
 

@@ -32,6 +32,10 @@ def _number(name: str, value: object, what: str, allow_inf: bool = False) -> flo
     return float(value)
 
 
+#: ``Cut.time_slack``'s default (10%).
+_DEFAULT_SLACK = 0.10
+
+
 @dataclass(frozen=True)
 class Cut:
     """How to cut a model into pipeline stages (``jp.pipeline(..., cut=jp.Cut(...))``).
@@ -47,14 +51,14 @@ class Cut:
 
     Attributes:
       indices: explicit cut: sorted indices into the model's markers after which a
-        new stage begins (``num_stages - 1`` of them). Overrides the objective.
+        new stage begins (``num_stages - 1`` of them). Not with ``objective="memory"``.
       objective: ``"time"`` minimises the maximum stage time; ``"memory"``
         minimises peak device memory among cuts whose maximum stage time is within
         ``time_slack`` of the best possible.
       memory_budget: bytes per device (what the cutter predicts: parameters,
         gradients, optimizer state, residuals, transfers, workspace). When set,
         minimise the maximum stage time, recomputation included, subject to the peak
-        device memory fitting the budget (the objective is ignored). An infeasible
+        device memory fitting the budget (not with ``objective="memory"``). An infeasible
         budget raises :class:`CutError` naming the smallest feasible one and the cut
         and recomputation that reach it.
       remat: recomputation (:class:`~jaxpipe.stages.remat.Remat`). ``"auto"`` (default):
@@ -66,7 +70,8 @@ class Cut:
         stage, or one per stage (with explicit ``indices``).
       budget_source: where ``memory_budget`` came from, for plans and errors
         (``cut="auto"`` fills it from the device's memory limit).
-      time_slack: allowed slow-down for ``objective="memory"`` (0.10 = 10%).
+      time_slack: allowed slow-down for ``objective="memory"`` (0.10 = 10%; only
+        with that objective).
       optimizer_bytes_per_param_byte: optimizer state per parameter byte (2.0 for
         Adam's two moments in the parameter dtype; 0.0 for SGD; 1.0 for momentum).
       grad_bytes_per_param_byte: gradient bytes per parameter byte (1.0).
@@ -92,7 +97,7 @@ class Cut:
     indices: Sequence[int] | None = None
     objective: Objective = "time"
     memory_budget: int | None = None
-    time_slack: float = 0.10
+    time_slack: float = _DEFAULT_SLACK
     optimizer_bytes_per_param_byte: float = 2.0
     grad_bytes_per_param_byte: float = 1.0
     memory_model: str | MemoryModel | None = None
@@ -161,6 +166,24 @@ class Cut:
             if list(idx) != sorted(set(idx)):
                 raise CutError(f"Cut.indices must be strictly increasing, got {list(idx)}")
             object.__setattr__(self, "indices", idx)
+        self._refuse_overridden(slack)
+
+    def _refuse_overridden(self, slack: float) -> None:
+        """An option another one overrides would be dropped silently: refuse it."""
+        if self.objective == "memory" and self.indices is not None:
+            raise CutError(
+                f"Cut.objective='memory' has no effect with Cut.indices (the cut is given), "
+                f"got indices={list(self.indices)}: drop one of the two")
+        if self.objective == "memory" and self.memory_budget is not None:
+            raise CutError(
+                "Cut.objective='memory' has no effect with Cut.memory_budget (the budget "
+                "gets the fastest cut and recomputation that fit it), got memory_budget="
+                f"{self.memory_budget!r}: drop one of the two")
+        if slack != _DEFAULT_SLACK and (self.objective != "memory"):
+            raise CutError(
+                f"Cut.time_slack only applies to objective='memory', got time_slack={slack!r} "
+                f"with objective={self.objective!r}: pass objective='memory' or leave "
+                "time_slack out")
 
     @staticmethod
     def _parse_remat(remat: object) -> str | Remat | tuple[Remat, ...]:
