@@ -59,10 +59,11 @@ __all__ = ["restore", "restore_params", "save", "save_params"]
 def _pipeline(pipe: Any, what: str, required: bool = True):
     """The :class:`jaxpipe.Pipeline` behind ``pipe`` (flax wrappers included), checked."""
     from jaxpipe.api.pipeline import Pipeline
+    from jaxpipe.flax.delegating import Delegating
 
     if pipe is None and not required:
         return None
-    inner = getattr(pipe, "pipe", pipe)  # jp.flax.NnxPipeline / LinenPipeline
+    inner = pipe.pipe if isinstance(pipe, Delegating) else pipe  # jp.flax's pipelines
     if not isinstance(inner, Pipeline):
         raise PipelineTypeError(
             f"{what} needs the pipeline (from jp.pipeline or jp.flax.pipeline), got "
@@ -254,6 +255,7 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
         from ``pipe.shard``, or already the user's parameter pytree.
       overwrite: replace ``path`` if it exists.
     """
+    from jaxpipe.flax.delegating import Delegating
     from jaxpipe.train.state import TrainState
 
     wrapper = pipe
@@ -264,8 +266,8 @@ def save_params(path: str | os.PathLike, pipe, state_or_params, *,
     elif _is_staged(pipe, state_or_params):
         params = pipe.unshard(state_or_params)
     else:
-        if wrapper is not pipe:  # a flax model, nnx State or variables dict is fine too
-            state_or_params = wrapper._as_params(state_or_params)
+        if isinstance(wrapper, Delegating):  # a flax model, nnx State or variables dict
+            state_or_params = wrapper.as_params(state_or_params)
         pipe.inspect.check_params(state_or_params, "save_params")
         check_alive(state_or_params, "params", "Save live parameters.")
         params = state_or_params

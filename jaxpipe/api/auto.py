@@ -157,7 +157,9 @@ class Auto:
                     sched = cls(num_devices, num_microbatches, v) if (v or 1) > 1 else cls(
                         num_devices, num_microbatches)
                     sched.validate()
-                except Exception as err:  # a family's own rule (e.g. m a multiple of p)
+                # a family's own rule (e.g. m a multiple of p: a ScheduleError); a bug in
+                # a user's class (a TypeError, an AttributeError) propagates
+                except ValueError as err:
                     out.append((name, v, f"cannot be built: {err}"))
                     continue
                 out.append((name, sched.stages_per_device, sched))

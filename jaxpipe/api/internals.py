@@ -126,9 +126,10 @@ class Internals(InternalsReports):
         self.num_microbatches = schedule.num_microbatches
         mb = microbatch_like(batch, self.num_microbatches)
         self._mb_shapes = [a.shape for a in jax.tree.leaves(mb)]
-        self._batch_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
-        self._batch_treedef = jax.tree.structure(batch)
-        self._batch_dtypes = [a.dtype for a in jax.tree.leaves(mb)]
+        #: the batch a call takes: its structure, its leaves' shapes and dtypes
+        self.batch_treedef = jax.tree.structure(batch)
+        self.batch_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
+        self.batch_dtypes = [a.dtype for a in jax.tree.leaves(mb)]
         self.key_dtype = jax.random.key(0).dtype if rng else None
         self._times = BuildTimes()
         #: the matmul precision the stages are traced under (a call must run under it)
@@ -228,7 +229,7 @@ class Internals(InternalsReports):
     def check_batch(self, batch: Any) -> list:
         """The flat leaves of ``batch``; a clear error unless it has the structure, shapes
         and dtypes the pipeline was built for."""
-        return check_batch(batch, self._batch_treedef, self._mb_shapes, self._batch_dtypes,
+        return check_batch(batch, self.batch_treedef, self._mb_shapes, self.batch_dtypes,
                            self.num_microbatches, multiprocess=jax.process_count() > 1)
 
     def microbatches(self, batch: Any, key: Any = None) -> list:
@@ -266,10 +267,10 @@ class Internals(InternalsReports):
 
     def place_batch(self, batch: Any) -> Any:
         leaves = self.check_batch(batch)
-        check_usable(jax.tree.unflatten(self._batch_treedef, leaves), "batch",
+        check_usable(jax.tree.unflatten(self.batch_treedef, leaves), "batch",
                      "Pass a batch whose arrays are alive.")
-        placed = self.placement.batch_leaves(leaves, leaf_paths(self._batch_treedef))
-        return jax.tree.unflatten(self._batch_treedef, placed)
+        placed = self.placement.batch_leaves(leaves, leaf_paths(self.batch_treedef))
+        return jax.tree.unflatten(self.batch_treedef, placed)
 
     def check_context(self, what: str) -> None:
         """A clear error where ``what`` runs under another ``jax.default_matmul_precision``

@@ -73,9 +73,9 @@ class InternalsReports:
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s or placement.replicated)
             for a, s in zip(self.param_avals, placement.param_shardings
                             or [None] * len(self.param_avals), strict=True)])
-        batch = jax.tree.unflatten(self._batch_treedef, [
+        batch = jax.tree.unflatten(self.batch_treedef, [
             jax.ShapeDtypeStruct(shape, dtype, sharding=placement.batch)
-            for shape, dtype in zip(self._batch_shapes, self._batch_dtypes, strict=True)])
+            for shape, dtype in zip(self.batch_shapes, self.batch_dtypes, strict=True)])
         key = (jax.ShapeDtypeStruct((), self.key_dtype, sharding=placement.replicated)
                if self.rng else None)
         return params, batch, key

@@ -38,7 +38,7 @@ class Delegating:
 
     def shard(self, params: Any) -> Any:
         """Move parameters into the per-device stage layout (see ``Pipeline.shard``)."""
-        return self.pipe.shard(self._as_params(params))
+        return self.pipe.shard(self.as_params(params))
 
     def unshard(self, staged: Any) -> Any:
         """Inverse of :meth:`shard`: the parameters as the pure-dict pytree."""
@@ -48,7 +48,7 @@ class Delegating:
                        ) -> tuple[jax.Array, Any]:
         """Pipelined mean loss over microbatches and its gradient (a pure dict);
         ``key`` with ``rng=True``."""
-        return self.pipe.value_and_grad(self._as_params(params), batch, key)
+        return self.pipe.value_and_grad(self.as_params(params), batch, key)
 
     def loss(self, params: Any, batch: Any, key: Any = None) -> Any:
         """The pipelined loss, forward only (``Pipeline.loss``): parameters as for
@@ -58,13 +58,13 @@ class Delegating:
 
         if isinstance(params, TrainState):
             return self.pipe.loss(params, batch, key)
-        return self.pipe.loss(self._as_params(params), batch, key)
+        return self.pipe.loss(self.as_params(params), batch, key)
 
     def init(self, params: Any, optimizer: Any, *, skip_nonfinite: bool = False,
              clip_global_norm: float | None = None) -> Any:
         """Training state for :meth:`train_step` (parameters + optax state, staged);
         options as for ``Pipeline.init``."""
-        return self.pipe.init(self._as_params(params), optimizer,
+        return self.pipe.init(self.as_params(params), optimizer,
                               skip_nonfinite=skip_nonfinite, clip_global_norm=clip_global_norm)
 
     def train_step(self, state: Any, batch: Any, key: Any = None
@@ -77,7 +77,10 @@ class Delegating:
         """The parameters (pure-dict pytree) held in a :meth:`init`/:meth:`train_step` state."""
         return self.pipe.params(state)
 
-    def _as_params(self, params: Any) -> Any:  # pragma: no cover - overridden
+    def as_params(self, params: Any) -> Any:
+        """The parameter pytree the wrapped pipeline takes, from what a user of this
+        flax pipeline passes (each flax pipeline takes its own forms: a model, an
+        ``nnx.State``, a variables dict); the wrapped pipeline checks it."""
         return params
 
 

@@ -29,7 +29,7 @@ class LinenPipeline(Delegating):
         self.module = module
         self.variables = variables
 
-    def _as_params(self, params: Any) -> Any:
+    def as_params(self, params: Any) -> Any:
         if isinstance(params, Mapping) and set(params) == set(self.variables):
             # The full variables dict: its other collections must be the ones the
             # pipeline reads as constants, or they would be silently ignored.

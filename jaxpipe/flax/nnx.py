@@ -89,7 +89,7 @@ class NnxPipeline(Delegating):
                 return mode.loss(params, batch, key)
         return super().loss(params, batch, key)
 
-    def _as_params(self, params: Any) -> Any:
+    def as_params(self, params: Any) -> Any:
         from flax import nnx
 
         if isinstance(params, nnx.Module):
