@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jaxpipe as jp
 from jaxpipe.jaxpr.markers import boundary_p
@@ -416,6 +417,54 @@ def test_linen_update_variables_after_training():
     new_vars = pipe.update_variables(variables, state)
     assert jax.tree.structure(new_vars) == jax.tree.structure(variables)
     assert float(linen_loss(model, new_vars, batch)) < losses[0]
+
+
+@jp.layer
+class _LogicalBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                         ("embed", "mlp")), (8, 8))
+        return jnp.tanh(x @ w)
+
+
+class _LogicalNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(2):
+            x = _LogicalBlock()(x)
+        return x
+
+
+def test_linen_logical_boxes_need_rules_and_boxed_params():
+    """Logical names with no nn.logical_axis_rules active, on a mesh with other axes,
+    mapped to nothing: every parameter silently replicated; refused. A pipeline built
+    from the boxed params given unboxed ones (MaxText holds them so) says which."""
+    x = jax.random.normal(jax.random.key(1), (8, 8))
+    batch = {"x": x, "y": jnp.tanh(x)}
+    model = _LogicalNet()
+    variables = model.init(jax.random.key(0), x)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("pipe", "fsdp"))
+
+    def loss(module, v, mb):
+        return jnp.mean((module.apply(v, mb["x"]) - mb["y"]) ** 2)
+
+    def build(mesh):
+        return jp.flax.pipeline_linen(model, variables, loss, batch, mesh=mesh,
+                                      schedule=jp.GPipe(2, 2), cut="markers")
+
+    with pytest.raises(jp.PipelineError, match=r"no nn.logical_axis_rules are active.*"
+                                               r"replicated over \['fsdp'\]"):
+        build(mesh)
+    build(_mesh(2))  # nothing else to map to on a pipe-only mesh
+    with nn.logical_axis_rules((("embed", "fsdp"), ("mlp", None))):
+        pipe = build(mesh)
+    assert jax.tree.leaves(pipe.inspect.param_specs) == [P("fsdp")] * 2
+    with pytest.raises(jp.PipelineError, match=r"built from boxed linen params.*"
+                                               r"these are unboxed"):
+        pipe.value_and_grad(nn.meta.unbox(variables["params"]), batch)
+    loss_value, _ = pipe.value_and_grad(variables["params"], batch)
+    np.testing.assert_allclose(loss_value, loss(model, variables, batch), rtol=1e-6)
 
 
 def test_bad_inputs_are_named():

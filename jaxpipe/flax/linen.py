@@ -41,6 +41,7 @@ class LinenPipeline(Delegating):
                         "constants. Rebuild it with jp.flax.pipeline_linen(module, "
                         "variables, ...) to use the new values.")
             return params["params"]
+        _check_boxing(params, self.variables["params"])
         return params
 
     def update_variables(self, variables: Mapping[str, Any], params: Any) -> dict[str, Any]:
@@ -127,7 +128,7 @@ def pipeline_linen(
             return loss_fn(module, {**others, "params": params}, microbatch)
 
     if kwargs.get("param_specs") is None and not placed_on(variables["params"], mesh):
-        declared = _linen_specs(variables["params"])
+        declared = _linen_specs(variables["params"], mesh, axis)
         if declared is not None:
             kwargs["param_specs"] = declared
     pipe = pipeline_fn()(params_loss, variables["params"], batch, mesh=mesh,
@@ -135,7 +136,35 @@ def pipeline_linen(
     return LinenPipeline(pipe, module, variables)
 
 
-def _linen_specs(params: Any) -> Any:
+def _check_boxing(params: Any, built: Any) -> None:
+    """Refuse unboxed params for a pipeline built from boxed ones (or the other way):
+    the structures differ by the boxes alone, which the generic mismatch does not say."""
+    from flax.core import meta
+
+    def is_box(x: Any) -> bool:
+        return isinstance(x, meta.AxisMetadata)
+
+    def boxed(tree: Any) -> bool:
+        return any(map(is_box, jax.tree.leaves(tree, is_leaf=is_box)))
+
+    if boxed(params) == boxed(built):
+        return
+    if jax.tree.structure(meta.unbox(params)) != jax.tree.structure(meta.unbox(built)):
+        return  # another structure altogether: the pipeline's own check says so
+    if boxed(built):
+        raise PipelineError(
+            "the pipeline was built from boxed linen params (nn.with_partitioning / "
+            "nn.with_logical_partitioning boxes, as module.init returns them) and takes "
+            "params in those boxes; these are unboxed (nn.meta.unbox). Pass the boxed "
+            "params, or build the pipeline from the unboxed variables "
+            "(nn.meta.unbox(variables): placed with their shardings, they keep them).")
+    raise PipelineError(
+        "the pipeline was built from unboxed linen params and takes them unboxed; these "
+        "are in partitioning boxes (as module.init returns them): pass "
+        "nn.meta.unbox(params), or build the pipeline from the boxed variables.")
+
+
+def _linen_specs(params: Any, mesh: Any, axis: str) -> Any:
     """The specs linen's partitioning boxes declare (``nn.with_partitioning``: mesh axes;
     ``nn.with_logical_partitioning``: logical names through the active
     ``nn.logical_axis_rules``, as ``nn.logical_to_mesh`` maps them), or ``None`` when no
@@ -148,6 +177,19 @@ def _linen_specs(params: Any) -> Any:
 
     if not any(map(is_box, jax.tree.leaves(params, is_leaf=is_box))):
         return None
+
+    named = [x for x in jax.tree.leaves(params, is_leaf=is_box)
+             if isinstance(x, nn.LogicallyPartitioned) and any(n is not None for n in x.names)]
+    other_axes = [a for a, n in mesh.shape.items() if a != axis and n > 1]
+    if named and other_axes and not named[0].rules and not nn.get_logical_axis_rules():
+        # with no rules every logical name maps to no mesh axis: all replicated, silently
+        raise PipelineError(
+            f"the parameters name logical axes (nn.with_logical_partitioning, e.g. "
+            f"{tuple(named[0].names)}) but no nn.logical_axis_rules are active while the "
+            f"pipeline is built, so none would map to a mesh axis and every parameter would "
+            f"be replicated over {other_axes}. Build it inside "
+            "`with nn.logical_axis_rules(rules):`, or pass param_specs=..., or parameters "
+            "placed with their shardings.")
 
     def spec(x: Any) -> Any:  # in the box, so the specs have the structure of params
         if isinstance(x, nn.LogicallyPartitioned):
