@@ -551,6 +551,8 @@ def test_a_weights_compute_copy_is_recomputed_not_stored_per_microbatch(scanned)
             stored = [a.shape for a in (*stage.residual_avals, *stage.w_residual_avals)
                       if a.dtype == jnp.bfloat16]
             assert stored and all(s[-2:] != (width, width) for s in stored), stored
+            assert all(a.shape[-2:] == (width, width) and a.dtype == jnp.bfloat16
+                       for a in stage.derived_avals) and stage.derived_avals
             # the backward casts the weights again (a scanned stack: in its scan)
             assert any(e.primitive.name == "convert_element_type"
                        and e.outvars[0].aval.shape[-2:] == (width, width)

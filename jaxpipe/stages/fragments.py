@@ -295,6 +295,7 @@ def _build_stage(s, eqn_range, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_o
         remat=policy,
         stored_in=tuple(sorted(in_pos[v] - n_pi - n_bi for v in stored_vars if v in in_pos)),
         stored_out=tuple(j for j, v in enumerate(fj.outvars[:n_out]) if v in stored_vars),
+        derived_avals=[v.aval for v in derived_vars],
     )
 
 
@@ -319,4 +320,4 @@ def _keys_as_data(st: StageFn) -> StageFn:
         st, fwd=convert(st.fwd), bwd=convert(st.bwd), bwd_i=convert(st.bwd_i),
         bwd_w=convert(st.bwd_w), in_avals=avals(st.in_avals), out_avals=avals(st.out_avals),
         residual_avals=avals(st.residual_avals),
-        w_residual_avals=avals(st.w_residual_avals))
+        w_residual_avals=avals(st.w_residual_avals), derived_avals=avals(st.derived_avals))

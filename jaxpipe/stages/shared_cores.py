@@ -135,6 +135,7 @@ def compose(parts: Sequence[StageFn], core: int, index: int, eqn_range: tuple[in
         diff_out_mask=last.diff_out_mask, names=names, is_last=is_last, w_res_ids=w_res_ids,
         remat=remat,
         parts=StageParts(parts, core, param_pos, batch_pos, tuple(res_ids), tuple(w_ids)),
+        derived_avals=[a for pt in parts for a in pt.derived_avals],
     )
 
 

@@ -72,6 +72,9 @@ class StageFn:
     # carry inputs / outputs (positions) that are also stored residuals
     stored_in: tuple[int, ...] = ()
     stored_out: tuple[int, ...] = ()
+    # residuals computed from the parameters alone, which the backward recomputes instead
+    # of storing (jaxpipe.stages.param_derived): what a microbatch in flight does not hold
+    derived_avals: list = field(default_factory=list)
 
     def ct_in_avals(self) -> list:
         """Cotangents this stage's backward sends to the previous stage."""
