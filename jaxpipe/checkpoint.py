@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -53,6 +53,12 @@ from jaxpipe.checkpoint_files import (
     write,
 )
 from jaxpipe.errors import PipelineError, PipelineTypeError
+
+if TYPE_CHECKING:  # (imported where used: the checkpoint files need none of them)
+    import optax
+
+    from jaxpipe.api.pipeline import Pipeline
+    from jaxpipe.train.state import TrainState
 
 __all__ = ["restore", "restore_params", "save", "save_params"]
 
@@ -76,7 +82,8 @@ def _layout_summary(pipe) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------- train state
-def save(path: str | os.PathLike, state, *, pipe=None, overwrite: bool = False) -> None:
+def save(path: str | os.PathLike, state: TrainState, *, pipe: Pipeline | None = None,
+         overwrite: bool = False) -> None:
     """Save a :class:`~jaxpipe.train.state.TrainState` in its per-stage layout.
 
     Args:
@@ -128,8 +135,10 @@ def _check_dtypes(path: Path, saved: Any, target: Any) -> None:
                 "cast, and pipe.init a new optimizer state.")
 
 
-def restore(path: str | os.PathLike, pipe, like=None, *, optimizer=None,
-            skip_nonfinite: bool = False, clip_global_norm: float | None = None):
+def restore(path: str | os.PathLike, pipe: Pipeline, like: TrainState | None = None, *,
+            optimizer: optax.GradientTransformation | None = None,
+            skip_nonfinite: bool = False, clip_global_norm: float | None = None
+            ) -> TrainState:
     """Restore a :class:`~jaxpipe.train.state.TrainState` saved by :func:`save`.
 
     The restored state trains with the optimizer of ``like`` (or ``optimizer``): a
@@ -244,7 +253,7 @@ def _abstract_state(pipe, optimizer, skip_nonfinite: bool, clip_global_norm):
 
 
 # ----------------------------------------------------------------------- parameters
-def save_params(path: str | os.PathLike, pipe, state_or_params, *,
+def save_params(path: str | os.PathLike, pipe: Pipeline, state_or_params: Any, *,
                 overwrite: bool = False) -> None:
     """Save the plain (unsharded) parameter pytree of a train state.
 
@@ -282,7 +291,8 @@ def _is_staged(pipe, x) -> bool:
             and jax.tree.structure(x) != pipe.inspect.traced.params_treedef)
 
 
-def restore_params(path: str | os.PathLike, *, pipe=None, like: Any = None) -> Any:
+def restore_params(path: str | os.PathLike, *, pipe: Pipeline | None = None,
+                   like: Any = None) -> Any:
     """Restore a parameter pytree saved by :func:`save_params`.
 
     Args:

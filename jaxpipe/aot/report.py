@@ -174,7 +174,7 @@ def compile_report(pipe: Any, program: str = "train_step", *, optimizer: Any = N
     t2 = time.perf_counter()
     predicted, extra = None, {}
     if program == "train_step":
-        predicted, note = predicted_with_optimizer(pipe, optimizer)
+        predicted, note = predicted_with_optimizer(pipe.inspect, optimizer)
         extra = {} if note is None else {"optimizer state": note}
     cap = capacity(device)
     found = None

@@ -186,17 +186,17 @@ class Plan:
         }
 
 
-def predicted_with_optimizer(pipe: Any, optimizer: Any) -> tuple[float, str | None]:
+def predicted_with_optimizer(inspect: Any, optimizer: Any) -> tuple[float, str | None]:
     """The plan's per-device prediction with ``optimizer``'s state in place of the one the
     cut assumed (``Cut.optimizer_bytes_per_param_byte``, Adam's 2 by default): its bytes
     per parameter byte from ``optimizer.init`` of the parameters' shapes. Returns the
-    prediction and, where the two differ, a line saying so (else ``None``)."""
+    prediction and, where the two differ, a line saying so (else ``None``). ``inspect``:
+    a pipeline's ``pipe.inspect``."""
     import jax
 
     def nbytes(tree: Any) -> int:
         return sum(aval_bytes(x) for x in jax.tree.leaves(tree))
 
-    inspect = getattr(pipe, "inspect", pipe)  # a pipeline or its pipe.inspect
     params = inspect.abstract_inputs()[0]
     per_param = nbytes(jax.eval_shape(optimizer.init, params)) / max(1, nbytes(params))
     padded = inspect.cut_report.padded_memory

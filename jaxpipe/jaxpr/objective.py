@@ -64,11 +64,6 @@ class Objective:
     def weighted(self) -> bool:
         return self.reduction == "weighted"
 
-    @property
-    def num_extras(self) -> int:
-        """Outputs of the traced loss after the loss itself: the weight, then the aux
-        leaves."""
-        return int(self.weighted) + len(self.aux_avals)
 
     def seed(self, num_microbatches: int) -> float:
         """The cotangent each microbatch's loss output gets: ``1/m`` for a mean, else 1

@@ -57,10 +57,6 @@ class Traced:
     def jaxpr(self) -> jcore.Jaxpr:
         return self.closed_jaxpr.jaxpr
 
-    @property
-    def num_batch(self) -> int:
-        return len(self.jaxpr.invars) - self.num_params
-
 
 def _inline_eval(jaxpr: jcore.Jaxpr, consts, args, remat: dict | None = None) -> list:
     """Evaluate ``jaxpr`` into the current trace, inlining call bodies that hold markers.

@@ -85,11 +85,6 @@ class ParamViews:
             raise ValueError("parameter views must be ordered by leaf")
 
     @property
-    def is_whole(self) -> bool:
-        """True when every view is a whole leaf (``take``/``gather`` are the identity)."""
-        return all(w.start is None for w in self.views)
-
-    @property
     def avals(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Shape and dtype of every view: what the stages' parameter inputs are."""
         return tuple(w.aval(self.leaf_avals[w.leaf]) for w in self.views)

@@ -41,10 +41,6 @@ from jaxpipe.stages.stage_fn import StageFn
 __all__ = ["Fragments"]
 
 
-def _sds(aval):
-    return typed_sds(aval)
-
-
 class Fragments:
     """Builds the :class:`StageFn` of any range of a traced loss's equations.
 
@@ -237,8 +233,8 @@ def _build_stage(s, eqn_range, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_o
         return merge(outs_f, outs_n, do), leaves
 
     fwd_raw = jax.make_jaxpr(fwd)(
-        [_sds(a) for a in p_avals], [_sds(a) for a in b_avals], [_sds(a) for a in in_avals]
-    )
+        [typed_sds(a) for a in p_avals], [typed_sds(a) for a in b_avals],
+        [typed_sds(a) for a in in_avals])
     n_out = len(out_avals)
     # Residual leaves that are parameters or microbatch leaves are re-read, not stored;
     # those computed from the parameters alone are recomputed (stages.param_derived).
@@ -281,8 +277,8 @@ def _build_stage(s, eqn_range, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_o
 
     ct_out_avals = [a for a, d in zip(out_avals, do, strict=True) if d]
     bwd_jaxpr = jax.make_jaxpr(bwd)(
-        [_sds(a) for a in p_avals], [_sds(a) for a in b_avals],
-        [_sds(a) for a in residual_avals], [_sds(a) for a in ct_out_avals],
+        [typed_sds(a) for a in p_avals], [typed_sds(a) for a in b_avals],
+        [typed_sds(a) for a in residual_avals], [typed_sds(a) for a in ct_out_avals],
     )
     n_ctp = sum(dp)
     bwd_i, bwd_w, w_avals, w_res_ids = split_backward(
@@ -311,7 +307,7 @@ def _keys_as_data(st: StageFn) -> StageFn:
             inner = [from_boundary(x, a) for x, a in zip(args, cj.in_avals, strict=True)]
             return [to_boundary(y) for y in stage_as_fun(cj)(*inner)]
 
-        return jax.make_jaxpr(fn)(*[_sds(boundary_aval(a)) for a in cj.in_avals])
+        return jax.make_jaxpr(fn)(*[typed_sds(boundary_aval(a)) for a in cj.in_avals])
 
     def avals(xs: list) -> list:
         return [boundary_aval(a) for a in xs]

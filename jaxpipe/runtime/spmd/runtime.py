@@ -133,11 +133,11 @@ class SpmdRuntime(SpmdOptions, Runtime):
                               self.resolve_split(mesh, mesh_axes), self.resolve_refine(mesh),
                               concurrent(mesh), stored_bytes=stored_bytes)[0]
 
-    def instead_of(self, executor: Any) -> SpmdRuntime | None:
+    def instead_of(self, executor: SpmdExecutor) -> SpmdRuntime | None:
         """Without the lanes where they were wanted but the stages turned them down: the
         cut assumed the lanes' peaks, and the accelerator program then splits its
         backwards (``split_backward="auto"`` split none for the lanes)."""
-        if self.lanes != "auto" or getattr(executor, "lanes_refused", None) is None:
+        if self.lanes != "auto" or executor.lanes_refused is None:
             return None
         instead = SpmdRuntime(**{**self.options(), "lanes": False})
         instead.lanes_declined = executor.lanes_refused  # (the plan still says why)
