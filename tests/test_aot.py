@@ -244,7 +244,10 @@ def test_the_compile_command_sizes_the_gpt_example(capsys, tmp_path):
     rc = main(["compile", "--target", "gpu:h200:4", str(REPO / "examples" / "gpt.py"), "--",
                "--layers", "16", "--width", "8192", "--heads", "64", "--seq", "2048"])
     text = capsys.readouterr().out
-    assert rc == 1 and "DOES NOT FIT on gpu:h200:4" in text and "smallest feasible" in text
+    # (the GPT's parameters pad in several classes: the budget search is a heuristic there,
+    # and the message says the smallest budget it found, not a proven minimum)
+    assert rc == 1 and "DOES NOT FIT on gpu:h200:4" in text
+    assert "smallest found (heuristic search) budget is" in text
 
 
 # ---------------------------------------------------------------------- the program

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxpipe.cut import SPMD_MEMORY, Cut, CutError, choose_cuts, partition
-from jaxpipe.cut.cost import SegmentCost
+from jaxpipe.cut import SPMD_MEMORY, Cut, CutError, Remat, choose_cuts, partition
+from jaxpipe.cut.cost import RematCost, SegmentCost
+from jaxpipe.cut.memory_model import TPU_MEMORY
 
 # ---------------------------------------------------------------------------
 # An independent brute force: enumerate every contiguous cut, sum things directly.
@@ -592,3 +593,21 @@ def test_markers_cut_groups_evenly_with_the_larger_stages_outside(n, S):
     assert sorted(min(s, S - 1 - s) for s in big) == dist[: n % S]
     if n % S <= 2 and S > 2:
         assert len(set(sizes[1:-1].tolist())) == 1
+
+
+def test_an_explicit_cuts_own_peak_is_a_budget_it_fits_under_the_tpu_model():
+    """The TPU memory model's workspace grows with what a stage stores
+    (``workspace_stored_sets``): an explicit cut with the policies given was measured with
+    the view's policies' workspace instead, so its reported peak, given back as its
+    budget, was refused as needing more."""
+    costs = [SegmentCost(flops=10.0, param_bytes=10, residual_bytes=1000, out_bytes=10,
+                         name=f"s{k}", remat={Remat.BOUNDARY: RematCost(100, 10.0)})
+             for k in range(4)]
+    policies = (Remat.NONE, Remat.BOUNDARY)
+    given = partition(costs, [0, 1], [2, 1], Cut(indices=[0], remat=policies,
+                                                  memory_model=TPU_MEMORY))
+    again = partition(costs, [0, 1], [2, 1], Cut(indices=[0], remat=policies,
+                                                  memory_model=TPU_MEMORY,
+                                                  memory_budget=given.peak_memory))
+    assert again.peak_memory == given.peak_memory
+    assert list(again.remat) == list(policies)

@@ -835,3 +835,32 @@ def test_a_lookup_in_a_table_split_over_auto_axes_compiles_and_is_exact():
     assert out["batch_axes"] == ["fsdp"]
     np.testing.assert_allclose(out["loss"], out["want_loss"], rtol=1e-6)
     assert out["grad_err"] < 1e-5, out
+
+
+def test_a_budget_only_the_program_without_lanes_fits_builds_it():
+    """Where the lanes program is wanted (an automatic batch axis) its first device holds
+    one more residual set than the schedule's own; a budget between the two minima was
+    refused although the program without lanes fits it. It is built, and the plan says
+    why; a budget neither fits is still refused with the smaller minimum."""
+    from jaxpipe.runtime.spmd import SpmdRuntime
+
+    loss_fn, params, specs, batch = _model(FSDP["wspec"], None, FSDP["batch"])
+    mesh = _mesh(*FSDP["mesh"])
+    batch = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))
+
+    def build(budget, **kw):  # (no recomputation: the residual sets decide the peak)
+        return jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
+                           param_specs=specs, cut=jp.Cut(memory_budget=budget, remat="none"),
+                           **kw)
+
+    def smallest(**kw):  # the smallest budget the error names
+        with pytest.raises(jp.CutError) as err:
+            build(1, **kw)
+        return int(re.search(r"budget is [^(]*\((\d+) bytes\)", str(err.value)).group(1))
+
+    without = smallest(runtime=SpmdRuntime(lanes=False))
+    assert smallest() == without  # (it named the lanes program's minimum, larger)
+    pipe = build(without)
+    assert "program: cpu" in str(pipe.plan) and "lanes not used: " in str(pipe.plan)
+    assert pipe.inspect.cut_report.peak_memory <= without
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))

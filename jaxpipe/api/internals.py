@@ -48,6 +48,7 @@ from jaxpipe.api.reports import InternalsReports
 from jaxpipe.api.trace_loss import shards, trace_on_mesh
 from jaxpipe.build_times import BuildTimes
 from jaxpipe.compile_watch import CompileWatch
+from jaxpipe.cut import CutError
 from jaxpipe.errors import PipelineTypeError
 from jaxpipe.jaxpr.avals import from_boundary, to_boundary
 from jaxpipe.jaxpr.objective import Objective
@@ -159,7 +160,16 @@ class Internals(InternalsReports):
                         s, r.action_cost, mesh, self.mesh_axes,
                         stored_bytes=r.padded_memory.residuals))
             self.schedule = schedule = self.auto_choice.schedule
-        self._cut_and_build(schedule, cut, self.auto_choice and self.auto_choice.cut_report)
+        try:
+            self._cut_and_build(schedule, cut, self.auto_choice and self.auto_choice.cut_report)
+        except CutError:
+            # (the budget was infeasible for the program the runtime wanted; another of
+            # its programs may hold less, e.g. the SPMD runtime without lanes)
+            instead = self.runtime.instead_of_infeasible(mesh, self.mesh_axes)
+            if instead is None:
+                raise
+            self.runtime = instead
+            self._cut_and_build(schedule, cut, None)
         again = self.runtime.instead_of(self.executor)
         if again is not None:  # (the runtime turned down the program the cut was made for)
             self.runtime = again

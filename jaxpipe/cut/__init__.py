@@ -76,8 +76,9 @@ reports one (:func:`auto_cut`).
 (bottleneck) problems over the ``(n+1)^2`` segment ranges, solved by dynamic
 programming over stages (``O(stages * segments^2)``, vectorised; 200 segments x 16
 stages takes milliseconds). With one stage per device the searches are exact
-(:mod:`jaxpipe.cut.search`); memory budgets bisect over achievable stage times, and
-ties are broken by a second objective (memory for "time", time for "memory"), then
+(:mod:`jaxpipe.cut.search`) where the parameters pad in one class (several classes: a
+heuristic bound, ``CutResult.exact`` says so); memory budgets bisect over achievable
+stage times, and ties are broken by a second objective (memory for "time", time for "memory"), then
 by sums of squares so non-bottleneck stages are balanced too. Devices holding
 several stages are enumerated exactly when small, else searched heuristically
 (:mod:`jaxpipe.cut.virtual_stages`; ``CutResult.exact`` says which).

@@ -12,8 +12,11 @@ recomputation policy, so they are kept per policy (``policy_time``,
 that keep its time within the cap, the one that stores least. Parameters and
 transfers do not depend on the policy, the workspace only through what the policy
 stores (``MemoryModel.workspace_stored_sets``), and a stage's stored bytes only grow
-with its residual set, so this choice minimises every memory objective at that cap:
-searching min-memory cuts on the view is exact for cut and policies together.
+with its residual set, so this choice minimises every memory objective at that cap
+(for any memory model whose ``residual_bytes`` and ``workspace_bytes`` do not fall as
+stored bytes grow, as the built-in ones): searching min-memory cuts on the view is as
+exact for cut and policies together as the search is for cuts (exact with one stage a
+device and one parameter padding group).
 """
 
 from __future__ import annotations
@@ -255,12 +258,14 @@ class Problem:
         """
         a, b = bounds[..., :-1], bounds[..., 1:]
         if policies is None:
-            r = self.residual[a, b]
+            r, w = self.residual[a, b], self.work[a, b]
         else:
             rows = np.array([self.policies.index(p) for p in policies])
             r = self.policy_residual[rows, a, b]
+            # the workspace copies what these policies store (MemoryModel.workspace_stored_sets)
+            w = self.model.workspace_bytes(self._full_residual[a, b], self._work_params[a, b], r)
         x = self.model.residual_bytes(self.in_flight, r) + self.transfers[a, b]
-        return self.params[a, b], x, self.work[a, b], self.pgroups[a, b]
+        return self.params[a, b], x, w, self.pgroups[a, b]
 
     def padded_params(self, PG: np.ndarray) -> np.ndarray:
         """Parameter bytes every device holds under per-class padding, for (C, S, G) groups."""

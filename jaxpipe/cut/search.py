@@ -13,8 +13,10 @@ Each objective is a min-max problem over ranges (:class:`~jaxpipe.cut.problem.Pr
 
 With a choice of recomputation policies, every min-memory search runs on the
 problem's view for its time cap (:meth:`~jaxpipe.cut.problem.Problem.view`: each range
-on its least-storing policy within the cap), which makes it exact for cut and policies
-together; :func:`relax` then hands memory the objective does not need back to time,
+on its least-storing policy within the cap), which keeps it as exact for cut and
+policies together as for cuts alone (several parameter padding groups make the padded
+search a heuristic: ``CutResult.exact`` and the budget error say so); :func:`relax`
+then hands memory the objective does not need back to time,
 switching stages to faster policies while the peak stays within what was found (or
 the budget).
 """
@@ -128,7 +130,8 @@ def search_single(pb: Problem, t_opt: float) -> tuple[list[int], tuple[Remat, ..
     cut = pb.cut
     if cut.memory_budget is not None:
         budget = float(cut.memory_budget)
-        t_b = min_time_within_budget(pb, t_opt, budget, min_memory_single, exact=True)
+        t_b = min_time_within_budget(pb, t_opt, budget, min_memory_single,
+                                     exact=not pb.padded or pb.params_exact)
         view = pb.view(t_b)
         time = view.time
         best = min_memory_single(view, t_b)
@@ -207,7 +210,8 @@ def min_time_within_budget(pb: Problem, t_opt: float, budget: float,
     """Smallest stage-time cap whose least-memory cut fits ``budget`` (bisection).
 
     ``min_memory(pb, cap, good_enough)`` is the search for a cap: exact for one stage
-    per device (:func:`min_memory_single`), heuristic for shared devices. Caps run
+    per device (:func:`min_memory_single`) with one parameter padding group, heuristic
+    for several groups or shared devices (``exact`` says which, for the error). Caps run
     over every achievable stage time of every policy; at each, the policies are the
     view's (least-storing within the cap).
     """

@@ -328,3 +328,10 @@ class Runtime(abc.ABC):
         """The runtime to cut and build with again where ``executor`` (this runtime's)
         turned down a program the cut was made for; ``None``: keep it (the default)."""
         return None
+
+    def instead_of_infeasible(self, mesh: Mesh | None = None, mesh_axes: Any = None
+                              ) -> Runtime | None:
+        """The runtime to cut and build with again where a memory budget is infeasible
+        under this runtime's :meth:`in_flight` but one of its other programs holds
+        fewer residual sets; ``None``: the refusal stands (the default)."""
+        return None

@@ -143,5 +143,17 @@ class SpmdRuntime(SpmdOptions, Runtime):
         instead.lanes_declined = executor.lanes_refused  # (the plan still says why)
         return instead
 
+    def instead_of_infeasible(self, mesh: Any = None, mesh_axes: Any = None
+                              ) -> SpmdRuntime | None:
+        """Without the lanes where ``lanes="auto"`` wanted them: the cut budgeted the
+        lanes program's peaks (one more set on 1F1B's first devices), and the program
+        without lanes holds the schedule's own."""
+        if self.lanes != "auto" or not self.wants_lanes(mesh, mesh_axes):
+            return None
+        instead = SpmdRuntime(**{**self.options(), "lanes": False})
+        instead.lanes_declined = ("the memory budget does not fit the residual sets the "
+                                  "lanes program holds")
+        return instead
+
     def __repr__(self) -> str:
         return "SpmdRuntime(" + ", ".join(f"{k}={v!r}" for k, v in self.options().items()) + ")"
