@@ -101,6 +101,11 @@ import jaxpipe as jp  # noqa: E402
 from benchmarks.harness import Runner, Settings, default_settings, log  # noqa: E402
 from benchmarks.sections import Section, discover  # noqa: E402
 
+#: The sections whose pipelines ``--program`` builds (the others measure CPU-only
+#: properties, run their own processes, or compile for their own targets).
+PROGRAM_SECTIONS = frozenset({"baseline", "sweep", "scaling", "eval", "overhead", "remat"})
+
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -279,6 +284,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  "time measures executor overhead, not pipeline overlap (see concurrency). "
                  "Timings are medians after warm-up on a possibly shared machine."),
     }}
+    if s.program != "auto":  # say where --program does not apply, rather than drop it
+        own = sorted(set(s.sections) - PROGRAM_SECTIONS)
+        results["meta"]["program_not_applied"] = own
+        if own:
+            log(f"--program {s.program} builds the pipelines of "
+                f"{sorted(set(s.sections) & PROGRAM_SECTIONS)}; {own} build the devices' own "
+                "program")
     r = Runner(s, out)
     log(f"backend {jax.default_backend()} x{ndev}, model {s.model}, sections {s.sections}")
     chosen = {name: sec for name, sec in sections.items() if name in s.sections}

@@ -2,6 +2,7 @@
 persistent compilation cache.
 
     python benchmarks/probes/first_call.py                # L=16, both stacks, ~40 s
+    python benchmarks/probes/first_call.py --repeats 5    # medians and ranges
     python benchmarks/probes/first_call.py --layers 8,16,32,64 --ms 4,8,16,32,64
 
 The issue's model: a tanh MLP of ``L`` blocks (width 64, 8 rows a microbatch), 1F1B over
@@ -193,21 +194,40 @@ def _run(layers: int, variant: str, cache: str, m: int, mode: str = "time"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(layers: list[int], variants: list[str], ms: list[int]) -> dict[str, Any]:
+def measure(layers: list[int], variants: list[str], ms: list[int], repeats: int = 1
+            ) -> dict[str, Any]:
+    """Each point ``repeats`` times (fresh processes, a fresh cache each time): one run
+    moves 10-30% on a shared 2-core machine, so with repeats the medians and ranges are
+    printed too."""
     rows = []
     points = [(v, L, 8) for v in variants for L in layers]
     points += [(v, 16, m) for v in variants for m in ms if (v, 16, m) not in points]
     for variant, L, m in points:
-        with tempfile.TemporaryDirectory() as cache:
+        for rep in range(repeats):
+            with tempfile.TemporaryDirectory() as cache:
+                for run in ("cold", "cached"):
+                    r = _run(L, variant, cache, m)
+                    rows.append({"variant": variant, "layers": L, "microbatches": m,
+                                 "run": run, "repeat": rep, **r,
+                                 "ratio": r["jaxpipe_s"] / r["plain_s"]})
+                    print(f"{variant:8s} L={L:3d} m={m:2d} {run:6s}: jaxpipe "
+                          f"{r['jaxpipe_s']:.2f} s (build {r['build_s']:.2f}, program + "
+                          f"lower {r['program_lower_s']:.2f}, XLA {r['xla_s']:.2f}) plain "
+                          f"{r['plain_s']:.2f} s, ratio {rows[-1]['ratio']:.2f}", flush=True)
+    medians = []
+    if repeats > 1:
+        for variant, L, m in points:
             for run in ("cold", "cached"):
-                r = _run(L, variant, cache, m)
-                rows.append({"variant": variant, "layers": L, "microbatches": m, "run": run,
-                             **r, "ratio": r["jaxpipe_s"] / r["plain_s"]})
-                print(f"{variant:8s} L={L:3d} m={m:2d} {run:6s}: jaxpipe {r['jaxpipe_s']:.2f} s "
-                      f"(build {r['build_s']:.2f}, program + lower "
-                      f"{r['program_lower_s']:.2f}, XLA {r['xla_s']:.2f}) plain "
-                      f"{r['plain_s']:.2f} s, ratio {rows[-1]['ratio']:.2f}", flush=True)
-    return {"model": "tanh MLP width 64, 1F1B p=4", "rows": rows, "target_ratio": 1.3}
+                ratios = sorted(x["ratio"] for x in rows if (x["variant"], x["layers"],
+                                x["microbatches"], x["run"]) == (variant, L, m, run))
+                med = ratios[len(ratios) // 2]
+                medians.append({"variant": variant, "layers": L, "microbatches": m,
+                                "run": run, "median_ratio": med, "min_ratio": ratios[0],
+                                "max_ratio": ratios[-1]})
+                print(f"{variant:8s} L={L:3d} m={m:2d} {run:6s}: median ratio {med:.2f} "
+                      f"({ratios[0]:.2f}-{ratios[-1]:.2f}, {repeats} runs)", flush=True)
+    return {"model": "tanh MLP width 64, 1F1B p=4", "rows": rows, "medians": medians,
+            "repeats": repeats, "target_ratio": 1.3}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,12 +235,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", default="16")
     ap.add_argument("--variants", default="unrolled,scanned")
     ap.add_argument("--ms", default="8", help="microbatch counts (at L=16)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs a point (then medians and ranges are printed too)")
     ap.add_argument("--xla-phases", action="store_true",
                     help="also split XLA's compile of both programs at L=16 by phase")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "first_call"))
     a = ap.parse_args(argv)
     res = measure([int(x) for x in a.layers.split(",")], a.variants.split(","),
-                  [int(x) for x in a.ms.split(",")])
+                  [int(x) for x in a.ms.split(",")], a.repeats)
     if a.xla_phases:
         res["xla_phases"] = xla_phases(a.variants.split(","))
     sys.path.insert(0, str(REPO))

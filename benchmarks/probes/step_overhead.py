@@ -22,7 +22,7 @@ the part of the two-process step time beyond the ideal that no gloo exchange exp
 exchange itself). ``--share-bodies``: the runtime's option (``"auto"``, in one process
 every stage of a device through one shared body; ``"devices"``, what the runtime picks
 across processes: one body per chunk, no stage picked per step). Writes
-``--out``/step_overhead.json.
+``--out``/step_overhead.json (``_<mode>`` before ``.json`` with ``--share-bodies``).
 """
 
 from __future__ import annotations
@@ -141,8 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                   share_bodies=a.share_bodies)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "step_overhead.json").write_text(json.dumps(res, indent=1))
-    print(f"wrote {out / 'step_overhead.json'}")
+    # (one file per share_bodies mode: the README cites both)
+    name = "step_overhead.json" if a.share_bodies == "auto" else \
+        f"step_overhead_{a.share_bodies}.json"
+    (out / name).write_text(json.dumps(res, indent=1))
+    print(f"wrote {out / name}")
     return 0
 
 

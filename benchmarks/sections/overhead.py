@@ -25,6 +25,7 @@ from benchmarks.harness import (
     section_settings,
     time_group,
 )
+from jaxpipe.runtime.spmd import SpmdRuntime
 
 ORDER = 10
 FIELDS = ("p_values", "microbatches", "mb_size", "flops_per_step", "plain", "jaxpipe",
@@ -59,7 +60,8 @@ def run(r: Runner) -> dict[str, Any]:
     for p in p_values:
         t0 = time.perf_counter()
         pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh(p),
-                           schedule=jp.OneFOneB(p, m), cut="markers")
+                           schedule=jp.OneFOneB(p, m), cut="markers",
+                           runtime=SpmdRuntime(backend=s.program))
         build_s = time.perf_counter() - t0
         compiled, info = compile_program(pipe.inspect.value_and_grad_fn, (params, batch))
         info.update({"build_s": build_s,

@@ -31,6 +31,7 @@ import optax
 
 import jaxpipe as jp
 from benchmarks import common as C
+from jaxpipe.runtime.spmd import SpmdRuntime
 
 __all__ = ["FIELDS", "ORDER", "ROW_FIELDS", "RematSettings", "run", "run_remat", "summary"]
 
@@ -64,13 +65,14 @@ def _compiled_train_step(pipe: jp.Pipeline, params: Any, batch: Any, compile_fn:
 
 
 def run_remat(cfg: C.GPTConfig, p: int, m: int, mb: int, budget_fraction: float,
-              compile_fn: Callable, time_fn: Callable, log: Callable[[str], None]
-              ) -> dict[str, Any]:
+              compile_fn: Callable, time_fn: Callable, log: Callable[[str], None],
+              program: str = "auto") -> dict[str, Any]:
     """Build, measure and time the four configurations; returns the section's dict.
 
     ``compile_fn(jitted, args) -> (compiled, info)`` (``info["memory"]``: the
     compiled program's byte counts) and ``time_fn({name: (fn, args)}) -> {name:
-    timings}`` are the suite's (round-robin timing).
+    timings}`` are the suite's (round-robin timing); ``program``: the SPMD program
+    (``SpmdRuntime(backend=...)``, the runner's ``--program``).
     """
     params = C.init_params(cfg, jax.random.key(0), embed=True)
     batch = C.make_gpt_batch(cfg, m * mb)
@@ -79,7 +81,8 @@ def run_remat(cfg: C.GPTConfig, p: int, m: int, mb: int, budget_fraction: float,
     schedule = jp.OneFOneB(p, m)
 
     def build(cut: jp.Cut) -> jp.Pipeline:
-        return jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut=cut)
+        return jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=schedule, cut=cut,
+                           runtime=SpmdRuntime(backend=program))
 
     reference = build(jp.Cut(remat="none"))
     prepared = {"none": _compiled_train_step(reference, params, batch, compile_fn)}
@@ -200,7 +203,7 @@ def run(r: Any) -> dict[str, Any]:
         return C.time_interleaved(runs, warmup=s.warmup, repeats=s.repeats)
 
     res = run_remat(own.model, s.p, own.m_factor * s.p, own.mb, own.budget,
-                    compile_program, time_fn, log)
+                    compile_program, time_fn, log, s.program)
     return {**res, "settings": asdict(own)}
 
 
