@@ -6,14 +6,13 @@ timed on the default device (``jp.Cut(profile=True)``), to replace the FLOP esti
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from jax.extend import core as jcore
 
 from jaxpipe.jaxpr.avals import is_differentiable
-from jaxpipe.jaxpr.interpret import eval_eqns, read
+from jaxpipe.jaxpr.interpret import eval_slice
 from jaxpipe.jaxpr.trace import segments
 
 __all__ = ["profile_segments"]
@@ -36,14 +35,6 @@ def _segment_io(jaxpr: Any, start: int, end: int) -> tuple[list[Any], list[Any]]
         used_later.update(v for v in eqn.invars if isinstance(v, jcore.Var))
     outputs = [v for eqn in eqns for v in eqn.outvars if v in defined and v in used_later]
     return inputs, outputs
-
-
-def _run_eqns(eqns: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any],
-              args: Sequence[Any]) -> list[Any]:
-    """Evaluate equations on ``args`` (bound to ``inputs``) and return ``outputs``."""
-    env = dict(zip(inputs, args, strict=True))
-    eval_eqns(eqns, env)
-    return [read(env, v) for v in outputs]
 
 
 def profile_segments(traced: Any, repeats: int = 5) -> list[tuple[float, float]]:
@@ -75,7 +66,7 @@ def profile_segments(traced: Any, repeats: int = 5) -> list[tuple[float, float]]
         differentiable = tuple(is_differentiable(v.aval) for v in ins)
 
         def fwd(*xs, _e=jaxpr.eqns[start:end], _i=ins, _o=outs_):
-            return _run_eqns(_e, _i, _o, xs)
+            return eval_slice(_e, _i, _o, xs)
 
         def bwd(*xs, _fwd=fwd, _diff=differentiable):
             def f(*fl):

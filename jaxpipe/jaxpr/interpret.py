@@ -16,7 +16,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-__all__ = ["CALLS", "eval_eqns", "forwarded_outputs", "read", "sub_jaxprs"]
+__all__ = ["CALLS", "eval_eqns", "eval_slice", "forwarded_outputs", "read", "sub_jaxprs"]
 
 #: ``(equation, input values) -> output values``, or ``None`` to bind the primitive.
 Override = Callable[[Any, list[Any]], Sequence[Any] | None]
@@ -63,6 +63,15 @@ def eval_eqns(eqns: Iterable[Any], env: MutableMapping[Any, Any], *,
                 outs = [outs]
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
+
+
+def eval_slice(eqns: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any],
+               args: Sequence[Any], *, override: Override | None = None) -> list[Any]:
+    """A run of equations as a function: ``args`` bound to the variables ``inputs``,
+    the values of ``outputs`` returned (see :func:`eval_eqns`)."""
+    env = dict(zip(inputs, args, strict=True))
+    eval_eqns(eqns, env, override=override)
+    return [read(env, v) for v in outputs]
 
 
 #: Call-like primitives whose body runs once as it is: inlining one changes nothing.

@@ -28,7 +28,7 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.jaxpr.interpret import CALLS, eval_eqns, read
+from jaxpipe.jaxpr.interpret import CALLS, eval_eqns, eval_slice, read
 from jaxpipe.jaxpr.markers import boundary_p, has_marker, holds_marker
 from jaxpipe.jaxpr.objective import MEAN, Objective
 
@@ -135,9 +135,7 @@ def _eval_checkpointed(eqns, env: dict, remat: dict, needed: set) -> None:
     outs = [v for e in eqns for v in e.outvars if v in needed]
 
     def run(*vals):
-        local = dict(zip(free, vals, strict=True))
-        eval_eqns(eqns, local)
-        return [read(local, v) for v in outs]
+        return eval_slice(eqns, free, outs, vals)
 
     env.update(zip(outs, jax.checkpoint(run, **remat)(*[env[v] for v in free]), strict=True))
 

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jaxpipe.jaxpr.interpret import eval_eqns, read
+from jaxpipe.jaxpr.interpret import eval_eqns, eval_slice
 from jaxpipe.jaxpr.markers import boundary_p
 
 __all__ = ["Group", "Remat", "RematSpec", "group_io", "has_user_remat", "parse_remat",
@@ -177,9 +177,7 @@ def run_groups(eqns, groups: list[Group], io: list[tuple[list, list]], start: in
             continue
 
         def body(*vals, _eqns=body_eqns, _ins=ins, _outs=outs):
-            inner = dict(zip(_ins, vals, strict=True))
-            eval_eqns(_eqns, inner, override=_skip_marker)
-            return [read(inner, v) for v in _outs]
+            return eval_slice(_eqns, _ins, _outs, vals, override=_skip_marker)
 
         # prevent_cse=False: the backward that recomputes runs in a jaxpr of its own
         # (another branch, another tick), so there is no forward to merge it with, and

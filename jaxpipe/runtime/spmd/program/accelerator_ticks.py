@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -46,12 +45,12 @@ from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
 from jaxpipe.runtime.spmd.program.layout import Bufs, StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
+from jaxpipe.runtime.spmd.program.message_units import pack, unpack, write_unit
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.windows import Windows
 from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, Ports
 
-__all__ = ["AcceleratorFields", "AcceleratorTicks", "pack", "storage_and_inbox", "unpack",
-           "write_unit"]
+__all__ = ["AcceleratorFields", "AcceleratorTicks", "storage_and_inbox"]
 
 
 
@@ -222,47 +221,3 @@ def storage_and_inbox(lowering: Lowering, unit: dict, outputs: LossOutputs
     store = {c: c.zeros(n) for c, n in lowering.slots.items()} | outputs.buffers()
     inbox = {c: c.zeros((lowering.num_inbox + 1) * n) for c, n in unit.items()}
     return store, inbox
-
-
-def write_unit(buf: Bufs, msg: Bufs, slot: Any, unit: dict) -> Bufs:
-    """``buf`` (an inbox) with message ``msg`` written at its slot ``slot``."""
-    return {c: lax.dynamic_update_slice_in_dim(buf[c], msg[c], slot * n, 0,
-                                               allow_negative_indices=False)
-            for c, n in unit.items()}
-
-
-def pack(msg: Bufs, unit: dict, packed: bool) -> Any:
-    """A message as what a permutation moves: one byte buffer (``packed``), or the unit
-    itself."""
-    if not packed:
-        return msg
-    return jnp.concatenate([_bytes(msg[c]).reshape(-1) for c in unit])
-
-
-def unpack(payload: Any, unit: dict, packed: bool) -> Bufs:
-    """:func:`pack` undone."""
-    if not packed:
-        return payload
-    out, at = {}, 0
-    for c, n in unit.items():
-        shape = (n, *c.row_shape)
-        size = int(np.prod(shape)) * np.dtype(c.dtype).itemsize
-        out[c] = _from_bytes(payload[at:at + size], shape, c.dtype)
-        at += size
-    return out
-
-
-def _bytes(x: jax.Array) -> jax.Array:
-    """``x`` as uint8, one trailing byte axis for wider dtypes."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint8)
-    return lax.bitcast_convert_type(x, jnp.uint8)
-
-
-def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return b.reshape(shape).astype(jnp.bool_)
-    if dtype.itemsize == 1:
-        return lax.bitcast_convert_type(b.reshape(shape), dtype)
-    return lax.bitcast_convert_type(b.reshape(*shape, dtype.itemsize), dtype)

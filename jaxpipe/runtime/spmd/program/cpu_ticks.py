@@ -46,6 +46,7 @@ from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
 from jaxpipe.runtime.spmd.program.gated import gated
 from jaxpipe.runtime.spmd.program.layout import Bufs, StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
+from jaxpipe.runtime.spmd.program.message_units import write_unit
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.stage_ends import gated_stages
 
@@ -101,9 +102,7 @@ class CpuTicks:
         return store, inbox, outbox
 
     def _write_unit(self, buf: Bufs, msg: Bufs, slot: Any) -> Bufs:
-        return {c: lax.dynamic_update_slice_in_dim(buf[c], msg[c], slot * n, 0,
-                                                   allow_negative_indices=False)
-                for c, n in self.unit.items()}
+        return write_unit(buf, msg, slot, self.unit)
 
     def step(self, carry: tuple, gbuf: list, loss: jax.Array, fields: tuple, pbuf: list,
              mbd: list) -> tuple[tuple, list, jax.Array]:

@@ -38,16 +38,12 @@ from jax import lax
 from jaxpipe.runtime.spmd.lowering.lanes import B_LANE, F_LANE, lane_offsets, lane_segments
 from jaxpipe.runtime.spmd.lowering.tick_table import IDLE
 from jaxpipe.runtime.spmd.lowering.types import Lowering
-from jaxpipe.runtime.spmd.program.accelerator_ticks import (
-    pack,
-    storage_and_inbox,
-    unpack,
-    write_unit,
-)
+from jaxpipe.runtime.spmd.program.accelerator_ticks import storage_and_inbox
 from jaxpipe.runtime.spmd.program.bodies import Body
 from jaxpipe.runtime.spmd.program.branches import Branches, BranchState
 from jaxpipe.runtime.spmd.program.layout import Bufs, StageLayouts
 from jaxpipe.runtime.spmd.program.loss_outputs import LossOutputs
+from jaxpipe.runtime.spmd.program.message_units import pack, unpack, write_unit
 from jaxpipe.runtime.spmd.program.param_groups import Groups
 from jaxpipe.runtime.spmd.program.stage_ends import gated_stages
 from jaxpipe.runtime.spmd.program.writes import DeferredGrads, DeferredStore, Ports
