@@ -131,6 +131,18 @@ def test_roles_of_the_mesh_axes(case):
         assert pipe.inspect.mesh_axes.auto_batch_axes == ("fsdp",)
 
 
+def test_the_plan_says_which_axes_split_the_batch(case):
+    """An FSDP or TP user whose batch is not split over an axis gets no data parallelism
+    there: the plan says which axes split the batch and which repeat each microbatch."""
+    name, _, _, _, _, pipe = case
+    line = next(x for x in str(pipe.plan).splitlines() if x.startswith("batch: "))
+    if name == "tp":
+        assert line.startswith("batch: split over ('data',); the devices along ('model',) "
+                               "each compute every microbatch whole"), line
+    else:
+        assert line == "batch: split over ('fsdp',)", line
+
+
 def test_value_and_grad_matches_and_keeps_shardings(case):
     _, loss_fn, params, specs, batch, pipe = case
     loss, grads = pipe.value_and_grad(params, batch)

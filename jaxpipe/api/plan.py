@@ -28,6 +28,22 @@ from jaxpipe.jaxpr.avals import format_bytes as _fmt
 __all__ = ["Plan", "predicted_with_optimizer"]
 
 
+def _batch_split(mesh: Any, mesh_axes: Any) -> str:
+    """A line saying which of the mesh's other axes split the batch (data parallelism)
+    and which repeat each microbatch on every device; empty for a pipe-only mesh."""
+    others = [a for a in mesh.axis_names if a != mesh_axes.axis and mesh.shape[a] > 1]
+    if not others:
+        return ""
+    split = [a for a in others if a in mesh_axes.batch_axes]
+    whole = [a for a in others if a not in split]
+    line = f"batch: split over {tuple(split)}" if split else "batch: not split"
+    if whole:
+        line += (f"; the devices along {tuple(whole)} each compute every microbatch whole "
+                 "(sharding parameters or activations; for data parallelism place the batch "
+                 "over an axis or pass batch_axes=)")
+    return line
+
+
 def _device_limit(mesh: Any) -> tuple[int, str] | None:
     """The mesh's smallest device memory and its source; ``None`` where unknown (CPU)."""
     try:
@@ -57,6 +73,7 @@ class Plan:
     program: str | None = None  # the runtime's program, and where the stages' compute sits
     auto: Any = None  # what schedule="auto" chose among (jaxpipe.api.auto.AutoChoice)
     device_limit: tuple[int, str] | None = None  # the devices' memory and its source, if known
+    batch_split: str = ""  # how the batch is split over the mesh's other axes
 
     @classmethod
     def build(cls, pipe) -> Plan:
@@ -103,7 +120,7 @@ class Plan:
                    pipe.executor.timing_report(res.action_cost,
                                                schedule_makespan=res.makespan),
                    pipe.build_times, pipe.executor.program_report(), pipe.auto_choice,
-                   _device_limit(pipe.mesh))
+                   _device_limit(pipe.mesh), _batch_split(pipe.mesh, pipe.mesh_axes))
 
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'dev':>3} {'flops':>6} {'params':>10} {'resid/mb':>10} "
@@ -136,6 +153,8 @@ class Plan:
         else:
             lines.append(f"memory budget: {_fmt(self.memory_budget)} per device for the cutter's "
                          f"prediction, from {self.budget_source}")
+        if self.batch_split:
+            lines.append(self.batch_split)
         if self.auto is not None:
             lines.append(str(self.auto))
         if self.program:
