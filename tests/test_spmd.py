@@ -389,3 +389,20 @@ def test_split_middle_members_of_a_shared_core(same_tick):
     assert set(pipe.inspect.executor.body_of_stage) == {0}
     assert [st.parts is not None for st in pipe.inspect.stages] == [True, False, False, True]
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 2))
+
+
+def test_a_linear_solve_in_a_stage():
+    """jnp.linalg.solve is a custom_linear_solve, whose jaxprs sit in a named tuple: the
+    program re-made it as a plain tuple's generator and the first call raised TypeError."""
+    ks = jax.random.split(jax.random.key(4), 4)
+    params = [jax.random.normal(k, (8, 8)) / 4 + 2 * jnp.eye(8) for k in ks[:2]]
+    batch = {"x": jax.random.normal(ks[2], (16, 8)), "y": jax.random.normal(ks[3], (16, 8))}
+
+    def loss_fn(params, b):
+        h = jp.boundary(jnp.tanh(b["x"] @ params[0]))
+        h = jnp.linalg.solve(params[1], h.T).T
+        return jnp.mean((h - b["y"]) ** 2)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=jp.OneFOneB(2, 4), cut="markers")
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 4))

@@ -16,7 +16,8 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-__all__ = ["CALLS", "eval_eqns", "eval_slice", "forwarded_outputs", "read", "sub_jaxprs"]
+__all__ = ["CALLS", "eval_eqns", "eval_slice", "forwarded_outputs", "like", "read",
+           "sub_jaxprs"]
 
 #: ``(equation, input values) -> output values``, or ``None`` to bind the primitive.
 Override = Callable[[Any, list[Any]], Sequence[Any] | None]
@@ -31,6 +32,15 @@ def sub_jaxprs(params: dict[str, Any]) -> Iterator[jcore.Jaxpr]:
                 yield x.jaxpr
             elif isinstance(x, jcore.Jaxpr):
                 yield x
+
+
+def like(params_value: tuple | list, items: Iterable[Any]) -> tuple | list:
+    """``items`` in a sequence of the type of an equation parameter's ``params_value``:
+    a tuple, a list, or a named tuple (``custom_linear_solve``'s jaxprs), which takes its
+    fields as arguments."""
+    if hasattr(params_value, "_fields"):
+        return type(params_value)(*items)
+    return type(params_value)(items)
 
 
 def read(env: MutableMapping[Any, Any], atom: Any) -> Any:

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
 from jaxpipe.jax_compat import sharding_constraint_p
-from jaxpipe.jaxpr.interpret import sub_jaxprs
+from jaxpipe.jaxpr.interpret import like, sub_jaxprs
 from jaxpipe.sharding import gathers
 from jaxpipe.sharding.mesh_axes import MeshAxes
 
@@ -132,7 +132,7 @@ def _retarget_value(v: Any, names: tuple, types: tuple) -> Any:
         return _retarget(v, names, types)
     if isinstance(v, tuple | list) and any(
             isinstance(x, ClosedJaxpr | Jaxpr | NamedSharding) for x in v):
-        return type(v)(_retarget_value(x, names, types) for x in v)
+        return like(v, (_retarget_value(x, names, types) for x in v))
     return v
 
 

@@ -29,7 +29,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.jaxpr.interpret import eval_eqns, read, sub_jaxprs
+from jaxpipe.jaxpr.interpret import eval_eqns, like, read, sub_jaxprs
 
 __all__ = ["needed", "with_whole_operands"]
 
@@ -137,7 +137,7 @@ def _rewritten_value(v: Any) -> Any:
         # an open jaxpr (remat's) takes no constants; keep it as it was if some appeared
         return new.jaxpr if not new.consts else v
     if isinstance(v, tuple | list) and any(isinstance(x, ClosedJaxpr | Jaxpr) for x in v):
-        return type(v)(_rewritten_value(x) for x in v)
+        return like(v, (_rewritten_value(x) for x in v))
     return v
 
 
