@@ -15,7 +15,7 @@ from typing import Any
 from jaxpipe.errors import PipelineError
 
 __all__ = ["SUPPORTED_JAX", "cluster_environments", "dce_jaxpr", "distributed_client",
-           "partial_eval_jaxpr", "sharding_constraint_p"]
+           "is_ordered_effect", "partial_eval_jaxpr", "sharding_constraint_p"]
 
 #: The JAX versions jaxpipe is built and tested against.
 SUPPORTED_JAX = ">= 0.10, < 0.11"
@@ -60,6 +60,16 @@ def partial_eval_jaxpr() -> Callable[..., Any]:
     except (ImportError, AttributeError) as err:
         raise _moved("jax._src.interpreters.partial_eval.partial_eval_jaxpr_nounits",
                      err) from None
+
+
+def is_ordered_effect(effect: Any) -> bool:
+    """Whether a jaxpr's effect is ordered (``jax.debug.print(..., ordered=True)``, an
+    ordered ``io_callback``): JAX runs those on one device only."""
+    try:
+        from jax._src import effects
+    except ImportError as err:
+        raise _moved("jax._src.effects.ordered_effects", err) from None
+    return effects.ordered_effects.contains(effect)
 
 
 def distributed_client() -> Any:

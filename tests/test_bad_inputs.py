@@ -497,6 +497,26 @@ def test_other_pipeline_argument_types():
         build(axis=0)
     with pytest.raises(jp.PipelineError, match=r"rng must be True or False"):
         build(rng="yes")
+    # the key argument and rng= disagree: Python's TypeError about the call named neither
+    with pytest.raises(jp.PipelineError, match=r"cannot be called as loss_fn\(params, "
+                                               r"microbatch, key\): with rng=True"):
+        build(rng=True)
+    with pytest.raises(jp.PipelineError, match=r"loss_fn\(p, mb, key\) cannot be called as "
+                                               r"loss_fn\(params, microbatch\): .*needs "
+                                               r"rng=True"):
+        build(loss_fn=lambda p, mb, key: loss_fn(p, mb))
+    build(loss_fn=lambda p, mb, key=None: loss_fn(p, mb))  # a key with a default: either
+
+
+def test_ordered_effects_are_refused_at_build():
+    """jax.debug.print(..., ordered=True): JAX runs ordered effects on one device only;
+    the first call failed in JAX's words."""
+    def printing(params, mb):
+        jax.debug.print("loss input {}", mb["x"].sum(), ordered=True)
+        return loss_fn(params, mb)
+
+    with pytest.raises(jp.PipelineError, match=r"ordered effect .*Drop ordered=True"):
+        build(loss_fn=printing)
 
 
 def test_key_missing_unexpected_or_wrong(pipe):

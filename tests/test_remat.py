@@ -8,6 +8,7 @@ cutter's budget search is the brute-force optimum over cuts *and* policies, and
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from types import SimpleNamespace
@@ -564,3 +565,32 @@ def test_a_weights_compute_copy_is_recomputed_not_stored_per_microbatch(scanned)
                 for i in range(M)]
         want = jax.tree.map(lambda *xs: sum(xs) / M, *each)
         assert_matches(pipe.value_and_grad(params, batch), want)
+
+
+def test_a_policy_offloading_residuals_to_the_host_is_refused_with_the_fix():
+    """MaxText's offload (save_and_offload_only_these_names to pinned_host): the stage's
+    residual storage is device memory, and the first call failed in JAX's words
+    (memory_space of all inputs to dynamic_update_slice must be the same)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["proj"],
+        offload_src="device", offload_dst="pinned_host")
+
+    @functools.partial(jax.checkpoint, policy=policy)
+    def block(w, h):
+        return jnp.tanh(checkpoint_name(h @ w, "proj")) @ w.T * 0.5 + h
+
+    def loss_fn(params, b):
+        h = b["x"]
+        for w in params:
+            h = jp.boundary(block(w, h))
+        return jnp.mean((h - b["y"]) ** 2)
+
+    ks = jax.random.split(jax.random.key(5), 6)
+    params = [jax.random.normal(k, (16, 16)) / 4 for k in ks[:4]]
+    batch = {"x": jax.random.normal(ks[4], (16, 16)), "y": jax.random.normal(ks[5], (16, 16))}
+    with pytest.raises(jp.PipelineError, match=r"offloads residuals to host memory.*"
+                                               r"save_only_these_names"):
+        jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                    schedule=jp.OneFOneB(2, M), cut="markers")

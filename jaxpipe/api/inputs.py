@@ -19,6 +19,7 @@ Placing the checked inputs on the mesh is :mod:`jaxpipe.api.input_placement`'s j
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -290,6 +291,27 @@ def check_pipeline_args(loss_fn: Any, schedule: Any, axis: Any, rng: Any) -> Non
                                 f"got {axis!r}.")
     if not isinstance(rng, bool):
         raise PipelineTypeError(f"rng must be True or False, got {rng!r}.")
+    _check_key_argument(loss_fn, rng)
+
+
+def _check_key_argument(loss_fn: Any, rng: bool) -> None:
+    """``loss_fn`` takes a key exactly when ``rng=True`` (the trace would raise Python's
+    TypeError about the call, which names neither)."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # (a callable Python cannot inspect: the call says)
+        return
+    args = ("params", "microbatch", "key") if rng else ("params", "microbatch")
+    try:
+        signature.bind(*args)
+    except TypeError:
+        fix = ("with rng=True the pipeline calls loss_fn(params, microbatch, key): take the "
+               "key, or drop rng=True" if rng else
+               "a loss_fn(params, microbatch, key) needs rng=True (jp.pipeline(..., "
+               "rng=True)), which passes each microbatch its key; or give key a default")
+        raise PipelineTypeError(
+            f"loss_fn{signature} cannot be called as loss_fn({', '.join(args)}): "
+            f"{fix}.") from None
 
 
 def check_objective(has_aux: Any, reduction: Any) -> Objective:

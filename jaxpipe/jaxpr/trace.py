@@ -28,7 +28,8 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.jaxpr.interpret import CALLS, eval_eqns, eval_slice, read
+from jaxpipe.jax_compat import is_ordered_effect
+from jaxpipe.jaxpr.interpret import CALLS, eval_eqns, eval_slice, read, sub_jaxprs
 from jaxpipe.jaxpr.markers import boundary_p, has_marker, holds_marker
 from jaxpipe.jaxpr.objective import MEAN, Objective
 
@@ -140,6 +141,13 @@ def _eval_checkpointed(eqns, env: dict, remat: dict, needed: set) -> None:
     env.update(zip(outs, jax.checkpoint(run, **remat)(*[env[v] for v in free]), strict=True))
 
 
+def _holds_primitive(jaxpr: jcore.Jaxpr, name: str) -> bool:
+    """Whether an equation of ``jaxpr`` (or of a jaxpr one holds) binds ``name``."""
+    return any(e.primitive.name == name or any(_holds_primitive(sub, name)
+                                               for sub in sub_jaxprs(e.params))
+               for e in jaxpr.eqns)
+
+
 def _check_array_leaves(tree: Any, what: str) -> None:
     """Raise a PipelineError naming the first leaf of ``tree`` that is not array-like."""
     for path, x in jax.tree.flatten_with_path(tree)[0]:
@@ -231,6 +239,21 @@ def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any,
     if any(e.primitive is not boundary_p and holds_marker(e)  # markers hidden in sub-jaxprs
            for e in raw.jaxpr.eqns):
         raw = jax.make_jaxpr(lambda *a: _inline_eval(raw.jaxpr, raw.consts, a))(*avals)
+    if _holds_primitive(raw.jaxpr, "shard_map"):
+        raise PipelineError(
+            "loss_fn calls jax.shard_map. Every stage already runs inside the pipeline's "
+            "shard_map (manual over the pipe axis), and a shard_map nested in a stage is not "
+            "supported (its body was typed outside the pipeline, and JAX refuses it there). "
+            "Write the layer with sharded parameters instead: place them (or pass "
+            "param_specs=) over the axis your shard_map used, and XLA partitions the layer "
+            "with the collectives it needs (docs/multihost.md).")
+    ordered = [e for e in raw.effects if is_ordered_effect(e)]
+    if ordered:
+        raise PipelineError(
+            f"the loss has an ordered effect ({type(ordered[0]).__name__}: "
+            "jax.debug.print(..., ordered=True) or an ordered io_callback), which JAX runs on "
+            "one device only, and every stage runs on its own pipe device. Drop ordered=True "
+            "(unordered prints and callbacks work; they run in schedule order).")
     markers = tuple(i for i, e in enumerate(raw.jaxpr.eqns) if e.primitive is boundary_p)
     names = tuple(raw.jaxpr.eqns[i].params.get("name") for i in markers)
     n_main = 1 + int(objective.weighted)

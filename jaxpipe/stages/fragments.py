@@ -262,6 +262,7 @@ def _build_stage(s, eqn_range, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_o
         fj.replace(outvars=fj.outvars[:n_out] + stored_vars), fwd_raw.consts
     )
     residual_avals = [v.aval for v in stored_vars]
+    _refuse_offloaded(residual_avals)
     tree = res_tree[0]
 
     def rebuild(params, batch, stored):
@@ -293,6 +294,20 @@ def _build_stage(s, eqn_range, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_o
         stored_out=tuple(j for j, v in enumerate(fj.outvars[:n_out]) if v in stored_vars),
         derived_avals=[v.aval for v in derived_vars],
     )
+
+
+def _refuse_offloaded(residual_avals: list) -> None:
+    """Residuals a ``jax.checkpoint`` policy offloads to host memory cannot be stored: a
+    stage's residual storage is device memory (the first call failed in JAX's words)."""
+    host = [a for a in residual_avals
+            if str(getattr(a, "memory_space", "")).endswith(("Host", "host"))]
+    if host:
+        raise PipelineError(
+            f"a jax.checkpoint policy offloads residuals to host memory ({host[0]}: "
+            "save_and_offload_only_these_names or offload_dot_with_no_batch_dims with "
+            "offload_dst='pinned_host'); jaxpipe stores a stage's residuals in device "
+            "memory and does not offload them. Use save_only_these_names (or "
+            "jp.Cut(remat=...): recomputation instead of offloading) for those names.")
 
 
 def _keys_as_data(st: StageFn) -> StageFn:
