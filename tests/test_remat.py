@@ -594,3 +594,50 @@ def test_a_policy_offloading_residuals_to_the_host_is_refused_with_the_fix():
                                                r"save_only_these_names"):
         jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
                     schedule=jp.OneFOneB(2, M), cut="markers")
+
+
+def _weight_norm_model(callback=None):
+    """Weight normalisation (``w / |w|``): a parameter-derived value both backward halves
+    read (the input gradient through it, the weight gradient of it)."""
+    width = 16
+    ks = jax.random.split(jax.random.key(6), 6)
+    params = [jax.random.normal(k, (width, width)) for k in ks[:4]]
+    batch = {"x": jax.random.normal(ks[4], (M * 4, width)),
+             "y": jax.random.normal(ks[5], (M * 4, width))}
+
+    def loss_fn(params, b):
+        h = b["x"]
+        for w in params:
+            wn = w / jnp.linalg.norm(w)
+            if callback is not None:
+                jax.debug.callback(callback, jnp.sum(wn))
+            h = jp.boundary(jnp.tanh(h @ wn))
+        return jnp.mean((h - b["y"]) ** 2)
+    return loss_fn, params, batch, width
+
+
+def test_the_weight_half_recomputes_parameter_derived_values_too():
+    """Under the I / W split a value the backward recomputes from the parameters was
+    handed from I to W, held once per microbatch between them; W computes it again."""
+    loss_fn, params, batch, width = _weight_norm_model()
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=DeferredW1F1B(2, M), cut="markers")
+    for stage in pipe.inspect.stages:
+        # only activations (a microbatch's 4 rows) are stored or handed over: no weight
+        # and none of the norms (scalars), which W computes again from the weights
+        held = [a.shape for a in (*stage.residual_avals, *stage.w_residual_avals)]
+        assert all(s == (4, width) for s in held), held
+        assert stage.derived_avals
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
+
+
+def test_a_parameter_derived_value_with_an_effect_is_stored_not_recomputed():
+    """A callback on parameters alone ran again in every backward that recomputed its
+    value (and a callback's result would be read twice): such values stay stored, and
+    the callback runs once per microbatch's forward."""
+    calls = []
+    loss_fn, params, batch, _ = _weight_norm_model(lambda x: calls.append(float(x)))
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((2,), ("pipe",)),
+                       schedule=jp.OneFOneB(2, M), cut="markers")
+    jax.block_until_ready(pipe.value_and_grad(params, batch))
+    assert len(calls) == len(params) * M, len(calls)

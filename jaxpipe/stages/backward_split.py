@@ -12,17 +12,28 @@ from jax.extend import core as jcore
 __all__ = ["split_backward"]
 
 
-def split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_pb: int, n_ct_out: int):
+def split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_pb: int, n_ct_out: int,
+                   n_params: int = 0):
     """Split the backward into I (input cotangents) and W (parameter cotangents).
 
     I keeps every equation the input cotangents need. W keeps the remaining equations the
     parameter cotangents need; values it would otherwise recompute from I's equations are
     handed over as ``w_residuals`` (I's extra outputs), so no work is done twice. The
     incoming cotangents W needs are handed over the same way, so the message buffer is
-    free once I has run.
+    free once I has run. The exception: values computed from the first ``n_params``
+    inputs (the parameters) alone, without effects (a weight's bf16 copy, its
+    transpose), W computes again, as the backward recomputes them: handed over, they
+    would be held once per microbatch between I and W.
     """
     j = bwd.jaxpr
     ct_p, ct_c = j.outvars[:n_ctp], j.outvars[n_ctp:]
+    from_params: set = set(j.invars[:n_params]) | set(j.constvars)
+    param_only = set()
+    for idx, e in enumerate(j.eqns):
+        if not e.effects and all(not isinstance(v, jcore.Var) or v in from_params
+                                 for v in e.invars):
+            param_only.add(idx)
+            from_params.update(e.outvars)
 
     def needed(roots, skip=frozenset()):
         live = {v for v in roots if isinstance(v, jcore.Var)}
@@ -37,9 +48,11 @@ def split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_pb: int, n_ct_out: int)
 
     i_idx = needed(ct_c)
     i_set = set(i_idx)
-    w_idx = needed(ct_p, skip=frozenset(i_set))
+    w_idx = needed(ct_p, skip=frozenset(i_set - param_only))
     ct_in = j.invars[len(j.invars) - n_ct_out:]
-    i_defined = {v for k in i_idx for v in j.eqns[k].outvars} | set(ct_in)
+    w_defined = {v for k in w_idx for v in j.eqns[k].outvars}
+    i_defined = {v for k in i_idx for v in j.eqns[k].outvars if v not in w_defined}
+    i_defined |= set(ct_in)
     w_reads = [v for k in w_idx for v in j.eqns[k].invars if isinstance(v, jcore.Var)]
     w_reads += [v for v in ct_p if isinstance(v, jcore.Var)]
     handoff = []

@@ -283,7 +283,7 @@ def _build_stage(s, eqn_range, eqns, jaxpr, n_p, p_ids, b_ids, carry_in, carry_o
     )
     n_ctp = sum(dp)
     bwd_i, bwd_w, w_avals, w_res_ids = split_backward(
-        bwd_jaxpr, n_ctp, len(p_avals) + len(b_avals), len(ct_out_avals))
+        bwd_jaxpr, n_ctp, len(p_avals) + len(b_avals), len(ct_out_avals), len(p_avals))
     return StageFn(
         index=s, eqn_range=eqn_range, param_ids=p_ids, batch_ids=b_ids, in_avals=in_avals,
         out_avals=out_avals, residual_avals=residual_avals, w_residual_avals=w_avals,

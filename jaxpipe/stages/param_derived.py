@@ -12,13 +12,20 @@ the weights.
 
 :func:`param_derived` finds them with JAX's partial evaluation of the stage's forward
 (parameters known, microbatch and carry unknown), which also splits scans, so a scanned
-layer stack's per-layer casts are found too.
+layer stack's per-layer casts are found too. Not recomputed: values computed from
+constants alone (a causal mask: a stage's later layers receive it as a carry wherever a
+cut falls between them, so what a stage stores would not be the sum of its layers'),
+values whose computation has an effect (a callback would run twice), and values an
+earlier stage computed and passed on (all weights cast at the top of the loss: the first
+stage casts them, and they travel as activations). Under the I / W split the weight half
+computes them again too (:func:`~jaxpipe.stages.backward_split.split_backward`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from jax.extend import core as jcore
 
@@ -75,9 +82,7 @@ def param_derived(fwd: jcore.ClosedJaxpr, n_params: int,
     values = tuple(v for v in candidates if v not in reached)
     if not values:
         return None
-    picked, used = dce_jaxpr()(j.replace(outvars=list(values)), [True] * len(values),
-                               instantiate=False)
-    return _found(values, jcore.ClosedJaxpr(picked, fwd.consts), used, n_params)
+    return _found(values, j.replace(outvars=list(values)), fwd.consts, n_params)
 
 
 def _may_split(eqn: jcore.JaxprEqn, reached: set) -> bool:
@@ -119,15 +124,28 @@ def _partially_evaluated(fwd: jcore.ClosedJaxpr, n_params: int,
         kj.replace(outvars=[kj.outvars[at[v]]]), [True], instantiate=False)[1]))
     if not values:
         return None
-    picked = kj.replace(outvars=[kj.outvars[at[v]] for v in values])
-    picked, used = dce_jaxpr()(picked, [True] * len(values), instantiate=False)
-    return _found(values, jcore.ClosedJaxpr(picked, known.consts), used, n_params)
+    return _found(values, kj.replace(outvars=[kj.outvars[at[v]] for v in values]),
+                  known.consts, n_params)
 
 
-def _found(values: tuple, jaxpr: jcore.ClosedJaxpr, used: Sequence[bool],
-           n_params: int) -> ParamDerived:
+def _found(values: tuple, full: jcore.Jaxpr, consts: Sequence[Any], n_params: int
+           ) -> ParamDerived | None:
+    """``values`` (``full``'s outputs, read from its inputs, the first ``n_params`` the
+    parameters) computed by their equations alone."""
+    picked, used = dce_jaxpr()(full, [True] * len(values), instantiate=False)
+    if picked.effects:
+        # A value whose computation has an effect (a callback, a print) stays stored: the
+        # backward recomputes values, and the effect would run (and a callback's result be
+        # read) a second time. One by one, keep the values computed without one.
+        keep = [k for k in range(len(values)) if not dce_jaxpr()(
+            full.replace(outvars=[full.outvars[k]]), [True], instantiate=False)[0].effects]
+        if not keep:
+            return None
+        values = tuple(values[k] for k in keep)
+        picked, used = dce_jaxpr()(full.replace(outvars=[full.outvars[k] for k in keep]),
+                                   [True] * len(keep), instantiate=False)
     pos = tuple(i for i, u in enumerate(used) if u)
     if any(i >= n_params for i in pos):  # by construction only parameters reach them
         raise AssertionError(f"a parameter-derived value reads input {max(pos)} of "
                              f"{len(used)}, past the {n_params} parameters")
-    return ParamDerived(values, jaxpr, pos)
+    return ParamDerived(values, jcore.ClosedJaxpr(picked, consts), pos)
