@@ -418,3 +418,37 @@ def test_pipeline_input_errors():
     with pytest.raises(jp.PipelineError, match="needs 8 stages"):
         jp.pipeline(loss_fn, params, batch, mesh=mesh,
                     schedule=jp.Interleaved1F1B(2, 2, stages_per_device=4), cut="markers")
+
+
+@pytest.mark.parametrize("cast", ["tree_map", "each"])
+def test_weights_cast_at_the_top_of_the_loss_stay_with_their_stages(cast):
+    """jmp's policy.cast_to_compute(params) at the top of the loss: cut as traced, the
+    first stage owned every float32 weight and each bf16 copy travelled to its stage as
+    an activation, once a microbatch. Each stage now reads its own layers' weights, only
+    activations cross, and the gradients equal jax.value_and_grad's per microbatch."""
+    width, m = 16, 4
+    ks = jax.random.split(jax.random.key(8), 6)
+    params = [jax.random.normal(k, (width, width)) / 4 for k in ks[:4]]
+    batch = {"x": jax.random.normal(ks[4], (m * 4, width)),
+             "y": jax.random.normal(ks[5], (m * 4, width))}
+
+    def loss_fn(params, b):
+        if cast == "tree_map":
+            params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+        else:
+            params = [jnp.asarray(w, jnp.bfloat16) * 1 for w in params]
+        h = b["x"].astype(jnp.bfloat16)
+        for w in params:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean((h.astype(jnp.float32) - b["y"]) ** 2)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
+                       schedule=jp.OneFOneB(4, m), cut="markers")
+    assert [st.param_ids for st in pipe.inspect.stages] == [(0,), (1,), (2,), (3,)]
+    for st in pipe.inspect.stages:
+        assert all(a.shape == (4, width) for a in (*st.in_avals, *st.residual_avals)), st
+    mbs = jax.tree.map(lambda x: x.reshape(m, -1, *x.shape[1:]), batch)
+    each = [jax.value_and_grad(loss_fn)(params, jax.tree.map(lambda x, i=i: x[i], mbs))
+            for i in range(m)]
+    assert_matches(pipe.value_and_grad(params, batch),
+                   jax.tree.map(lambda *xs: sum(xs) / m, *each))

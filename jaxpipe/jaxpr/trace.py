@@ -32,6 +32,7 @@ from jaxpipe.jax_compat import is_ordered_effect
 from jaxpipe.jaxpr.interpret import CALLS, eval_eqns, eval_slice, read, sub_jaxprs
 from jaxpipe.jaxpr.markers import boundary_p, has_marker, holds_marker
 from jaxpipe.jaxpr.objective import MEAN, Objective
+from jaxpipe.jaxpr.param_values import computed_where_read
 
 __all__ = ["Traced", "microbatch_like", "segments", "split_output", "trace", "trace_shard",
            "with_key"]
@@ -239,6 +240,7 @@ def trace(loss_fn: Callable[[Any, Any], Any], params: Any, microbatch: Any,
     if any(e.primitive is not boundary_p and holds_marker(e)  # markers hidden in sub-jaxprs
            for e in raw.jaxpr.eqns):
         raw = jax.make_jaxpr(lambda *a: _inline_eval(raw.jaxpr, raw.consts, a))(*avals)
+    raw = computed_where_read(raw, len(p_leaves), avals)
     if _holds_primitive(raw.jaxpr, "shard_map"):
         raise PipelineError(
             "loss_fn calls jax.shard_map. Every stage already runs inside the pipeline's "

@@ -15,9 +15,9 @@ the weights.
 layer stack's per-layer casts are found too. Not recomputed: values computed from
 constants alone (a causal mask: a stage's later layers receive it as a carry wherever a
 cut falls between them, so what a stage stores would not be the sum of its layers'),
-values whose computation has an effect (a callback would run twice), and values an
-earlier stage computed and passed on (all weights cast at the top of the loss: the first
-stage casts them, and they travel as activations). Under the I / W split the weight half
+and values whose computation has an effect (a callback would run twice). Weights cast
+at the top of the loss are computed again where each stage reads them, before the cut
+(:mod:`jaxpipe.jaxpr.param_values`). Under the I / W split the weight half
 computes them again too (:func:`~jaxpipe.stages.backward_split.split_backward`).
 """
 

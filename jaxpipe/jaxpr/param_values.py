@@ -1,0 +1,101 @@
+"""Values computed from the parameters alone, computed where each segment reads them.
+
+A loss that casts its weights at the top (``params = jax.tree.map(lambda w:
+w.astype(jnp.bfloat16), params)``, jmp's ``policy.cast_to_compute(params)``) computes
+every layer's bf16 copy before the first marker. Cut as traced, the first stage would own
+every layer's float32 weight (it reads them all), and each copy would travel through the
+pipeline as an activation, once a microbatch, to the stage that uses it. So the loss's
+jaxpr is re-emitted with each such value computed in every segment (the stretch between
+two markers) that reads it, just before its first use there: each stage then reads its
+own layers' weights, and nothing parameter-sized moves between stages.
+
+Moved: equations without effects that read a parameter and otherwise only constants or
+values of such equations. A value a marker passes on is the user's choice to carry it,
+and stays. Not handled: a stacked weight cast before the ``lax.scan`` over its layers
+(the scan reads the whole cast stack, which the stages after the first receive whole);
+cast inside the scan's body instead, as flax's layers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+from jaxpipe.jaxpr.interpret import eval_eqns, read
+from jaxpipe.jaxpr.markers import boundary_p
+
+__all__ = ["computed_where_read"]
+
+
+def _param_only(jaxpr: jcore.Jaxpr, n_params: int) -> set[int]:
+    """Indices of the equations computing from the parameters (and constants) alone,
+    reading some parameter: a value from constants alone (a causal mask) stays where it
+    is, as what the stages store is counted per layer (``stages.param_derived``)."""
+    params = set(jaxpr.invars[:n_params])
+    known = params | set(jaxpr.constvars)
+    out = set()
+    for k, e in enumerate(jaxpr.eqns):
+        ins = [v for v in e.invars if isinstance(v, jcore.Var)]
+        if e.primitive is not boundary_p and not e.effects and all(v in known for v in ins):
+            known.update(e.outvars)
+            if any(v in params for v in ins):
+                out.add(k)
+                params.update(e.outvars)
+    return out
+
+
+def _read_in_later_segment(jaxpr: jcore.Jaxpr, moved: set[int]) -> bool:
+    """Whether a later segment than its own reads a value of a ``moved`` equation."""
+    segment_of: dict = {}
+    segment = 0
+    for k, e in enumerate(jaxpr.eqns):
+        if any(segment_of.get(v, segment) < segment for v in e.invars
+               if isinstance(v, jcore.Var)):
+            return True
+        if k in moved:
+            segment_of.update((v, segment) for v in e.outvars)
+        if e.primitive is boundary_p:
+            segment += 1
+    return any(segment_of.get(v, segment) < segment for v in jaxpr.outvars
+               if isinstance(v, jcore.Var))
+
+
+def computed_where_read(closed: jcore.ClosedJaxpr, n_params: int,
+                        avals: list[Any]) -> jcore.ClosedJaxpr:
+    """``closed`` (a traced loss whose first ``n_params`` inputs are the parameters,
+    traced from ``avals``) with every parameter-only value computed in each segment that
+    reads it; ``closed`` itself where no later segment reads one."""
+    j = closed.jaxpr
+    moved = _param_only(j, n_params)
+    if not moved or not _read_in_later_segment(j, moved):
+        return closed
+    producer = {v: j.eqns[k] for k in moved for v in j.eqns[k].outvars}
+
+    def run(*args: Any) -> list[Any]:
+        env: dict = dict(zip(j.constvars, closed.consts, strict=True))
+        env.update(zip(j.invars, args, strict=True))
+        here: dict = {}  # the moved values computed in the current segment
+
+        def get(v: Any) -> Any:
+            if not isinstance(v, jcore.Var) or v in env:
+                return read(env, v)
+            if v not in here:
+                eqn = producer[v]
+                local = {x: get(x) for x in eqn.invars if isinstance(x, jcore.Var)}
+                eval_eqns([eqn], local)
+                here.update((o, local[o]) for o in eqn.outvars)
+            return here[v]
+
+        for k, eqn in enumerate(j.eqns):
+            if k in moved:
+                continue
+            local = {x: get(x) for x in eqn.invars if isinstance(x, jcore.Var)}
+            eval_eqns([eqn], local)
+            env.update((o, local[o]) for o in eqn.outvars)
+            if eqn.primitive is boundary_p:
+                here.clear()  # a new segment computes its own
+        return [get(v) for v in j.outvars]
+
+    return jax.make_jaxpr(run)(*avals)
