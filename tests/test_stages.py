@@ -452,3 +452,26 @@ def test_weights_cast_at_the_top_of_the_loss_stay_with_their_stages(cast):
             for i in range(m)]
     assert_matches(pipe.value_and_grad(params, batch),
                    jax.tree.map(lambda *xs: sum(xs) / m, *each))
+
+
+def test_a_penalty_of_every_weight_computed_at_the_top_stays_where_it_is():
+    """An L2 penalty of all weights computed before the first layer is a small value of
+    many parameters: computed again where it is read (the last stage), that stage would
+    own every weight; it is carried as a scalar, as traced."""
+    width, m = 16, 4
+    ks = jax.random.split(jax.random.key(9), 6)
+    params = [jax.random.normal(k, (width, width)) / 4 for k in ks[:4]]
+    batch = {"x": jax.random.normal(ks[4], (m * 4, width)),
+             "y": jax.random.normal(ks[5], (m * 4, width))}
+
+    def loss_fn(params, b):
+        l2 = sum(jnp.sum(w ** 2) for w in params)
+        h = b["x"]
+        for w in params:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean((h - b["y"]) ** 2) + 1e-3 * l2
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
+                       schedule=jp.OneFOneB(4, m), cut="markers")
+    assert [st.param_ids for st in pipe.inspect.stages] == [(0, 1, 2, 3), (1,), (2,), (3,)]
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, m))

@@ -10,10 +10,12 @@ two markers) that reads it, just before its first use there: each stage then rea
 own layers' weights, and nothing parameter-sized moves between stages.
 
 Moved: equations without effects that read a parameter and otherwise only constants or
-values of such equations. A value a marker passes on is the user's choice to carry it,
-and stays. Not handled: a stacked weight cast before the ``lax.scan`` over its layers
-(the scan reads the whole cast stack, which the stages after the first receive whole);
-cast inside the scan's body instead, as flax's layers do.
+values of such equations, whose values are at least a quarter of the parameters' bytes
+they come from (not an L2 penalty of every weight: see :func:`_param_only`). A value a
+marker passes on is the user's choice to carry it, and stays. Not handled: a stacked
+weight cast before the ``lax.scan`` over its layers (the scan reads the whole cast stack,
+which the stages after the first receive whole); cast inside the scan's body instead, as
+flax's layers do.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
+from jaxpipe.jaxpr.avals import aval_bytes
 from jaxpipe.jaxpr.interpret import eval_eqns, read
 from jaxpipe.jaxpr.markers import boundary_p
 
@@ -31,18 +34,27 @@ __all__ = ["computed_where_read"]
 
 def _param_only(jaxpr: jcore.Jaxpr, n_params: int) -> set[int]:
     """Indices of the equations computing from the parameters (and constants) alone,
-    reading some parameter: a value from constants alone (a causal mask) stays where it
-    is, as what the stages store is counted per layer (``stages.param_derived``)."""
-    params = set(jaxpr.invars[:n_params])
-    known = params | set(jaxpr.constvars)
+    reading some parameter, whose values are at least a quarter of the bytes of the
+    parameters they come from (a weight's copy, cast or transpose). A small value of
+    many weights (an L2 penalty computed at the top) is carried as it was: computed again
+    in a later segment, that stage would read, and hold, every weight it comes from. A
+    value from constants alone (a causal mask) stays too, as what the stages store is
+    counted per layer (``stages.param_derived``)."""
+    params = jaxpr.invars[:n_params]
+    sources: dict = {v: frozenset([v]) for v in params}  # value -> the parameters it reads
+    known = set(params) | set(jaxpr.constvars)
     out = set()
     for k, e in enumerate(jaxpr.eqns):
         ins = [v for v in e.invars if isinstance(v, jcore.Var)]
-        if e.primitive is not boundary_p and not e.effects and all(v in known for v in ins):
-            known.update(e.outvars)
-            if any(v in params for v in ins):
+        if e.primitive is boundary_p or e.effects or not all(v in known for v in ins):
+            continue
+        known.update(e.outvars)
+        read = frozenset().union(*(sources.get(v, frozenset()) for v in ins))
+        if read:
+            sources.update((v, read) for v in e.outvars)
+            if 4 * sum(aval_bytes(v.aval) for v in e.outvars) >= sum(
+                    aval_bytes(p.aval) for p in read):
                 out.add(k)
-                params.update(e.outvars)
     return out
 
 
