@@ -14,11 +14,18 @@ from typing import Any
 
 from jaxpipe.errors import PipelineError
 
-__all__ = ["SUPPORTED_JAX", "cluster_environments", "dce_jaxpr", "distributed_client",
-           "is_ordered_effect", "partial_eval_jaxpr", "sharding_constraint_p"]
+__all__ = ["JAX_WRAPPER_MODULES", "SUPPORTED_JAX", "cluster_environments",
+           "context_with_mesh", "dce_jaxpr", "distributed_client", "is_ordered_effect",
+           "key_impl", "partial_eval_jaxpr", "sharding_constraint_p"]
 
 #: The JAX versions jaxpipe is built and tested against.
 SUPPORTED_JAX = ">= 0.10, < 0.11"
+
+
+#: Modules of JAX's own wrapping machinery (a function of theirs is made anew at every
+#: traced call; :mod:`jaxpipe.jaxpr.identity` keys it by its code and what it wraps).
+JAX_WRAPPER_MODULES = ("jax._src.interpreters.partial_eval", "jax._src.linear_util",
+                       "jax._src.custom_derivatives", "jax._src.api_util")
 
 
 def _moved(what: str, err: Exception) -> PipelineError:
@@ -70,6 +77,27 @@ def is_ordered_effect(effect: Any) -> bool:
     except ImportError as err:
         raise _moved("jax._src.effects.ordered_effects", err) from None
     return effects.ordered_effects.contains(effect)
+
+
+def key_impl(key_dtype: Any) -> Any:
+    """The PRNG implementation of a key dtype (``jax.random.key(0).dtype``), for
+    ``jax.random.wrap_key_data(data, impl=...)``: JAX names it only on key arrays."""
+    try:
+        return key_dtype._impl
+    except AttributeError as err:
+        raise _moved("the key dtype's _impl", err) from None
+
+
+def context_with_mesh(ctx: Any, mesh: Any) -> Any:
+    """An equation's context (``eqn.ctx``: the mesh it was traced under, its compute type,
+    its PRNG and metadata settings) with ``mesh`` in place of its abstract mesh."""
+    try:
+        return type(ctx)._create(ctx.compute_type, ctx.threefry_partitionable, mesh,
+                                 ctx.remove_size_one_mesh_axis,
+                                 None if ctx.xla_metadata is None
+                                 else tuple(sorted(ctx.xla_metadata.items())))
+    except (AttributeError, TypeError) as err:
+        raise _moved("JaxprEqnContext._create", err) from None
 
 
 def distributed_client() -> Any:

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpipe.errors import PipelineError, PipelineTypeError
+from jaxpipe.jax_compat import key_impl
 from jaxpipe.jaxpr.avals import is_key
 from jaxpipe.jaxpr.objective import REDUCTIONS, Objective
 from jaxpipe.jaxpr.trace import microbatch_like
@@ -163,7 +164,7 @@ def check_key(key: Any, rng: bool, key_dtype: Any, what: str) -> jax.Array | Non
                 f"{what} got a key of type {dtype} but the pipeline was built for "
                 f"{key_dtype}; make keys with the same implementation.")
         return key
-    impl = key_dtype._impl
+    impl = key_impl(key_dtype)
     if (dtype is not None and np.dtype(dtype) == np.uint32
             and tuple(np.shape(key)) == tuple(impl.key_shape)):
         return jax.random.wrap_key_data(key, impl=impl)  # a raw jax.random.PRNGKey

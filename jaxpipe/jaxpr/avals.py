@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.jax_compat import key_impl
+
 __all__ = ["aval_bytes", "boundary_aval", "format_bytes", "from_boundary",
            "is_differentiable", "is_key", "to_boundary"]
 
@@ -102,4 +104,4 @@ def from_boundary(x: Any, aval: Any) -> Any:
     """Inverse of :func:`to_boundary` for a value whose traced type is ``aval``."""
     if not is_key(aval):
         return x
-    return jax.random.wrap_key_data(x, impl=aval.dtype._impl)
+    return jax.random.wrap_key_data(x, impl=key_impl(aval.dtype))

@@ -33,15 +33,12 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxpipe.jax_compat import JAX_WRAPPER_MODULES
 from jaxpipe.jaxpr.markers import boundary_p
 
 __all__ = ["fragment_key", "same_function", "unprinted"]
 
 
-#: Modules of JAX's own wrapping machinery: a function of theirs is keyed by its code and
-#: what its closure wraps, not by identity (every traced call makes new ones).
-_WRAPPERS = ("jax._src.interpreters.partial_eval", "jax._src.linear_util",
-             "jax._src.custom_derivatives", "jax._src.api_util")
 
 
 def _rule_key(fn: Any, depth: int = 0) -> Hashable:
@@ -55,7 +52,7 @@ def _rule_key(fn: Any, depth: int = 0) -> Hashable:
     if hasattr(fn, "transforms") and hasattr(fn, "f") and hasattr(fn, "call_wrapped"):
         names = tuple(getattr(t[0], "__qualname__", repr(t[0])) for t in fn.transforms)
         return ("wrapped", names, _rule_key(fn.f, depth + 1))
-    if getattr(fn, "__module__", None) in _WRAPPERS and hasattr(fn, "__code__"):
+    if getattr(fn, "__module__", None) in JAX_WRAPPER_MODULES and hasattr(fn, "__code__"):
         cells = []
         for cell in fn.__closure__ or ():
             try:

@@ -23,7 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.errors import PipelineError
-from jaxpipe.jax_compat import sharding_constraint_p
+from jaxpipe.jax_compat import context_with_mesh, sharding_constraint_p
 from jaxpipe.jaxpr.interpret import like, sub_jaxprs
 from jaxpipe.sharding import gathers
 from jaxpipe.sharding.mesh_axes import MeshAxes
@@ -184,11 +184,7 @@ def _ctx_on_context(ctx: Any, names: tuple, types: tuple) -> Any:
     target = _target(m, names, types)
     if target is None:
         return ctx
-    return type(ctx)._create(ctx.compute_type, ctx.threefry_partitionable,
-                             m.update_axis_types(dict(zip(names, target, strict=True))),
-                             ctx.remove_size_one_mesh_axis,
-                             None if ctx.xla_metadata is None
-                             else tuple(sorted(ctx.xla_metadata.items())))
+    return context_with_mesh(ctx, m.update_axis_types(dict(zip(names, target, strict=True))))
 
 
 # (closed jaxpr, context axis names, types and sizes) -> the jaxpr to run there; the closed
