@@ -16,8 +16,8 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-__all__ = ["CALLS", "eval_eqns", "eval_slice", "forwarded_outputs", "like", "read",
-           "sub_jaxprs"]
+__all__ = ["CALLS", "eval_eqns", "eval_slice", "forwarded_outputs", "from_parameters",
+           "like", "read", "sub_jaxprs"]
 
 #: ``(equation, input values) -> output values``, or ``None`` to bind the primitive.
 Override = Callable[[Any, list[Any]], Sequence[Any] | None]
@@ -41,6 +41,25 @@ def like(params_value: tuple | list, items: Iterable[Any]) -> tuple | list:
     if hasattr(params_value, "_fields"):
         return type(params_value)(*items)
     return type(params_value)(items)
+
+
+def from_parameters(jaxpr: jcore.Jaxpr, n_params: int, *, opaque: Iterable[Any] = ()
+                    ) -> dict[int, frozenset]:
+    """The equations of ``jaxpr`` computing from its first ``n_params`` inputs (the
+    parameters), constants and literals alone, through one another, without effects and
+    not of a primitive in ``opaque``: equation index -> the parameter inputs it reads
+    (empty: constants alone)."""
+    opaque = frozenset(opaque)
+    sources: dict = {v: frozenset([v]) for v in jaxpr.invars[:n_params]}
+    sources.update((v, frozenset()) for v in jaxpr.constvars)
+    out: dict[int, frozenset] = {}
+    for k, e in enumerate(jaxpr.eqns):
+        ins = [v for v in e.invars if isinstance(v, jcore.Var)]
+        if e.effects or e.primitive in opaque or not all(v in sources for v in ins):
+            continue
+        out[k] = frozenset().union(*(sources[v] for v in ins))
+        sources.update((v, out[k]) for v in e.outvars)
+    return out
 
 
 def read(env: MutableMapping[Any, Any], atom: Any) -> Any:

@@ -26,7 +26,7 @@ import jax
 from jax.extend import core as jcore
 
 from jaxpipe.jaxpr.avals import aval_bytes
-from jaxpipe.jaxpr.interpret import eval_eqns, read
+from jaxpipe.jaxpr.interpret import eval_slice, from_parameters, read
 from jaxpipe.jaxpr.markers import boundary_p
 
 __all__ = ["computed_where_read"]
@@ -40,22 +40,9 @@ def _param_only(jaxpr: jcore.Jaxpr, n_params: int) -> set[int]:
     in a later segment, that stage would read, and hold, every weight it comes from. A
     value from constants alone (a causal mask) stays too, as what the stages store is
     counted per layer (``stages.param_derived``)."""
-    params = jaxpr.invars[:n_params]
-    sources: dict = {v: frozenset([v]) for v in params}  # value -> the parameters it reads
-    known = set(params) | set(jaxpr.constvars)
-    out = set()
-    for k, e in enumerate(jaxpr.eqns):
-        ins = [v for v in e.invars if isinstance(v, jcore.Var)]
-        if e.primitive is boundary_p or e.effects or not all(v in known for v in ins):
-            continue
-        known.update(e.outvars)
-        read = frozenset().union(*(sources.get(v, frozenset()) for v in ins))
-        if read:
-            sources.update((v, read) for v in e.outvars)
-            if 4 * sum(aval_bytes(v.aval) for v in e.outvars) >= sum(
-                    aval_bytes(p.aval) for p in read):
-                out.add(k)
-    return out
+    return {k for k, read in from_parameters(jaxpr, n_params, opaque=[boundary_p]).items()
+            if read and 4 * sum(aval_bytes(v.aval) for v in jaxpr.eqns[k].outvars)
+            >= sum(aval_bytes(p.aval) for p in read)}
 
 
 def _read_in_later_segment(jaxpr: jcore.Jaxpr, moved: set[int]) -> bool:
@@ -94,18 +81,18 @@ def computed_where_read(closed: jcore.ClosedJaxpr, n_params: int,
             if not isinstance(v, jcore.Var) or v in env:
                 return read(env, v)
             if v not in here:
-                eqn = producer[v]
-                local = {x: get(x) for x in eqn.invars if isinstance(x, jcore.Var)}
-                eval_eqns([eqn], local)
-                here.update((o, local[o]) for o in eqn.outvars)
+                here.update(bind(producer[v]))
             return here[v]
+
+        def bind(eqn: Any) -> dict:  # its outputs, its inputs read through get
+            ins = [x for x in eqn.invars if isinstance(x, jcore.Var)]
+            return dict(zip(eqn.outvars, eval_slice([eqn], ins, eqn.outvars,
+                                                    [get(x) for x in ins]), strict=True))
 
         for k, eqn in enumerate(j.eqns):
             if k in moved:
                 continue
-            local = {x: get(x) for x in eqn.invars if isinstance(x, jcore.Var)}
-            eval_eqns([eqn], local)
-            env.update((o, local[o]) for o in eqn.outvars)
+            env.update(bind(eqn))
             if eqn.primitive is boundary_p:
                 here.clear()  # a new segment computes its own
         return [get(v) for v in j.outvars]

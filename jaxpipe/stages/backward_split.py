@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 
+from jaxpipe.jaxpr.interpret import from_parameters
+
 __all__ = ["split_backward"]
 
 
@@ -27,13 +29,7 @@ def split_backward(bwd: jcore.ClosedJaxpr, n_ctp: int, n_pb: int, n_ct_out: int,
     """
     j = bwd.jaxpr
     ct_p, ct_c = j.outvars[:n_ctp], j.outvars[n_ctp:]
-    from_params: set = set(j.invars[:n_params]) | set(j.constvars)
-    param_only = set()
-    for idx, e in enumerate(j.eqns):
-        if not e.effects and all(not isinstance(v, jcore.Var) or v in from_params
-                                 for v in e.invars):
-            param_only.add(idx)
-            from_params.update(e.outvars)
+    param_only = set(from_parameters(j, n_params))
 
     def needed(roots, skip=frozenset()):
         live = {v for v in roots if isinstance(v, jcore.Var)}
