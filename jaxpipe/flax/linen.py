@@ -136,22 +136,27 @@ def pipeline_linen(
     return LinenPipeline(pipe, module, variables)
 
 
+def _is_box(x: Any) -> bool:
+    """A linen partitioning box (``nn.with_partitioning`` and the like)."""
+    from flax.core import meta
+
+    return isinstance(x, meta.AxisMetadata)
+
+
+def _boxed(tree: Any) -> bool:
+    return any(map(_is_box, jax.tree.leaves(tree, is_leaf=_is_box)))
+
+
 def _check_boxing(params: Any, built: Any) -> None:
     """Refuse unboxed params for a pipeline built from boxed ones (or the other way):
     the structures differ by the boxes alone, which the generic mismatch does not say."""
     from flax.core import meta
 
-    def is_box(x: Any) -> bool:
-        return isinstance(x, meta.AxisMetadata)
-
-    def boxed(tree: Any) -> bool:
-        return any(map(is_box, jax.tree.leaves(tree, is_leaf=is_box)))
-
-    if boxed(params) == boxed(built):
+    if _boxed(params) == _boxed(built):
         return
     if jax.tree.structure(meta.unbox(params)) != jax.tree.structure(meta.unbox(built)):
         return  # another structure altogether: the pipeline's own check says so
-    if boxed(built):
+    if _boxed(built):
         raise PipelineError(
             "the pipeline was built from boxed linen params (nn.with_partitioning / "
             "nn.with_logical_partitioning boxes, as module.init returns them) and takes "
@@ -172,13 +177,10 @@ def _linen_specs(params: Any, mesh: Any, axis: str) -> Any:
     from flax import linen as nn
     from flax.core import meta
 
-    def is_box(x: Any) -> bool:
-        return isinstance(x, meta.AxisMetadata)
-
-    if not any(map(is_box, jax.tree.leaves(params, is_leaf=is_box))):
+    if not _boxed(params):
         return None
 
-    named = [x for x in jax.tree.leaves(params, is_leaf=is_box)
+    named = [x for x in jax.tree.leaves(params, is_leaf=_is_box)
              if isinstance(x, nn.LogicallyPartitioned) and any(n is not None for n in x.names)]
     other_axes = [a for a, n in mesh.shape.items() if a != axis and n > 1]
     if named and other_axes and not named[0].rules and not nn.get_logical_axis_rules():
@@ -198,4 +200,4 @@ def _linen_specs(params: Any, mesh: Any, axis: str) -> Any:
             return x.replace_boxed(PartitionSpec(*x.names))
         return None
 
-    return jax.tree.map(spec, params, is_leaf=is_box)
+    return jax.tree.map(spec, params, is_leaf=_is_box)
