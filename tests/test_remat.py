@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import assert_matches, reference, tiny_lm
+from models import assert_matches, reference, reference_per_microbatch, tiny_lm
 from split_schedule import DeferredW1F1B
 
 import jaxpipe as jp
@@ -558,13 +558,8 @@ def test_a_weights_compute_copy_is_recomputed_not_stored_per_microbatch(scanned)
             assert any(e.primitive.name == "convert_element_type"
                        and e.outvars[0].aval.shape[-2:] == (width, width)
                        for e in _eqns(stage.bwd.jaxpr)), stage.bwd
-        # bf16 products: against jax.value_and_grad of each microbatch, summed in f32 as
-        # the pipeline sums (a vmap over microbatches sums their bf16 products first)
-        mbs = jax.tree.map(lambda x: x.reshape(M, -1, *x.shape[1:]), batch)
-        each = [jax.value_and_grad(loss_fn)(params, jax.tree.map(lambda x, i=i: x[i], mbs))
-                for i in range(M)]
-        want = jax.tree.map(lambda *xs: sum(xs) / M, *each)
-        assert_matches(pipe.value_and_grad(params, batch), want)
+        assert_matches(pipe.value_and_grad(params, batch),
+                       reference_per_microbatch(loss_fn, params, batch, M))
 
 
 def test_a_policy_offloading_residuals_to_the_host_is_refused_with_the_fix():

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import jaxpr_as_fun
-from models import MODELS, assert_matches, reference
+from models import MODELS, assert_matches, reference, reference_per_microbatch
 from split_schedule import DeferredW1F1B
 
 import jaxpipe as jp
@@ -420,6 +420,15 @@ def test_pipeline_input_errors():
                     schedule=jp.Interleaved1F1B(2, 2, stages_per_device=4), cut="markers")
 
 
+def _four_layers(seed: int, width: int, m: int):
+    """Four (width, width) weights and a batch of m microbatches of 4 rows."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    params = [jax.random.normal(k, (width, width)) / 4 for k in ks[:4]]
+    batch = {"x": jax.random.normal(ks[4], (m * 4, width)),
+             "y": jax.random.normal(ks[5], (m * 4, width))}
+    return params, batch
+
+
 @pytest.mark.parametrize("cast", ["tree_map", "each"])
 def test_weights_cast_at_the_top_of_the_loss_stay_with_their_stages(cast):
     """jmp's policy.cast_to_compute(params) at the top of the loss: cut as traced, the
@@ -427,10 +436,7 @@ def test_weights_cast_at_the_top_of_the_loss_stay_with_their_stages(cast):
     an activation, once a microbatch. Each stage now reads its own layers' weights, only
     activations cross, and the gradients equal jax.value_and_grad's per microbatch."""
     width, m = 16, 4
-    ks = jax.random.split(jax.random.key(8), 6)
-    params = [jax.random.normal(k, (width, width)) / 4 for k in ks[:4]]
-    batch = {"x": jax.random.normal(ks[4], (m * 4, width)),
-             "y": jax.random.normal(ks[5], (m * 4, width))}
+    params, batch = _four_layers(8, width, m)
 
     def loss_fn(params, b):
         if cast == "tree_map":
@@ -447,11 +453,8 @@ def test_weights_cast_at_the_top_of_the_loss_stay_with_their_stages(cast):
     assert [st.param_ids for st in pipe.inspect.stages] == [(0,), (1,), (2,), (3,)]
     for st in pipe.inspect.stages:
         assert all(a.shape == (4, width) for a in (*st.in_avals, *st.residual_avals)), st
-    mbs = jax.tree.map(lambda x: x.reshape(m, -1, *x.shape[1:]), batch)
-    each = [jax.value_and_grad(loss_fn)(params, jax.tree.map(lambda x, i=i: x[i], mbs))
-            for i in range(m)]
     assert_matches(pipe.value_and_grad(params, batch),
-                   jax.tree.map(lambda *xs: sum(xs) / m, *each))
+                   reference_per_microbatch(loss_fn, params, batch, m))
 
 
 def test_a_penalty_of_every_weight_computed_at_the_top_stays_where_it_is():
@@ -459,10 +462,7 @@ def test_a_penalty_of_every_weight_computed_at_the_top_stays_where_it_is():
     many parameters: computed again where it is read (the last stage), that stage would
     own every weight; it is carried as a scalar, as traced."""
     width, m = 16, 4
-    ks = jax.random.split(jax.random.key(9), 6)
-    params = [jax.random.normal(k, (width, width)) / 4 for k in ks[:4]]
-    batch = {"x": jax.random.normal(ks[4], (m * 4, width)),
-             "y": jax.random.normal(ks[5], (m * 4, width))}
+    params, batch = _four_layers(9, width, m)
 
     def loss_fn(params, b):
         l2 = sum(jnp.sum(w ** 2) for w in params)

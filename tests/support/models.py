@@ -101,6 +101,16 @@ def reference(loss_fn, params, batch, m: int):
     return jax.value_and_grad(mean_loss)(params)
 
 
+def reference_per_microbatch(loss_fn, params, batch, m: int):
+    """``jax.value_and_grad`` of each microbatch, averaged: the pipeline's order of sums,
+    for models computing in bf16 (a vmap over microbatches sums their bf16 products
+    before the float32 gradient sees them)."""
+    mbs = jax.tree.map(lambda x: x.reshape(m, -1, *x.shape[1:]), batch)
+    each = [jax.value_and_grad(loss_fn)(params, jax.tree.map(lambda x, i=i: x[i], mbs))
+            for i in range(m)]
+    return jax.tree.map(lambda *xs: sum(xs) / m, *each)
+
+
 def assert_matches(result, expected, rtol=1e-5):
     """Loss and every gradient leaf close, atol scaled to the gradient's magnitude."""
     import numpy as np
