@@ -876,3 +876,24 @@ def test_a_budget_only_the_program_without_lanes_fits_builds_it():
     assert "program: cpu" in str(pipe.plan) and "lanes not used: " in str(pipe.plan)
     assert pipe.inspect.cut_report.peak_memory <= without
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
+
+
+def test_a_microbatch_count_the_data_axis_does_not_divide_on_explicit_axes():
+    """Six rows over data=2 as three microbatches of two rows, one a data shard: the
+    microbatches are split over the data axis within each, as with any m. Reshaping the
+    [6@data] batch to [3, 2] put the split on the leading dimension, which JAX refuses
+    where the axis does not divide it (ShardingTypeError at the first call)."""
+    mesh = jax.make_mesh((2, 4), ("data", "pipe"))
+    ks = jax.random.split(jax.random.key(3), 6)
+    params = [jax.random.normal(k, (16, 16)) / 4 for k in ks[:4]]
+    batch = {"x": jax.random.normal(ks[4], (6, 16)), "y": jax.random.normal(ks[5], (6, 16))}
+
+    def loss_fn(params, b):
+        h = b["x"]
+        for w in params:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean((h - b["y"]) ** 2)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, 3))
+    assert pipe.batch_axes == ("data",)
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 3))

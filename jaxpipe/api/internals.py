@@ -27,7 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.api.auto import AutoChoice, choose, placeholder, resolve_auto
 from jaxpipe.api.cut_and_split import cut_and_split, cut_only
@@ -251,7 +252,7 @@ class Internals(InternalsReports):
         """
         m = self.num_microbatches
         leaves = [to_boundary(x) for x in self.check_batch(batch)]
-        out = [jnp.reshape(x, (m, -1, *jnp.shape(x)[1:])) for x in leaves]
+        out = [_split_rows(x, m) for x in leaves]
         if self.rng:
             if key is None:
                 check_key(key, True, self.key_dtype, "this call")
@@ -397,3 +398,16 @@ class Internals(InternalsReports):
     def live_state(self, state: Any, what: str) -> Any:
         """``state`` checked (type, owner, layout, not donated) and placed on the mesh."""
         return live_state(state, self.executor, self.placement, what)
+
+
+def _split_rows(x: Any, m: int) -> Any:
+    """``x`` as ``[m, rows / m, ...]``. Rows split over Explicit mesh axes stay split the
+    same way within each microbatch: JAX keeps such a split on the leading dimension where
+    ``m`` divides over it, and refuses the reshape where it does not (8 rows over
+    ``data=2`` as 3 microbatches)."""
+    shape = (m, -1, *jnp.shape(x)[1:])
+    sharding = jax.typeof(x).sharding
+    spec = getattr(sharding, "spec", None)
+    if spec and spec[0] is not None:
+        return jnp.reshape(x, shape, out_sharding=NamedSharding(sharding.mesh, P(None, *spec)))
+    return jnp.reshape(x, shape)
