@@ -861,9 +861,9 @@ def test_a_budget_only_the_program_without_lanes_fits_builds_it():
     batch = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))
 
     def build(budget, **kw):  # (no recomputation: the residual sets decide the peak)
-        return jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(2, M),
-                           param_specs=specs, cut=jp.Cut(memory_budget=budget, remat="none"),
-                           **kw)
+        return jp.pipeline(loss_fn, params, batch, mesh=mesh, param_specs=specs,
+                           cut=jp.Cut(memory_budget=budget, remat="none"),
+                           **{"schedule": jp.OneFOneB(2, M), **kw})
 
     def smallest(**kw):  # the smallest budget the error names
         with pytest.raises(jp.CutError) as err:
@@ -876,6 +876,37 @@ def test_a_budget_only_the_program_without_lanes_fits_builds_it():
     assert "program: cpu" in str(pipe.plan) and "lanes not used: " in str(pipe.plan)
     assert pipe.inspect.cut_report.peak_memory <= without
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, M))
+    # schedule="auto" cuts its candidates the same way (it refused every one of them)
+    auto = build(without, schedule=jp.Auto(microbatches=M, families=("1f1b",)))
+    (row,) = auto.inspect.auto_choice.candidates
+    assert row.verdict == "chosen" and "lanes=False" in row.note, row
+    assert row.memory == auto.inspect.cut_report.peak_memory <= without
+    assert "the budget does not fit the runtime's own program" in str(auto.plan)
+
+
+def test_auto_prices_its_candidates_for_the_program_that_runs():
+    """The lanes program is wanted on a tensor-parallel mesh, and turned down once the
+    stages are built (the first and last stages differ): the plan's table described the
+    program with lanes; every candidate is priced again for the one that runs."""
+    mesh = jax.make_mesh((2, 4), ("tp", "pipe"))
+    ks = jax.random.split(jax.random.key(0), 12)
+    sh = NamedSharding(mesh, P(None, "tp"))
+    params = [jax.device_put(jax.random.normal(k, (16, 16)) / 4, sh) for k in ks[:10]]
+    batch = {"x": jax.random.normal(ks[6], (16, 16)), "y": jax.random.normal(ks[7], (16, 16))}
+
+    def loss_fn(params, b):
+        h = b["x"] @ params[0]
+        for w in params[1:-1]:
+            h = jp.boundary(h + jnp.tanh(h @ w))
+        return jnp.mean((h @ params[-1] - b["y"]) ** 2)
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh,
+                       schedule=jp.Auto(microbatches=4, families=("1f1b", "gpipe")))
+    assert pipe.inspect.runtime.lanes is False and "lanes not used: " in str(pipe.plan)
+    (row,) = [c for c in pipe.inspect.auto_choice.candidates if c.verdict == "chosen"]
+    assert row.memory == pipe.inspect.cut_report.peak_memory
+    assert row.time == min(c.time for c in pipe.inspect.auto_choice.candidates)
+    assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, 4))
 
 
 def test_a_microbatch_count_the_data_axis_does_not_divide_on_explicit_axes():

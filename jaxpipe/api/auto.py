@@ -21,7 +21,7 @@ order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jaxpipe.cut import CutError
@@ -191,6 +191,7 @@ class Candidate:
     memory: float | None  # predicted peak bytes per device
     verdict: str  # "chosen", or why not
     schedule: Schedule | None = None  # the candidate (None where it could not be built)
+    note: str = ""  # what else the plan should say of it (the program it was priced for)
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,12 @@ class AutoChoice:
     time_unit: str
     cut_report: Any = None  # the cutter's report for the chosen schedule (cut once)
 
+    def noted(self, notes: dict[int, str]) -> AutoChoice:
+        """This choice with ``notes[id(candidate.schedule)]`` on those candidates' rows."""
+        return replace(self, candidates=tuple(
+            replace(c, note=notes[id(c.schedule)]) if id(c.schedule) in notes else c
+            for c in self.candidates))
+
     def __str__(self) -> str:
         lines = [f"schedule chosen by Auto (objective '{self.objective}'):",
                  f"{'family':>12} {'v':>2} {'m':>4} {'time':>10} {'memory':>10}  verdict"]
@@ -210,8 +217,9 @@ class AutoChoice:
             t = "-" if c.time is None else f"{c.time:.4g}"
             mem = "-" if c.memory is None else f"{c.memory / 2**20:.2f} MiB"
             v = "-" if c.chunks is None else c.chunks
+            note = f" ({c.note})" if c.note else ""
             lines.append(f"{c.family:>12} {v:>2} {c.microbatches:>4} {t:>10} "
-                         f"{mem:>10}  {c.verdict}")
+                         f"{mem:>10}  {c.verdict}{note}")
         lines.append(f"(time: the runtime's program simulated with the stages' costs, a "
                      f"cost a tick and a cost a stored byte a tick, in {self.time_unit}; "
                      "memory: the cutter's prediction per device)")

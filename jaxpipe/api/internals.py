@@ -150,17 +150,7 @@ class Internals(InternalsReports):
         #: what schedule="auto" chose and why (None: the schedule was given)
         self.auto_choice: AutoChoice | None = None
         if auto is not None:
-            with trace_context(mesh, self.mesh_axes), self._times.phase("cut"):
-                memory, costs = self.runtime.memory_model_for(mesh), {}
-                self.auto_choice = choose(
-                    auto, schedule.num_devices, schedule.num_microbatches,
-                    lambda s: cut_only(self.traced, s, cut, memory, mesh, self.param_dims,
-                                       self.runtime.in_flight(s, mesh, self.mesh_axes),
-                                       costs, self._shards(self.mesh_axes.auto_batch_axes)),
-                    lambda s, r: self.runtime.predicted_time(
-                        s, r.action_cost, mesh, self.mesh_axes,
-                        stored_bytes=r.padded_memory.residuals))
-            self.schedule = schedule = self.auto_choice.schedule
+            self.schedule = schedule = self._choose(auto, schedule, cut)
         try:
             self._cut_and_build(schedule, cut, self.auto_choice and self.auto_choice.cut_report)
         except CutError:
@@ -174,7 +164,9 @@ class Internals(InternalsReports):
         again = self.runtime.instead_of(self.executor)
         if again is not None:  # (the runtime turned down the program the cut was made for)
             self.runtime = again
-            self._cut_and_build(schedule, cut, None)
+            if auto is not None:  # every candidate priced again, for the program that runs
+                self.schedule = schedule = self._choose(auto, schedule, cut)
+            self._cut_and_build(schedule, cut, self.auto_choice and self.auto_choice.cut_report)
         self._param_paths = leaf_paths(self.traced.params_treedef)
         # XLA options for the mesh's platform (GPU: the permutes' overlap), per compile
         opts = compiler_options(mesh.devices.flat[0].platform)
@@ -194,6 +186,44 @@ class Internals(InternalsReports):
             from jaxpipe.distributed.agreement import check_consistent
 
             check_consistent(self)
+
+    def _choose(self, auto: Any, placeholder: Schedule, cut: Any) -> Schedule:
+        """The schedule ``schedule="auto"`` takes (:func:`~jaxpipe.api.auto.choose`),
+        each candidate cut for the runtime's program, or where a budget does not fit that
+        program, for the one the runtime would build instead (the SPMD runtime without
+        lanes), as a given schedule is."""
+        mesh, axes, costs = self.mesh, self.mesh_axes, {}
+        runtimes = [self.runtime, self.runtime.instead_of_infeasible(mesh, axes)]
+        priced_by: dict[int, Runtime] = {}  # id(cut report) -> the runtime it was cut for
+
+        def cut_report(s: Schedule) -> Any:
+            for k, rt in enumerate(r for r in runtimes if r is not None):
+                try:
+                    report = cut_only(self.traced, s, cut, rt.memory_model_for(mesh), mesh,
+                                      self.param_dims, rt.in_flight(s, mesh, axes), costs,
+                                      self._shards(axes.auto_batch_axes))
+                except CutError:
+                    if k or runtimes[1] is None:
+                        raise
+                    continue
+                priced_by[id(report)] = rt
+                if k:
+                    instead[id(s)] = (f"cut for {rt!r}: the budget does not fit the "
+                                      "runtime's own program")
+                return report
+            raise AssertionError("unreachable")
+
+        instead: dict[int, str] = {}  # id(schedule) -> why it was cut for the other program
+        with trace_context(mesh, axes), self._times.phase("cut"):
+            choice = choose(auto, placeholder.num_devices, placeholder.num_microbatches,
+                            cut_report, lambda s, r: self._predicted_time(priced_by[id(r)], s, r))
+        self.auto_choice = choice.noted(instead)
+        self.runtime = priced_by[id(choice.cut_report)]
+        return choice.schedule
+
+    def _predicted_time(self, runtime: Runtime, schedule: Schedule, report: Any) -> float:
+        return runtime.predicted_time(schedule, report.action_cost, self.mesh, self.mesh_axes,
+                                      stored_bytes=report.padded_memory.residuals)
 
     # ---------------------------------------------------------------- properties
     def _cut_and_build(self, schedule: Schedule, cut: Any, cut_report: Any) -> None:
