@@ -7,6 +7,8 @@ is the best that fits by the objective) and deterministic; bad options name the 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import pytest
 from models import MODELS, assert_matches
@@ -75,6 +77,7 @@ def test_auto_under_a_budget_and_by_memory():
     (lambda: jp.Auto(num_devices=4), r"num_devices=4.*has 2 devices"),
     (lambda: jp.Auto(families=(int,)), "Schedule subclasses"),
     (lambda: jp.Auto(families=("gpipe", "gpipe")), "names a family twice"),
+    (lambda: jp.Auto(families=("gpipe", jp.GPipe)), r"names a family twice \(by name or"),
     (lambda: jp.Auto(num_devices=0), r"num_devices=\.\.\.\) must be a positive int"),
 ])
 def test_bad_auto_options_name_the_fix(auto, match):
@@ -83,19 +86,33 @@ def test_bad_auto_options_name_the_fix(auto, match):
 
 
 def test_an_infeasible_budget_names_each_candidates_smallest_budget():
-    """Every candidate's reason keeps its figure: the smallest budget it would fit (the
-    reasons were cut at 160 characters, before it)."""
-    with pytest.raises(jp.PipelineError, match=r"1f1b v=1: [^;]*smallest feasible budget is "
-                                               r"[\d.]+ [KMG]?i?B[^;]*; gpipe v=1"):
+    """Every candidate's reason keeps its figure, the smallest budget it would fit, and
+    the error names the least of them (buried in the list, it was the figure to read)."""
+    with pytest.raises(jp.PipelineError) as err:
         _pipe(jp.Auto(), cut=jp.Cut(memory_budget=1000))
+    text = str(err.value)
+    each = [int(b) for b in re.findall(r"v=\d: does not fit: the smallest budget it fits is "
+                                       r"[\d.]+ [KMG]?i?B \((\d+) bytes\)", text)]
+    assert len(each) == 4, text  # 1f1b, gpipe, interleaved v=2 and v=4 (8 segments, p=2)
+    assert "The smallest budget a candidate fits: " in text
+    assert re.search(rf"fits: [\d.]+ [KMG]?i?B \({min(each)} bytes\), \w+ v=\d\.", text)
 
 
 def test_the_advice_follows_the_reasons():
-    """No candidate fits the budget: the advice is a budget that fits; a class of the
-    user's that cannot be built for m (DualPipeV needs m >= 2p) is named without a chunk
-    count it never had, and the advice is an m it accepts, not fewer microbatches."""
-    with pytest.raises(jp.PipelineError, match=r"Give a memory budget that fits"):
+    """No candidate fits the budget: the advice is a budget that fits or more, smaller
+    microbatches (a 1F1B peak falls as m grows); a model with too few cut markers for
+    every candidate gets markers as the advice (the reason came through the cutter's
+    error, and the advice was a budget); a class of the user's that cannot be built for
+    m (DualPipeV needs m >= 2p) is named without a chunk count it never had, and the
+    advice is an m it accepts."""
+    with pytest.raises(jp.PipelineError, match=r"Give a memory budget that fits .* or more, "
+                                               r"smaller microbatches"):
         _pipe(jp.Auto(), cut=jp.Cut(memory_budget=1000))
+    loss_fn, params, batch = MODELS["mlp"](2, batch=8)
+    with pytest.raises(jp.PipelineError, match=r"1f1b v=1: needs 4 stages; the model has 3 "
+                                               r"cuttable segments.* Give more cut markers"):
+        jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
+                    schedule="auto")
     dualpipe = jp.load_schedule("schedules/dualpipe_v.py:DualPipeV")
     with pytest.raises(jp.PipelineError, match=r"candidate that can run: DualPipeV: cannot be "
                                                r"built: .*m >= 4\. Give a microbatch count the "
@@ -250,3 +267,17 @@ def test_a_budget_only_a_v_schedule_meets_gets_it_chosen():
     assert rows["DualPipeV"].verdict == "chosen" and type(pipe.schedule) is dv
     assert rows["1f1b"].verdict.startswith("does not fit"), rows["1f1b"].verdict
     assert_matches(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_auto_takes_what_a_schedule_takes_and_checks_the_cut_once():
+    """numpy integers are integers (jp.OneFOneB(4, np.int64(8)) is one); a bad cut= is
+    the error an explicit schedule gets, not each candidate's verdict followed by memory
+    advice; the class where an instance belongs is named."""
+    import numpy as np
+
+    assert jp.Auto(microbatches=np.int64(8)).microbatches == 8
+    with pytest.raises(TypeError, match=r"^cut must be 'auto', 'markers' or a "
+                                                   r"jaxpipe.Cut, got 'bogus'\.$"):
+        _pipe("auto", cut="bogus")
+    with pytest.raises(TypeError, match=r"the class Auto, not an instance of it"):
+        _pipe(jp.Auto)

@@ -20,12 +20,14 @@ order.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from jaxpipe.cut import CutError
 from jaxpipe.errors import PipelineError
+from jaxpipe.jaxpr.avals import format_bytes
 from jaxpipe.schedule import GPipe, Interleaved1F1B, OneFOneB, Schedule
 
 __all__ = ["FAMILIES", "Auto", "AutoChoice", "Candidate", "batch_rows", "choose",
@@ -77,6 +79,10 @@ class Auto:
     objective: str = "time"
 
     def __post_init__(self) -> None:
+        for name in ("num_devices", "microbatches"):  # numpy integers are integers
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))
         if self.objective not in _OBJECTIVES:
             raise PipelineError(f"Auto(objective=...) must be one of {_OBJECTIVES}, got "
                                 f"{self.objective!r}.")
@@ -96,9 +102,10 @@ class Auto:
                                                and issubclass(f, Schedule)):
                 raise PipelineError(f"Auto(families=...) holds {f!r}: give family names or "
                                     "Schedule subclasses constructible as cls(p, m).")
-        if len(set(self.families)) != len(self.families):
-            raise PipelineError(f"Auto(families=...) names a family twice: "
-                                f"{self.families!r}; name each once.")
+        classes = [FAMILIES[f][0] if isinstance(f, str) else f for f in self.families]
+        if len(set(classes)) != len(classes):
+            raise PipelineError(f"Auto(families=...) names a family twice (by name or by "
+                                f"class): {self.families!r}; name each once.")
         if self.num_devices is not None and (
                 isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int)
                 or self.num_devices < 1):
@@ -170,13 +177,16 @@ def _advice(verdicts: Sequence[str]) -> str:
     """What to change, for the reasons no candidate could run (each says which rule)."""
     fixes = []
     if any(v.startswith("does not fit") for v in verdicts):
-        fixes.append("a memory budget that fits (jp.Cut(memory_budget=...)) or fewer "
-                     "microbatches")
+        # more microbatches of a batch are smaller ones: 1F1B-like schedules hold at most
+        # about p of them, so their peak falls as m grows
+        fixes.append("a memory budget that fits (jp.Cut(memory_budget=...)), recomputation "
+                     "(jp.Cut(remat='auto')) or more, smaller microbatches "
+                     "(jp.Auto(microbatches=...))")
     if any(v.startswith("cannot be built") for v in verdicts):
         fixes.append("a microbatch count the families accept (each reason above says "
                      "which)")
     if any(v.startswith("needs") for v in verdicts):
-        fixes.append("more cut markers in the model")
+        fixes.append("more cut markers in the model (jp.boundary, @jp.layer)")
     return f"Give {', or '.join(fixes)}; or pass a schedule." if fixes else "Pass a schedule."
 
 
@@ -211,18 +221,19 @@ class AutoChoice:
             for c in self.candidates))
 
     def __str__(self) -> str:
+        w = max(12, *(len(c.family) for c in self.candidates))
         lines = [f"schedule chosen by Auto (objective '{self.objective}'):",
-                 f"{'family':>12} {'v':>2} {'m':>4} {'time':>10} {'memory':>10}  verdict"]
+                 f"{'family':>{w}} {'v':>2} {'m':>4} {'time':>10} {'memory':>11}  verdict"]
         for c in self.candidates:
             t = "-" if c.time is None else f"{c.time:.4g}"
-            mem = "-" if c.memory is None else f"{c.memory / 2**20:.2f} MiB"
+            mem = "-" if c.memory is None else format_bytes(c.memory)
             v = "-" if c.chunks is None else c.chunks
             note = f" ({c.note})" if c.note else ""
-            lines.append(f"{c.family:>12} {v:>2} {c.microbatches:>4} {t:>10} "
-                         f"{mem:>10}  {c.verdict}{note}")
+            lines.append(f"{c.family:>{w}} {v:>2} {c.microbatches:>4} {t:>10} "
+                         f"{mem:>11}  {c.verdict}{note}")
         lines.append(f"(time: the runtime's program simulated with the stages' costs, a "
                      f"cost a tick and a cost a stored byte a tick, in {self.time_unit}; "
-                     "memory: the cutter's prediction per device)")
+                     "memory: the cutter's prediction per device, the batch not included)")
         return "\n".join(lines)
 
 
@@ -237,6 +248,7 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
     rows: list[tuple[str, int, Schedule | None, float | None, float | None, str,
                      Schedule | None]] = []
     reports: dict[int, Any] = {}  # id(schedule) -> its cut report
+    smallest: list[tuple[float, str]] = []  # (the smallest budget it would fit, candidate)
     unit = "flops"
     for name, v, sched in auto.candidates(num_devices, num_microbatches, max_stages):
         if isinstance(sched, str):
@@ -245,8 +257,13 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
         try:
             report = cut_report(sched)
         except (PipelineError, CutError) as err:
-            rows.append((name, v, None, None, None, f"does not fit or cut: {_first(err)}",
-                         sched))
+            least = getattr(err, "smallest_budget", None)
+            why = (f"does not fit: the smallest budget it fits is {format_bytes(least)} "
+                   f"({int(least)} bytes)" if least is not None
+                   else f"does not fit or cut: {_first(err)}")
+            rows.append((name, v, None, None, None, why, sched))
+            if least is not None:
+                smallest.append((least, f"{name} v={v}"))
             continue
         unit = report.time_unit
         memory = float(report.peak_memory)
@@ -264,8 +281,13 @@ def choose(auto: Auto, num_devices: int, num_microbatches: int,
     if not fitting:
         why = "; ".join(f"{r[0]}{'' if r[1] is None else f' v={r[1]}'}: {r[5]}"
                         for r in rows)
-        raise PipelineError(f"schedule='auto' found no candidate that can run: {why}. "
-                            f"{_advice([r[5] for r in rows])}")
+        least = ""
+        if smallest:
+            nbytes, which = min(smallest)
+            least = (f" The smallest budget a candidate fits: {format_bytes(nbytes)} "
+                     f"({int(nbytes)} bytes), {which}.")
+        raise PipelineError(f"schedule='auto' found no candidate that can run: {why}."
+                            f"{least} {_advice([r[5] for r in rows])}")
 
     # (min keeps the first of equals: FAMILIES order)
     best = min(fitting, key=lambda r: _order(auto.objective, r[3], r[4]))

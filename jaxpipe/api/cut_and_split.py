@@ -32,7 +32,7 @@ from jaxpipe.stages import split
 from jaxpipe.stages.stacks import Stack, find_stacks, for_stages, per_layer
 from jaxpipe.stages.stage_fn import StageFn, param_owners
 
-__all__ = ["StagedLoss", "cut_and_split", "cut_only"]
+__all__ = ["StagedLoss", "cut_and_split", "cut_only", "num_segments"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,12 @@ def _cut_view(traced: Traced, mesh: Mesh, param_dims: Sequence[Dims]) -> tuple:
     shards = [math.prod(mesh.shape[a] for d in param_dims[leaf] for a in d) if param_dims
               else 1 for leaf in leaf_of]
     return stacks, layers, cut_traced, shards
+
+
+def num_segments(traced: Traced, mesh: Mesh, param_dims: Sequence[Dims]) -> int:
+    """How many stages ``traced`` can be cut into at most (its cuttable segments, a
+    scanned stack's layers each one)."""
+    return len(_cut_view(traced, mesh, param_dims)[2].markers) + 1
 
 
 def cut_only(traced: Traced, schedule: Schedule, cut: Any, memory_model: MemoryModel,

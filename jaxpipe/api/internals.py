@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.api.auto import AutoChoice, choose, placeholder, resolve_auto
-from jaxpipe.api.cut_and_split import cut_and_split, cut_only
+from jaxpipe.api.cut_and_split import cut_and_split, cut_only, num_segments
 from jaxpipe.api.input_placement import Placement, live_state
 from jaxpipe.api.inputs import (
     check_batch,
@@ -50,6 +50,7 @@ from jaxpipe.api.trace_loss import shards, trace_on_mesh
 from jaxpipe.build_times import BuildTimes
 from jaxpipe.compile_watch import CompileWatch
 from jaxpipe.cut import CutError
+from jaxpipe.cut.resolve import check_cut
 from jaxpipe.errors import PipelineTypeError
 from jaxpipe.jaxpr.avals import from_boundary, to_boundary
 from jaxpipe.jaxpr.objective import Objective
@@ -214,9 +215,11 @@ class Internals(InternalsReports):
             raise AssertionError("unreachable")
 
         instead: dict[int, str] = {}  # id(schedule) -> why it was cut for the other program
+        check_cut(cut)  # once, not as every candidate's verdict
         with trace_context(mesh, axes), self._times.phase("cut"):
             choice = choose(auto, placeholder.num_devices, placeholder.num_microbatches,
-                            cut_report, lambda s, r: self._predicted_time(priced_by[id(r)], s, r))
+                            cut_report, lambda s, r: self._predicted_time(priced_by[id(r)], s, r),
+                            num_segments(self.traced, mesh, self.param_dims))
         self.auto_choice = choice.noted(instead)
         self.runtime = priced_by[id(choice.cut_report)]
         return choice.schedule

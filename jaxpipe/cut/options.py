@@ -20,7 +20,13 @@ _NAMED_MODELS = {"spmd": SPMD_MEMORY, "device": DEVICE_MEMORY}
 
 
 class CutError(ValueError):
-    """The requested cut is impossible; the message says what would make it possible."""
+    """The requested cut is impossible; the message says what would make it possible.
+    ``smallest_budget``: for a memory budget nothing meets, the smallest one the search
+    found that would be met (bytes); ``None`` otherwise."""
+
+    def __init__(self, message: str, smallest_budget: float | None = None) -> None:
+        super().__init__(message)
+        self.smallest_budget = smallest_budget
 
 
 def _number(name: str, value: object, what: str, allow_inf: bool = False) -> float:

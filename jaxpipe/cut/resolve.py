@@ -116,6 +116,14 @@ def resolve_cuts(traced: Traced, schedule: Schedule, cut: Any, memory_model: Mem
         result = cutmod.choose_cuts(costs, schedule, cut, memory_model=memory_model,
                                     in_flight=in_flight)
         return list(result.cuts), result
+    check_cut(cut)
+    raise AssertionError("unreachable: check_cut accepted " + repr(cut))
+
+
+def check_cut(cut: Any) -> None:
+    """A clear error unless ``cut`` is one of the values ``jp.pipeline(cut=...)`` takes."""
+    if (isinstance(cut, str) and cut in ("auto", "markers")) or isinstance(cut, cutmod.Cut):
+        return
     hint = (f" (for explicit cuts: jp.Cut(indices={list(cut)!r}))"
             if isinstance(cut, list | tuple) else "")
     raise PipelineTypeError(

@@ -254,5 +254,5 @@ def infeasible(pb: Problem, bounds: Sequence[int], exact: bool) -> CutError:
         f"infeasible for this model and schedule ({pb.model.name} memory model): the "
         f"{qual} budget is {format_bytes(smallest)} ({math.ceil(smallest)} bytes), "
         f"{choice}; raise memory_budget{hint}, use more stages, a schedule with fewer "
-        f"microbatches in flight, or less optimizer state"
+        f"microbatches in flight, or less optimizer state", smallest_budget=math.ceil(smallest)
     )
