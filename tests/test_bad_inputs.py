@@ -80,8 +80,13 @@ def test_batch_inconsistent_leading_dims(pipe):
 
 
 def test_batch_of_another_size_or_structure_at_call(pipe):
-    with pytest.raises(jp.PipelineError, match=r"differs from the.*rebuild the pipeline"):
+    with pytest.raises(jp.PipelineError, match=r"differs from the.*rebuild the pipeline "
+                                               r"for a new batch size\.$"):
         pipe.value_and_grad(_params(), _batch(8))
+    b = _batch()  # the same rows, another feature size: not a batch size to rebuild for
+    with pytest.raises(jp.PipelineError, match=r"a row of it is \(3,\), where the pipeline "
+                                               r"was built for rows of \(\d+,\)"):
+        pipe.value_and_grad(_params(), {**b, "y": b["y"][:, :3]})
     b = _batch()
     with pytest.raises(jp.PipelineError, match=r"batch structure.*'z'.*differs from the traced"):
         pipe.value_and_grad(_params(), {"x": b["x"], "z": b["y"]})
@@ -535,6 +540,9 @@ def test_key_missing_unexpected_or_wrong(pipe):
         rng_pipe.value_and_grad(_params(), _batch(), jax.random.split(jax.random.key(0), 4))
     with pytest.raises(TypeError, match=r"needs a PRNG key made by jax.random.key"):
         rng_pipe.value_and_grad(_params(), _batch(), 3)
+    with pytest.raises(jp.PipelineError, match=r"key<rbg> but the pipeline was built for "
+                                               r"key<fry> \(JAX's default key implementation"):
+        rng_pipe.value_and_grad(_params(), _batch(), jax.random.key(0, impl="rbg"))
     state = rng_pipe.init(_params(), optax.sgd(0.1))
     with pytest.raises(jp.PipelineError, match=r"pipe.train_step needs a PRNG key"):
         rng_pipe.train_step(state, _batch())

@@ -40,7 +40,7 @@ def _batch(n=B, seed=1):
 
 
 def _mbs(batch, m=M):
-    return [jax.tree.map(lambda x, i=i: x.reshape(m, -1, *x.shape[1:])[i], batch)
+    return [jax.tree.map(lambda x, i=i: x.reshape(m, x.shape[0] // m, *x.shape[1:])[i], batch)
             for i in range(m)]
 
 
@@ -234,6 +234,32 @@ def test_int_and_unused_leaves_keep_values_and_train_like_optax():
     for name in ("scale", "offset", "flag"):
         np.testing.assert_array_equal(trained[name], params[name])
         assert trained[name].dtype == params[name].dtype
+
+
+def test_zero_size_leaves_work_as_in_jax():
+    """An empty parameter (a bias of width 0, read by the last stage) and an empty batch
+    leaf: jax.value_and_grad takes both; the program gathered the parameter's gradient
+    with an all-gather XLA refuses for a zero-size operand, and the batch's reshape
+    could not infer its -1 from an array of no elements."""
+    params = {**_params(2), "empty": jnp.zeros((0,)), "empty_rows": jnp.zeros((3, 0))}
+    batch = {**_batch(), "e": jnp.zeros((B, 0))}
+
+    def loss_fn(p, mb):
+        h = mb["x"]
+        for w in p["w"]:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return (jnp.mean((h - mb["y"]) ** 2) + jnp.sum(p["empty"]) + jnp.sum(mb["e"])
+                + jnp.sum(p["empty_rows"]))
+
+    pipe = jp.pipeline(loss_fn, params, batch, mesh=_mesh(), schedule=jp.OneFOneB(P_, M))
+    loss, grads = pipe.value_and_grad(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: jnp.mean(jnp.stack(
+        [loss_fn(p, mb) for mb in _mbs(batch)])))(params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    _close(grads, ref_grads)
+    assert grads["empty"].shape == (0,) and grads["empty_rows"].shape == (3, 0)
+    state, _ = pipe.train_step(pipe.init(params, optax.adam(1e-2)), batch)
+    assert pipe.params(state)["empty_rows"].shape == (3, 0)
 
 
 def test_multisteps_accumulates_exactly():

@@ -124,9 +124,13 @@ def check_batch(batch: Any, treedef: Any, mb_shapes: list, dtypes: list,
             hint = (" In a multi-process run a numpy batch is the whole global batch on "
                     "every process; build one from each process's rows with "
                     "jaxpipe.distributed.global_batch.") if multiprocess else ""
+            fix = ("rebuild the pipeline for a new batch size" if w.shape[1:] == shape[1:]
+                   else f"a row of it is {w.shape[1:]}, where the pipeline was built for "
+                        f"rows of {shape[1:]}: pass the batch's leaves in the shapes it was "
+                        "built with, or rebuild the pipeline for these")
             raise PipelineError(
                 f"microbatch leaf shape {w.shape} (batch{path}) differs from the {shape} the "
-                f"pipeline was built for; rebuild the pipeline for a new batch size.{hint}"
+                f"pipeline was built for; {fix}.{hint}"
             )
         if w.dtype != dt:
             raise PipelineError(
@@ -162,7 +166,10 @@ def check_key(key: Any, rng: bool, key_dtype: Any, what: str) -> jax.Array | Non
         if dtype != key_dtype:
             raise PipelineError(
                 f"{what} got a key of type {dtype} but the pipeline was built for "
-                f"{key_dtype}; make keys with the same implementation.")
+                f"{key_dtype} (JAX's default key implementation when it was built, "
+                "jax_default_prng_impl); make keys with that implementation "
+                f"(jax.random.key(seed, impl=...)), or build the pipeline under "
+                "jax.config.update('jax_default_prng_impl', ...) for these keys.")
         return key
     impl = key_impl(key_dtype)
     if (dtype is not None and np.dtype(dtype) == np.uint32

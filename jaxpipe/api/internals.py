@@ -438,7 +438,7 @@ def _split_rows(x: Any, m: int) -> Any:
     same way within each microbatch: JAX keeps such a split on the leading dimension where
     ``m`` divides over it, and refuses the reshape where it does not (8 rows over
     ``data=2`` as 3 microbatches)."""
-    shape = (m, -1, *jnp.shape(x)[1:])
+    shape = (m, jnp.shape(x)[0] // m, *jnp.shape(x)[1:])  # (not -1: a leaf may be empty)
     sharding = jax.typeof(x).sharding
     spec = getattr(sharding, "spec", None)
     if spec and spec[0] is not None:

@@ -213,9 +213,14 @@ class _Gathered:
 
     def __init__(self, x: jax.Array, axis: str, c: Any) -> None:
         self.n = x.shape[0] if rows_free(c) else None
+        part = x if self.n is not None else x[None]
+        if not part.size:  # (XLA refuses to gather a zero-size operand; it has no values)
+            self.all = jnp.zeros((part.shape[0] * lax.axis_size(axis), *part.shape[1:]),
+                                 part.dtype)
+            return
         # untiled as a tiled gather of x[None]: the same array, and under sharding in
         # types the untiled rule gives the new axis the sharding of x's first
-        self.all = lax.all_gather(x if self.n is not None else x[None], axis, tiled=True)
+        self.all = lax.all_gather(part, axis, tiled=True)
 
     def of(self, first: int, count: int = 1) -> jax.Array:
         """Devices ``first .. first + count - 1``'s values (``count > 1``: tiled only)."""
