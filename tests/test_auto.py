@@ -279,5 +279,5 @@ def test_auto_takes_what_a_schedule_takes_and_checks_the_cut_once():
     with pytest.raises(TypeError, match=r"^cut must be 'auto', 'markers' or a "
                                                    r"jaxpipe.Cut, got 'bogus'\.$"):
         _pipe("auto", cut="bogus")
-    with pytest.raises(TypeError, match=r"the class Auto, not an instance of it"):
+    with pytest.raises(TypeError, match=r"got the class Auto, not an instance of it"):
         _pipe(jp.Auto)

@@ -182,10 +182,11 @@ def test_invalid_user_schedule():
 
 def test_schedule_class_instead_of_instance():
     with pytest.raises(jp.PipelineError, match=r"schedule must be a jaxpipe.Schedule instance"
-                                               r".*OneFOneB\(num_devices="):
+                                               r".*got the class OneFOneB, not an instance of "
+                                               r"it; e.g. jp.OneFOneB\(num_devices="):
         build(schedule=jp.OneFOneB)
-    with pytest.raises(jp.PipelineError, match=r"instance or 'auto', got str \('1f1b' is not "
-                                               r"a name.*jp\.load_schedule\(name\)"):
+    with pytest.raises(jp.PipelineError, match=r"'auto' or jp.Auto\(...\), got str \('1f1b' "
+                                               r"is not a name.*jp\.load_schedule\(name\)"):
         build(schedule="1f1b")
     with pytest.raises(jp.PipelineError, match=r"tuple of family names.*families=\('gpipe',\)"):
         jp.Auto(families="gpipe")

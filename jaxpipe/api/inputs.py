@@ -286,12 +286,11 @@ def check_pipeline_args(loss_fn: Any, schedule: Any, axis: Any, rng: Any) -> Non
         named = (f" ({schedule!r} is not a name it takes: schedule='auto' chooses one, "
                  "jp.load_schedule(name)(num_devices, num_microbatches) builds one by "
                  "name)") if isinstance(schedule, str) else ""
-        if isinstance(schedule, type):  # the class, not an instance of it
-            named = f" (the class {schedule.__name__}, not an instance of it)"
+        got = (f"the class {schedule.__name__}, not an instance of it"
+               if isinstance(schedule, type) else f"{type(schedule).__name__}{named}")
         raise PipelineTypeError(
             f"schedule must be a jaxpipe.Schedule instance, 'auto' or jp.Auto(...), got "
-            f"{type(schedule).__name__}{named}; e.g. jp.OneFOneB(num_devices=4, "
-            "num_microbatches=8) or jp.Auto().")
+            f"{got}; e.g. jp.OneFOneB(num_devices=4, num_microbatches=8) or jp.Auto().")
     if not callable(loss_fn):
         raise PipelineTypeError(
             f"loss_fn must be a function loss_fn(params, microbatch) -> scalar, got "
