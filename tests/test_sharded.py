@@ -53,6 +53,22 @@ def _model(wspec, bspec, batch_size):
     return loss_fn, params, specs, batch
 
 
+def _tanh_mlp(seed, rows, width=16, layers=4):
+    """Host weights of a ``layers``-block tanh MLP, a batch of ``rows`` and its loss."""
+    ks = jax.random.split(jax.random.key(seed), layers + 2)
+    params = [jax.random.normal(k, (width, width)) / 4 for k in ks[:layers]]
+    batch = {"x": jax.random.normal(ks[-2], (rows, width)),
+             "y": jax.random.normal(ks[-1], (rows, width))}
+
+    def loss_fn(params, b):
+        h = b["x"]
+        for w in params:
+            h = jp.boundary(jnp.tanh(h @ w))
+        return jnp.mean((h - b["y"]) ** 2)
+
+    return params, batch, loss_fn
+
+
 def _mesh(shape, names):
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
 
@@ -736,16 +752,8 @@ def test_interleaved_with_weights_split_on_their_rows_on_explicit_axes():
     one dimension early and the call raised (P("model", None) weights, pipe 2 x model
     4). Exact, and the gradients keep the weights' sharding."""
     mesh = jax.make_mesh((2, 4), ("pipe", "model"))
-    ks = jax.random.split(jax.random.key(0), 6)
-    host = [jax.random.normal(k, (16, 16)) / 4 for k in ks[:4]]
+    host, batch, loss_fn = _tanh_mlp(0, 16)
     params = [jax.device_put(w, NamedSharding(mesh, P("model", None))) for w in host]
-    batch = {"x": jax.random.normal(ks[4], (16, 16)), "y": jax.random.normal(ks[5], (16, 16))}
-
-    def loss_fn(params, b):
-        h = b["x"]
-        for w in params:
-            h = jp.boundary(jnp.tanh(h @ w))
-        return jnp.mean((h - b["y"]) ** 2)
 
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh,
                        schedule=jp.Interleaved1F1B(2, 4, stages_per_device=2))
@@ -915,15 +923,7 @@ def test_a_microbatch_count_the_data_axis_does_not_divide_on_explicit_axes():
     [6@data] batch to [3, 2] put the split on the leading dimension, which JAX refuses
     where the axis does not divide it (ShardingTypeError at the first call)."""
     mesh = jax.make_mesh((2, 4), ("data", "pipe"))
-    ks = jax.random.split(jax.random.key(3), 6)
-    params = [jax.random.normal(k, (16, 16)) / 4 for k in ks[:4]]
-    batch = {"x": jax.random.normal(ks[4], (6, 16)), "y": jax.random.normal(ks[5], (6, 16))}
-
-    def loss_fn(params, b):
-        h = b["x"]
-        for w in params:
-            h = jp.boundary(jnp.tanh(h @ w))
-        return jnp.mean((h - b["y"]) ** 2)
+    params, batch, loss_fn = _tanh_mlp(3, 6)
 
     pipe = jp.pipeline(loss_fn, params, batch, mesh=mesh, schedule=jp.OneFOneB(4, 3))
     assert pipe.batch_axes == ("data",)
