@@ -7,7 +7,8 @@ resolve_mesh_axes`); two of them can only be settled by tracing the model:
   to trace with it manual: that axis is left to JAX's sharding instead (the rows typed
   split over it; :func:`jaxpipe.sharding.constraints.explicit_batch_axes_automatic`);
 - batch axes the model's own sharding constraints name stay under JAX's sharding, found
-  in the traced jaxpr, and the loss is traced again without them manual
+  in the traced jaxpr, and the loss is traced again without them manual: no batch axis
+  where the user named none, an automatic one where the batch was split over it
   (:func:`jaxpipe.sharding.constraints.without_constrained_batch_axes`).
 """
 
@@ -73,7 +74,7 @@ def trace_on_mesh(loss_fn: Callable, params: Any, mb: Any, *, mesh: Mesh, mesh_a
         except Exception:
             raise err from None
         mesh_axes = automatic
-    kept = without_constrained_batch_axes(mesh_axes, traced.jaxpr, axes_free)
+    kept = without_constrained_batch_axes(mesh, mesh_axes, traced.jaxpr, axes_free)
     if kept is not None:
         traced, mesh_axes = trace(kept), kept
     if weight_has_gradient(traced):

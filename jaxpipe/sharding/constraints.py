@@ -51,11 +51,14 @@ def constraint_axes(jaxpr: Jaxpr) -> frozenset[str]:
     return frozenset(out)
 
 
-def without_constrained_batch_axes(mesh_axes: MeshAxes, jaxpr: Jaxpr,
+def without_constrained_batch_axes(mesh: Mesh, mesh_axes: MeshAxes, jaxpr: Jaxpr,
                                    default: bool) -> MeshAxes | None:
-    """``None`` when the model's constraints name no axis the program is manual over;
-    else, when the batch axes were the default, ``mesh_axes`` without the batch axes they
-    name (the constraints then shard over them); an error otherwise."""
+    """``None`` when the model's constraints name no axis the program is manual over.
+    Else, when the batch axes were the default, ``mesh_axes`` without the batch axes they
+    name (the constraints then shard over them); when the user split the batch over them
+    (``batch_axes=``, or its placement), ``mesh_axes`` with them left to JAX's sharding
+    inside the stages (automatic batch axes, as an FSDP axis): the batch stays split over
+    them, and the model's constraints shard its values over them too."""
     named = constraint_axes(jaxpr)
     if mesh_axes.axis in named:
         raise PipelineError(
@@ -67,13 +70,9 @@ def without_constrained_batch_axes(mesh_axes: MeshAxes, jaxpr: Jaxpr,
     if not clash:
         return None
     if not default:
-        raise PipelineError(
-            f"the model constrains activations over mesh axes {clash} "
-            "(jax.lax.with_sharding_constraint), which batch_axes= (or the batch's placed "
-            "sharding) also names: the program splits the batch over them by hand, so no "
-            "stage can shard over them. Leave them out of batch_axes= / the batch's "
-            "placement (the model's constraints then shard over them), or drop them from "
-            "the model's constraints.")
+        auto = set(mesh_axes.param_axes) | set(clash)
+        return MeshAxes(mesh_axes.axis, mesh_axes.batch_axes,
+                        tuple(a for a in mesh.axis_names if a in auto))
     return MeshAxes(mesh_axes.axis, tuple(a for a in mesh_axes.batch_axes if a not in clash),
                     mesh_axes.param_axes)
 
