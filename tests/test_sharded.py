@@ -321,10 +321,11 @@ def test_a_placed_batch_gives_the_batch_axes():
     assert build(put(batch, P()), batch_axes=()).batch_axes == ()
     assert build(put(batch, P())).batch_axes == ("data",)  # not split: the axes no one uses
     assert build(put(batch, P("model")), batch_axes=("data",)).batch_axes == ("data",)
-    with pytest.raises(jp.PipelineError, match=r"batch\['x'\] is placed with .*only along "
-                       "its axis 0 and never over the pipe axis"):
+    with pytest.raises(jp.PipelineError, match=r"batch\['x'\] is placed with .*splits a "
+                       "batch never over the pipe axis 'pipe'"):
         build(put(batch, P("pipe")))
-    with pytest.raises(jp.PipelineError, match=r"batch\['y'\] is placed with .*only along"):
+    with pytest.raises(jp.PipelineError, match=r"batch\['y'\] is placed with .*only along "
+                       r"its axis 0 \(the rows\), not along another dimension\. Place"):
         build(dict(batch, y=put(batch["y"], P(None, "model"))))
     with pytest.raises(jp.PipelineError, match=r"placed split over different mesh axes "
                        r"\(batch\['x'\] over \('data',\), batch\['y'\] over \('model',\)\)"):

@@ -315,11 +315,13 @@ def placed_batch_axes(batch: Any, mesh: Mesh, axis: str) -> tuple[str, ...] | No
                        "to split it with batch_axes=.")
         dims = spec_dims(sharding.spec, len(x.shape))
         if any(dims[1:]) or axis in dims[0]:
+            why = (f"never over the pipe axis '{axis}' (each microbatch goes to every pipe "
+                   "position)" if any(axis in d for d in dims)
+                   else "only along its axis 0 (the rows), not along another dimension")
             raise PipelineError(
-                f"{name} is placed with {sharding.spec}: the pipeline splits a batch only "
-                f"along its axis 0 and never over the pipe axis '{axis}' (each microbatch "
-                "goes to every pipe position). Place it split along axis 0 over other "
-                "axes (e.g. P('data')), or replicated.")
+                f"{name} is placed with {sharding.spec}: the pipeline splits a batch {why}. "
+                "Place it split along axis 0 over other axes (e.g. P('data')), or "
+                "replicated.")
         found.setdefault(dims[0], name)
     if len(found) > 1:
         (a, x), (b, y) = list(found.items())[:2]
