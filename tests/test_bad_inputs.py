@@ -689,6 +689,14 @@ def test_spmd_runtime_options():
         SpmdRuntime(overlap="yes")
     with pytest.raises(jp.PipelineError, match="runs one step per tick.*iw_same_tick=False"):
         SpmdRuntime(backend="gpu", iw_same_tick=True)
+    # options set to True that the program built would ignore (they passed silently)
+    with pytest.raises(jp.PipelineError, match=r"overlap=True\) overlaps the GPU/TPU "
+                                               r"program's.*Use backend='gpu' or 'tpu'"):
+        build(runtime=SpmdRuntime(backend="cpu", overlap=True))
+    with pytest.raises(jp.PipelineError, match=r"fuse_fb=True\).*no B is left to fuse"):
+        build(runtime=SpmdRuntime(split_backward=True, fuse_fb=True))
+    gpu = build(runtime=SpmdRuntime(backend="gpu", overlap=True))
+    assert "overlap on)" in gpu.plan.program  # the plan says which the program runs
 
 
 @pytest.mark.parametrize("fn, kw, what", [

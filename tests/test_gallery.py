@@ -163,6 +163,10 @@ def test_looped_bfs_order_and_bubble():
     assert t.bubble_fraction == pytest.approx(
         jp.Interleaved1F1B(p, m, stages_per_device=2).simulate().bubble_fraction
     )
+    # its repr builds the schedule it describes (v=1 read as the class's default v=2)
+    assert repr(LoopedBFS(p, m, 1)).endswith("stages_per_device=1)")
+    assert repr(sched).endswith("stages_per_device=2)")
+    assert repr(jp.OneFOneB(p, m)) == "OneFOneB(num_devices=4, num_microbatches=8)"
 
 
 def test_zero_bubble_h1_idle_is_a_third_of_1f1b():

@@ -109,9 +109,17 @@ def test_schedules_the_lanes_cannot_run_are_named():
     assert "both ways" in lanes_refusal(v, [0] * v.num_stages, False)
     assert "2 distinct bodies" in lanes_refusal(jp.OneFOneB(4, 8), [0, 1, 1, 1], False)
     loss_fn, params, batch = MODELS["mlp"](4, batch=16)  # the first stage reads the batch
-    with pytest.raises(jp.PipelineError, match=r"lanes=True.*distinct bodies.*lanes='auto'"):
+    with pytest.raises(jp.PipelineError, match=r"lanes=True.*distinct bodies.*lanes='auto' "
+                                               r"or False, or a schedule and cut whose stages "
+                                               r"share one body"):
         jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
                     schedule=jp.GPipe(4, 4), runtime=SpmdRuntime(lanes=True))
+    # stages that share one body, refused for the split: the fix is not a shared body
+    loss_fn, params, batch = MODELS["tiny_lm"](8, batch=16, block_scale=0.3)
+    with pytest.raises(jp.PipelineError, match=r"I and W.*or a schedule of F and B actions "
+                                               r"only, with split_backward=False\.$"):
+        jp.pipeline(loss_fn, params, batch, mesh=jax.make_mesh((4,), ("pipe",)),
+                    schedule=zb, runtime=SpmdRuntime(lanes=True))
 
 
 def test_lanes_turned_down_leave_a_program_built_for_it():

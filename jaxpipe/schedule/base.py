@@ -25,6 +25,7 @@ twice and keeps the first (see :meth:`Schedule.actions`).
 from __future__ import annotations
 
 import abc
+import inspect
 import numbers
 from collections.abc import Iterable
 from typing import ClassVar
@@ -190,8 +191,11 @@ class Schedule(abc.ABC):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
+        # stages_per_device where it is > 1 or not the class's default (LoopedBFS's is 2)
         v = self.stages_per_device
-        extra = f", stages_per_device={v}" if v > 1 else ""
+        param = inspect.signature(type(self).__init__).parameters.get("stages_per_device")
+        default = 1 if param is None or param.default is param.empty else param.default
+        extra = f", stages_per_device={v}" if v > 1 or v != default else ""
         return (
             f"{type(self).__name__}(num_devices={self.num_devices}, "
             f"num_microbatches={self.num_microbatches}{extra})"

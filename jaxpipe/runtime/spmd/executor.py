@@ -92,6 +92,7 @@ class SpmdExecutor(ExecutorReports, Executor):
         # "auto" resolves to off on a GPU/TPU mesh: only an explicit True is refused there
         if self.accelerated and runtime.iw_same_tick is True:
             raise packed_w_error(self.backend)
+        _check_asked_for(runtime, self.accelerated, options["split_backward"])
         self._runtime, self._options = runtime, options
         # why a wanted lanes program is not built (here, or by the runtime this one
         # stands in for: SpmdRuntime.instead_of)
@@ -128,10 +129,14 @@ class SpmdExecutor(ExecutorReports, Executor):
                                                  self._options["split_backward"])
         if why is not None:
             if runtime.lanes is True:
+                fix = ("a schedule and cut whose stages share one body (repeated @jp.layer "
+                       "blocks, cut=\"markers\")" if why.startswith("its stages are") else
+                       "a schedule of F and B actions only, with split_backward=False"
+                       if "splits backwards" in why else
+                       "a schedule whose devices' stages pass messages one way (no V)")
                 raise PipelineError(
                     f"SpmdRuntime(lanes=True) cannot run this pipeline: {why}. Use "
-                    "lanes='auto' or False, or a schedule and cut whose stages share one "
-                    "body (repeated @jp.layer blocks, cut=\"markers\").")
+                    f"lanes='auto' or False, or {fix}.")
             return False
         return True
 
@@ -299,3 +304,18 @@ class SpmdExecutor(ExecutorReports, Executor):
         if not self.spec.param_axes or platform_of(self.spec.mesh) != "cpu" or self.lanes:
             return None  # (the lanes program runs every stage collective unconditionally)
         return check_stage_collectives
+
+
+def _check_asked_for(runtime: SpmdOptions, accelerated: bool, split: bool) -> None:
+    """A clear error for an option set to ``True`` that the program built would ignore."""
+    if not accelerated and runtime.overlap is True:
+        raise PipelineError(
+            "SpmdRuntime(overlap=True) overlaps the GPU/TPU program's permutes with the "
+            "next tick's compute; this mesh runs the CPU program, which sends each message "
+            "at the tick end its readers need. Use backend='gpu' or 'tpu' (the accelerator "
+            "program runs on any mesh), or drop overlap.")
+    if split and runtime.fuse_fb is True:
+        raise PipelineError(
+            "SpmdRuntime(fuse_fb=True) runs a last stage's B in its own F's step; with the "
+            "backward split into I and W (split_backward) no B is left to fuse. Pass "
+            "split_backward=False, or drop fuse_fb.")

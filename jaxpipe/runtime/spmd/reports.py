@@ -74,9 +74,10 @@ class ExecutorReports:
             return (f"program: lanes ({bodies}, a forward and a backward lane every tick, "
                     f"no stage compute or collective under a conditional; {low.num_ticks} "
                     f"ticks in {len(segs)} segments)")
-        where = ("one switch a tick holds every stage's compute and its collectives"
-                 if self.accelerated else "every stage in a gated loop, its collectives "
-                 "under it")
+        overlap = "on" if low.exchange.delay == 2 else "off"
+        where = ("one switch a tick holds every stage's compute and its collectives; "
+                 f"overlap {overlap}" if self.accelerated else
+                 "every stage in a gated loop, its collectives under it")
         why = f"; lanes not used: {self.lanes_refused}" if self.lanes_refused else ""
         return (f"program: {self.backend} ({bodies}, {low.num_ticks} ticks, {where}{why})")
 

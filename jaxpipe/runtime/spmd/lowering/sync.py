@@ -273,8 +273,8 @@ class SyncReport:
     split_backward: int
 
     def summary(self) -> str:
-        split = (f", {self.split_backward} backwards run as I+W" if self.split_backward
-                 else "")
+        n = self.split_backward
+        split = f", {n} backward{'s' if n > 1 else ''} run as I+W" if n else ""
         return (f"lowered efficiency {self.efficiency:.3f} (async makespan "
                 f"{self.async_makespan:.4g} / lowered {self.lowered_makespan:.4g}; "
                 f"{self.num_ticks} ticks, {self.num_steps} steps{split})")
