@@ -344,11 +344,19 @@ def test_random_schedules_run_exactly(schedule, model, split, refine, same_tick,
     single-process tests are not, so it is forced here."""
     loss_fn, params, batch = MODELS[model](schedule.num_stages, batch=2 * schedule.num_microbatches)
     p = schedule.num_devices
-    pipe = jp.pipeline(loss_fn, params, batch,
-                       mesh=jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p]),
-                       schedule=schedule, cut="markers",
-                       runtime=SpmdRuntime(split_backward=split, refine=refine,
-                                           iw_same_tick=same_tick, fuse_fb=fuse))
+
+    def build():
+        return jp.pipeline(loss_fn, params, batch,
+                           mesh=jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p]),
+                           schedule=schedule, cut="markers",
+                           runtime=SpmdRuntime(split_backward=split, refine=refine,
+                                               iw_same_tick=same_tick, fuse_fb=fuse))
+
+    if split and fuse is True:  # no B is left to fuse: refused, not ignored
+        with pytest.raises(jp.PipelineError, match="no B is left to fuse"):
+            build()
+        return
+    pipe = build()
     m = schedule.num_microbatches
     assert_matches(pipe.value_and_grad(params, batch), reference(loss_fn, params, batch, m))
 

@@ -44,7 +44,7 @@ def skip_mlp(n_layers: int, width: int = 8, batch: int = 16, seed: int = 1):
         first = None
         for i, layer in enumerate(p):
             z = h @ layer["w"] + layer["b"]
-            if i == len(p) - 1:
+            if i == len(p) - 1 and i > 0:
                 z = z + 0.5 * first  # skip connection from the first layer
             h = jp.boundary(jnp.tanh(z))
             if i == 0:
