@@ -58,6 +58,8 @@ def _elementwise(e: Any, shape: tuple) -> bool:
     if e.primitive.name in _CALLS:
         inner = e.params.get("jaxpr") or e.params.get("call_jaxpr")
         body = getattr(inner, "jaxpr", inner)
+        if any(_shape(c) != () for c in body.constvars):  # a stack it closes over is not
+            return False  # sliced by the scan (_inline_calls would pass it whole)
         return all(_elementwise(q, shape) or
                    (len(q.outvars) == 1 and _shape(q.outvars[0]) == ()
                     and q.primitive.name in ELEMENTWISE) for q in body.eqns)
