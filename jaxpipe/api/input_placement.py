@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -21,7 +22,7 @@ from jaxpipe.sharding.device_memory import is_compile_only
 from jaxpipe.sharding.mesh_axes import Dims, MeshAxes, to_spec
 from jaxpipe.train.state import TrainState
 
-__all__ = ["Placement", "live_state"]
+__all__ = ["Placement", "live_state", "microbatch_rows"]
 
 
 def _devices(x: Any) -> str:
@@ -163,3 +164,16 @@ def live_state(state: Any, executor: Any, placement: Placement, what: str) -> An
     placed = placement.like((state.params, state.opt_state, state.step),
                             (want.params, want.opt_state, want.step), "state")
     return TrainState(*placed, state.trainer)
+
+
+def microbatch_rows(x: Any, m: int) -> Any:
+    """A batch leaf ``x`` as ``[m, rows / m, ...]``. Rows split over Explicit mesh axes
+    stay split the same way within each microbatch: JAX keeps such a split on the
+    leading dimension where ``m`` divides over it, and refuses the reshape where it does
+    not (8 rows over ``data=2`` as 3 microbatches)."""
+    shape = (m, jnp.shape(x)[0] // m, *jnp.shape(x)[1:])  # (not -1: a leaf may be empty)
+    sharding = jax.typeof(x).sharding
+    spec = getattr(sharding, "spec", None)
+    if spec and spec[0] is not None:
+        return jnp.reshape(x, shape, out_sharding=NamedSharding(sharding.mesh, P(None, *spec)))
+    return jnp.reshape(x, shape)

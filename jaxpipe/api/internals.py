@@ -27,12 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from jaxpipe.api.auto import AutoChoice, choose, placeholder, resolve_auto
 from jaxpipe.api.cut_and_split import cut_and_split, cut_only, num_segments
-from jaxpipe.api.input_placement import Placement, live_state
+from jaxpipe.api.input_placement import Placement, live_state, microbatch_rows
 from jaxpipe.api.inputs import (
     check_batch,
     check_key,
@@ -194,27 +193,27 @@ class Internals(InternalsReports):
         program, for the one the runtime would build instead (the SPMD runtime without
         lanes), as a given schedule is."""
         mesh, axes, costs = self.mesh, self.mesh_axes, {}
-        runtimes = [self.runtime, self.runtime.instead_of_infeasible(mesh, axes)]
+        fallback = self.runtime.instead_of_infeasible(mesh, axes)
         priced_by: dict[int, Runtime] = {}  # id(cut report) -> the runtime it was cut for
+        instead: dict[int, str] = {}  # id(schedule) -> why it was cut for the other program
 
         def cut_report(s: Schedule) -> Any:
-            for k, rt in enumerate(r for r in runtimes if r is not None):
-                try:
-                    report = cut_only(self.traced, s, cut, rt.memory_model_for(mesh), mesh,
-                                      self.param_dims, rt.in_flight(s, mesh, axes), costs,
-                                      self._shards(axes.auto_batch_axes))
-                except CutError:
-                    if k or runtimes[1] is None:
-                        raise
-                    continue
+            def cut_for(rt: Runtime) -> Any:
+                report = cut_only(self.traced, s, cut, rt.memory_model_for(mesh), mesh,
+                                  self.param_dims, rt.in_flight(s, mesh, axes), costs,
+                                  self._shards(axes.auto_batch_axes))
                 priced_by[id(report)] = rt
-                if k:
-                    instead[id(s)] = (f"cut for {rt!r}: the budget does not fit the "
-                                      "runtime's own program")
                 return report
-            raise AssertionError("unreachable")
 
-        instead: dict[int, str] = {}  # id(schedule) -> why it was cut for the other program
+            try:
+                return cut_for(self.runtime)
+            except CutError:
+                if fallback is None:
+                    raise
+            instead[id(s)] = (f"cut for {fallback!r}: the budget does not fit the runtime's "
+                              "own program")
+            return cut_for(fallback)
+
         check_cut(cut)  # once, not as every candidate's verdict
         with trace_context(mesh, axes), self._times.phase("cut"):
             choice = choose(auto, placeholder.num_devices, placeholder.num_microbatches,
@@ -285,7 +284,7 @@ class Internals(InternalsReports):
         """
         m = self.num_microbatches
         leaves = [to_boundary(x) for x in self.check_batch(batch)]
-        out = [_split_rows(x, m) for x in leaves]
+        out = [microbatch_rows(x, m) for x in leaves]
         if self.rng:
             if key is None:
                 check_key(key, True, self.key_dtype, "this call")
@@ -431,16 +430,3 @@ class Internals(InternalsReports):
     def live_state(self, state: Any, what: str) -> Any:
         """``state`` checked (type, owner, layout, not donated) and placed on the mesh."""
         return live_state(state, self.executor, self.placement, what)
-
-
-def _split_rows(x: Any, m: int) -> Any:
-    """``x`` as ``[m, rows / m, ...]``. Rows split over Explicit mesh axes stay split the
-    same way within each microbatch: JAX keeps such a split on the leading dimension where
-    ``m`` divides over it, and refuses the reshape where it does not (8 rows over
-    ``data=2`` as 3 microbatches)."""
-    shape = (m, jnp.shape(x)[0] // m, *jnp.shape(x)[1:])  # (not -1: a leaf may be empty)
-    sharding = jax.typeof(x).sharding
-    spec = getattr(sharding, "spec", None)
-    if spec and spec[0] is not None:
-        return jnp.reshape(x, shape, out_sharding=NamedSharding(sharding.mesh, P(None, *spec)))
-    return jnp.reshape(x, shape)

@@ -70,9 +70,7 @@ def without_constrained_batch_axes(mesh: Mesh, mesh_axes: MeshAxes, jaxpr: Jaxpr
     if not clash:
         return None
     if not default:
-        auto = set(mesh_axes.param_axes) | set(clash)
-        return MeshAxes(mesh_axes.axis, mesh_axes.batch_axes,
-                        tuple(a for a in mesh.axis_names if a in auto))
+        return _automatic(mesh, mesh_axes, clash)
     return MeshAxes(mesh_axes.axis, tuple(a for a in mesh_axes.batch_axes if a not in clash),
                     mesh_axes.param_axes)
 
@@ -91,7 +89,13 @@ def explicit_batch_axes_automatic(mesh: Mesh, mesh_axes: MeshAxes) -> MeshAxes |
                      if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit)
     if not explicit:
         return None
-    auto = set(mesh_axes.param_axes) | set(explicit)
+    return _automatic(mesh, mesh_axes, explicit)
+
+
+def _automatic(mesh: Mesh, mesh_axes: MeshAxes, axes: Sequence[str]) -> MeshAxes:
+    """``mesh_axes`` with the batch axes ``axes`` left to JAX's sharding inside the stages
+    (automatic batch axes: parameter axes, kept in mesh order)."""
+    auto = set(mesh_axes.param_axes) | set(axes)
     return MeshAxes(mesh_axes.axis, mesh_axes.batch_axes,
                     tuple(a for a in mesh.axis_names if a in auto))
 

@@ -89,10 +89,7 @@ class SpmdExecutor(ExecutorReports, Executor):
                        iw_same_tick=runtime.resolve_iw_same_tick(mesh),
                        fuse_fb=runtime.fuse_fb, costs=spec.action_cost,
                        refine=runtime.resolve_refine(mesh))
-        # "auto" resolves to off on a GPU/TPU mesh: only an explicit True is refused there
-        if self.accelerated and runtime.iw_same_tick is True:
-            raise packed_w_error(self.backend)
-        _check_asked_for(runtime, self.accelerated, options["split_backward"])
+        _check_asked_for(runtime, self.backend, options["split_backward"])
         self._runtime, self._options = runtime, options
         # why a wanted lanes program is not built (here, or by the runtime this one
         # stands in for: SpmdRuntime.instead_of)
@@ -306,9 +303,12 @@ class SpmdExecutor(ExecutorReports, Executor):
         return check_stage_collectives
 
 
-def _check_asked_for(runtime: SpmdOptions, accelerated: bool, split: bool) -> None:
-    """A clear error for an option set to ``True`` that the program built would ignore."""
-    if not accelerated and runtime.overlap is True:
+def _check_asked_for(runtime: SpmdOptions, backend: str, split: bool) -> None:
+    """A clear error for an option set to ``True`` that the program built for ``backend``
+    (with its backward ``split`` or not) would ignore ("auto" resolves to what it runs)."""
+    if backend != "cpu" and runtime.iw_same_tick is True:
+        raise packed_w_error(backend)
+    if backend == "cpu" and runtime.overlap is True:
         raise PipelineError(
             "SpmdRuntime(overlap=True) overlaps the GPU/TPU program's permutes with the "
             "next tick's compute; this mesh runs the CPU program, which sends each message "
